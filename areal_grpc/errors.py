@@ -1,0 +1,108 @@
+"""Errors that map onto gRPC status codes with ``google.rpc`` details.
+
+Validation code raises :class:`FieldError` (a ``ValueError``) naming the offending field; a
+handler turns it into ``INVALID_ARGUMENT`` with a ``google.rpc.BadRequest`` detail through
+:func:`abort_with`. Clients read the detail back with :func:`field_violations`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+
+class FieldError(ValueError):
+    """Bad input: ``field`` is a dotted path to the offending field (e.g. ``tensor[w].data``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.description = message
+
+
+class PreconditionError(RuntimeError):
+    """A request that is well formed but conflicts with state (e.g. a stale policy version)."""
+
+
+def _status(code: grpc.StatusCode, message: str, details: Iterable[object] = ()) -> grpc.Status:
+    packed = []
+    for detail in details:
+        any_detail = any_pb2.Any()
+        any_detail.Pack(detail)  # type: ignore[arg-type]
+        packed.append(any_detail)
+    proto = status_pb2.Status(code=code.value[0], message=message, details=packed)
+    return rpc_status.to_status(proto)
+
+
+def invalid_argument(errors: FieldError | Iterable[FieldError]) -> grpc.Status:
+    """INVALID_ARGUMENT with one ``BadRequest.FieldViolation`` per error."""
+    errs = [errors] if isinstance(errors, FieldError) else list(errors)
+    bad = error_details_pb2.BadRequest(
+        field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=e.field, description=e.description)
+            for e in errs
+        ]
+    )
+    return _status(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(str(e) for e in errs), [bad])
+
+
+def resource_exhausted(message: str, retry_after_s: float) -> grpc.Status:
+    """RESOURCE_EXHAUSTED with ``google.rpc.RetryInfo`` telling the caller when to retry."""
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(int(retry_after_s * 1e9))
+    return _status(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        message,
+        [error_details_pb2.RetryInfo(retry_delay=delay)],
+    )
+
+
+def status(code: grpc.StatusCode, message: str) -> grpc.Status:
+    """A plain status with no details."""
+    return _status(code, message)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, st: grpc.Status) -> None:
+    """Ends the RPC with ``st`` (code, message and rich details); never returns."""
+    await context.abort_with_status(st)
+
+
+def status_for_exception(exc: BaseException) -> grpc.Status:
+    """The status a handler should answer for an exception raised by library code."""
+    if isinstance(exc, FieldError):
+        return invalid_argument(exc)
+    if isinstance(exc, PreconditionError):
+        return status(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, ValueError):
+        return status(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    return status(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
+    """(field, description) pairs from an error's ``BadRequest`` details; [] when none."""
+    proto = rpc_status.from_call(error)  # type: ignore[arg-type]
+    if proto is None:
+        return []
+    out: list[tuple[str, str]] = []
+    for detail in proto.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            out += [(v.field, v.description) for v in bad.field_violations]
+    return out
+
+
+__all__ = [
+    "FieldError",
+    "PreconditionError",
+    "abort_with",
+    "field_violations",
+    "invalid_argument",
+    "resource_exhausted",
+    "status",
+    "status_for_exception",
+]

@@ -1,0 +1,209 @@
+"""Scaffolding shared by every service: serving, health, reflection, limits, channels.
+
+Every process serves its servicers on a ``grpc.aio`` server together with ``grpc.health.v1``
+health and server reflection, with message-size limits and keepalive, and stops gracefully on
+SIGTERM or SIGINT (health turns NOT_SERVING first, so routers stop sending new work, then
+in-flight calls get ``grace_s`` to finish). Clients use :func:`aio_channel` or
+:func:`sync_channel`, which carry the matching options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@dataclass
+class ServerOptions:
+    """Network and limits of one gRPC server."""
+
+    host: str = "127.0.0.1"
+    # 0 picks a free port; the bound port is on RunningServer.port.
+    port: int = 0
+    # Largest message accepted or sent. Weight and state-dict streams use <= 1 MiB chunks, so
+    # this bounds trajectory groups and unary calls.
+    max_message_bytes: int = 64 * MiB
+    # Seconds in-flight calls get to finish on a graceful stop.
+    grace_s: float = 10.0
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    # Concurrent RPCs; further calls wait (bounded memory under load).
+    max_concurrent_rpcs: int | None = 256
+
+
+@dataclass
+class ChannelOptions:
+    """Client-side limits matching :class:`ServerOptions`."""
+
+    max_message_bytes: int = 64 * MiB
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    extra: list[tuple[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Service:
+    """A servicer and how to add it: ``add`` is the generated ``add_*Servicer_to_server``."""
+
+    name: str
+    servicer: object
+    add: Callable[[Any, Any], None]
+
+
+def service(servicer: object, add: Callable[[Any, Any], None], pb2_module: Any) -> Service:
+    """A :class:`Service` whose name is read from the generated module's descriptor."""
+    cls_name = add.__name__.removeprefix("add_").removesuffix("Servicer_to_server")
+    descriptor = pb2_module.DESCRIPTOR.services_by_name[cls_name]
+    return Service(name=descriptor.full_name, servicer=servicer, add=add)
+
+
+def server_options(opts: ServerOptions) -> list[tuple[str, Any]]:
+    """Core channel arguments for a server."""
+    return [
+        ("grpc.max_receive_message_length", opts.max_message_bytes),
+        ("grpc.max_send_message_length", opts.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(opts.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(opts.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Two servers must never share a port by accident (tests bind many on loopback).
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def channel_options(opts: ChannelOptions | None = None) -> list[tuple[str, Any]]:
+    """Core channel arguments for a client channel."""
+    opts = opts or ChannelOptions()
+    return [
+        ("grpc.max_receive_message_length", opts.max_message_bytes),
+        ("grpc.max_send_message_length", opts.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(opts.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(opts.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        *opts.extra,
+    ]
+
+
+def aio_channel(address: str, opts: ChannelOptions | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to ``address`` (host:port)."""
+    return grpc.aio.insecure_channel(address, options=channel_options(opts))
+
+
+def sync_channel(address: str, opts: ChannelOptions | None = None) -> grpc.Channel:
+    """A blocking channel to ``address`` (host:port)."""
+    return grpc.insecure_channel(address, options=channel_options(opts))
+
+
+class RunningServer:
+    """A started server: its address, health servicer and graceful stop."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        health: health_aio.HealthServicer,
+        host: str,
+        port: int,
+        services: Sequence[Service],
+        grace_s: float,
+    ) -> None:
+        self.server = server
+        self.health = health
+        self.host = host
+        self.port = port
+        self.services = list(services)
+        self.grace_s = grace_s
+
+    @property
+    def address(self) -> str:
+        """host:port clients dial."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        """Reports every service (and the server as a whole, "") as SERVING or NOT_SERVING."""
+        value = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *(s.name for s in self.services)]:
+            await self.health.set(name, value)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Turns health NOT_SERVING, then stops, giving in-flight calls ``grace_s``."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.grace_s if grace_s is None else grace_s)
+
+    async def wait(self) -> None:
+        """Blocks until the server has stopped."""
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    services: Sequence[Service], opts: ServerOptions | None = None
+) -> RunningServer:
+    """Starts a server with ``services`` plus health and reflection, all SERVING."""
+    opts = opts or ServerOptions()
+    server = grpc.aio.server(
+        options=server_options(opts), maximum_concurrent_rpcs=opts.max_concurrent_rpcs
+    )
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for svc in services:
+        svc.add(svc.servicer, server)
+    names = [s.name for s in services]
+    reflection.enable_server_reflection(
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    host = opts.host
+    bind_host = f"[{host}]" if ":" in host else host
+    port = server.add_insecure_port(f"{bind_host}:{opts.port}")
+    if port == 0:
+        raise OSError(f"could not bind {bind_host}:{opts.port}")
+    await server.start()
+    running = RunningServer(server, health, host, port, services, opts.grace_s)
+    await running.set_serving(True)
+    log.info("serving %s on %s", ", ".join(names) or "(health only)", running.address)
+    return running
+
+
+async def serve_until_signal(
+    running: RunningServer, on_stop: Callable[[], Any] | None = None
+) -> None:
+    """Serves until SIGTERM or SIGINT, then drains gracefully (``on_stop`` runs first)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(running.wait())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("signal received: draining %s", running.address)
+        if on_stop is not None:
+            result = on_stop()
+            if asyncio.iscoroutine(result):
+                await result
+        await running.stop()
+    waiter.cancel()
+    stopper.cancel()

@@ -1,0 +1,1 @@
+"""Typed clients (import name ``areal_clients``)."""

@@ -1,0 +1,157 @@
+from areal.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TrainStepRequest(_message.Message):
+    __slots__ = ("begin", "group", "end", "trace_context")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    begin: StepBegin
+    group: _common_pb2.TrajectoryGroup
+    end: StepEnd
+    trace_context: _common_pb2.TraceContext
+    def __init__(self, begin: _Optional[_Union[StepBegin, _Mapping]] = ..., group: _Optional[_Union[_common_pb2.TrajectoryGroup, _Mapping]] = ..., end: _Optional[_Union[StepEnd, _Mapping]] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+
+class StepBegin(_message.Message):
+    __slots__ = ("global_step", "policy_version", "group_count")
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_COUNT_FIELD_NUMBER: _ClassVar[int]
+    global_step: int
+    policy_version: int
+    group_count: int
+    def __init__(self, global_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., group_count: _Optional[int] = ...) -> None: ...
+
+class StepEnd(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TrainStepResponse(_message.Message):
+    __slots__ = ("progress", "stats")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    progress: StepProgress
+    stats: StepStats
+    def __init__(self, progress: _Optional[_Union[StepProgress, _Mapping]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
+
+class StepProgress(_message.Message):
+    __slots__ = ("microbatches_done", "microbatches_total", "phase")
+    MICROBATCHES_DONE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    microbatches_done: int
+    microbatches_total: int
+    phase: str
+    def __init__(self, microbatches_done: _Optional[int] = ..., microbatches_total: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
+
+class StepStats(_message.Message):
+    __slots__ = ("global_step", "policy_version", "loss", "grad_norm", "clip_fraction", "entropy", "importance_weight_mean", "importance_weight_max", "reward_mean", "trained_tokens", "sequences", "learning_rate", "elapsed_seconds", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_WEIGHT_MEAN_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_WEIGHT_MAX_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    global_step: int
+    policy_version: int
+    loss: float
+    grad_norm: float
+    clip_fraction: float
+    entropy: float
+    importance_weight_mean: float
+    importance_weight_max: float
+    reward_mean: float
+    trained_tokens: int
+    sequences: int
+    learning_rate: float
+    elapsed_seconds: float
+    extra: _containers.ScalarMap[str, float]
+    def __init__(self, global_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., entropy: _Optional[float] = ..., importance_weight_mean: _Optional[float] = ..., importance_weight_max: _Optional[float] = ..., reward_mean: _Optional[float] = ..., trained_tokens: _Optional[int] = ..., sequences: _Optional[int] = ..., learning_rate: _Optional[float] = ..., elapsed_seconds: _Optional[float] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("path", "global_step")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    global_step: int
+    def __init__(self, path: _Optional[str] = ..., global_step: _Optional[int] = ...) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("path", "policy_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    policy_version: int
+    def __init__(self, path: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class LoadCheckpointResponse(_message.Message):
+    __slots__ = ("global_step", "policy_version")
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    global_step: int
+    policy_version: int
+    def __init__(self, global_step: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class ExportModelRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ExportModelResponse(_message.Message):
+    __slots__ = ("path", "policy_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    policy_version: int
+    def __init__(self, path: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class GetTrainerStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTrainerStatusResponse(_message.Message):
+    __slots__ = ("rank", "world_size", "policy_version", "global_step", "backend", "model", "busy")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    policy_version: int
+    global_step: int
+    backend: str
+    model: str
+    busy: bool
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., policy_version: _Optional[int] = ..., global_step: _Optional[int] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., busy: _Optional[bool] = ...) -> None: ...

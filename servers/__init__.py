@@ -1,0 +1,1 @@
+"""Service implementations (import name ``areal_servers``): rollout, trainer, weight sync."""

@@ -1,0 +1,1 @@
+"""Rollout server: inference engines, workflows, RolloutService and WeightSyncService."""

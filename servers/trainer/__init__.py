@@ -1,0 +1,1 @@
+"""Trainer rank: FSDP2 GRPO / decoupled-PPO steps behind TrainerService."""

@@ -1,0 +1,21 @@
+"""Maps the top-level directories onto import names (metadata lives in pyproject.toml).
+
+areal_grpc (core library) <- areal_grpc/, areal_servers <- servers/, areal_clients <- clients/,
+areal.v1 (generated stubs) <- generated/python/areal/.
+"""
+
+from setuptools import find_packages, setup
+
+ROOTS = {
+    "areal_grpc": "areal_grpc",
+    "areal_servers": "servers",
+    "areal_clients": "clients",
+    "areal": "generated/python/areal",
+}
+
+packages: list[str] = []
+for name, directory in ROOTS.items():
+    packages.append(name)
+    packages += [f"{name}.{sub}" for sub in find_packages(directory)]
+
+setup(packages=packages, package_dir=ROOTS, package_data={"areal": ["**/*.pyi"]})
