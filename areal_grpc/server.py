@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,3 +208,45 @@ async def serve_until_signal(
         await running.stop()
     waiter.cancel()
     stopper.cancel()
+
+
+class BackgroundServer:
+    """An aio server on its own event-loop thread, for synchronous callers (tests, tools).
+
+    Use as a context manager: ``with BackgroundServer(services) as running: ...``.
+    """
+
+    def __init__(self, services: Sequence[Service], opts: ServerOptions | None = None) -> None:
+        self._services = services
+        self._opts = opts
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.running: RunningServer | None = None
+
+    def start(self) -> RunningServer:
+        """Starts the loop thread and the server; returns the running server."""
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(
+            start_server(self._services, self._opts), self._loop
+        )
+        self.running = future.result(timeout=60)
+        return self.running
+
+    def call(self, coro: Any, timeout_s: float = 60.0) -> Any:
+        """Runs a coroutine on the server's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+
+    def stop(self, grace_s: float | None = 0) -> None:
+        """Stops the server and the loop thread."""
+        if self.running is not None:
+            self.call(self.running.stop(grace_s))
+            self.running = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+
+    def __enter__(self) -> RunningServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,457 @@
+"""Typed configuration of a whole run: dataclasses, a YAML file, dotted ``key=value`` overrides.
+
+Precedence: dataclass defaults < YAML file < overrides (applied left to right, the last wins).
+Every error is a :class:`~areal_grpc.errors.FieldError` naming the dotted key, e.g.
+``trainer.lr: ...``, whether the key is unknown, the value has the wrong type or it is out of
+range.
+
+The defaults are the built-in run: the small built-in model, the built-in ``first3`` task, one
+rollout server, two trainer ranks, and GRPO settings from measurements of what a tiny
+random-init model learns on a CPU (reference/tiny-grpo-facts.md: 32 prompts x 8 samples,
+temperature 1, lr 1e-3, 1 PPO epoch, no KL, clip 0.2, grad clip 1, eval every 25 steps).
+
+Example::
+
+    cfg = load_config("run.yaml", ["trainer.lr=5e-4", "staleness.max_staleness=0"])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from areal_grpc.errors import FieldError
+
+__all__ = [
+    "ADV_NORM_LEVELS",
+    "WEIGHT_SYNC_METHODS",
+    "CheckpointConfig",
+    "DataConfig",
+    "EvalConfig",
+    "LauncherConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "PPOSettings",
+    "RolloutConfig",
+    "RunConfig",
+    "SamplingSettings",
+    "StalenessConfig",
+    "TrainerConfig",
+    "WeightSyncConfig",
+    "load_config",
+    "to_yaml",
+    "validate_config",
+]
+
+ENGINES = ("hf", "sglang")
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+ADV_NORM_LEVELS = ("group", "batch", "none")
+IMP_WEIGHT_MODES = ("mask", "clamp")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+WEIGHT_SYNC_METHODS = ("distributed", "stream", "disk")
+LAUNCH_MODES = ("local", "attach")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass
+class ModelConfig:
+    """Which policy to train."""
+
+    # "builtin:micro" (0.16M params), "builtin:tiny" (about 1M), or a local HF checkpoint dir.
+    # micro is the default because the measured runs that learn within a minute on one CPU
+    # core used a model of that size; larger ones learned several times slower.
+    source: str = "builtin:micro"
+    # Seeds model init, the dataloader order and sampling.
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    """The prompts."""
+
+    # A built-in task (areal_grpc.tasks: "first3", "echo") or a task whose items come from path.
+    task: str = "first3"
+    # JSONL file of items for tasks that are not built in (e.g. "gsm8k"); None for built-ins.
+    path: str | None = None
+    shuffle: bool = True
+
+
+@dataclass
+class SamplingSettings:
+    """Sampling of rollouts."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0: no top-k limit.
+    top_k: int = 0
+    # None: the task's own answer length (2 tokens for the built-in tasks).
+    max_new_tokens: int | None = None
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout (inference) servers and what they run."""
+
+    num_servers: int = 1
+    engine: str = "hf"
+    device: str = "auto"
+    # One SGLang base URL per rollout server when engine is "sglang" in local mode.
+    sglang_urls: list[str] = field(default_factory=list)
+    # A registered workflow name or an import path "pkg.mod:name".
+    workflow: str = "rlvr"
+    # A reward in areal_grpc.rewards.REWARD_FNS ("task": the task's own) or an import path.
+    reward: str = "task"
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    # Prompts generating at once over all servers; None: staleness.batch_size (AReaL's default).
+    max_concurrent_rollouts: int | None = None
+
+
+@dataclass
+class PPOSettings:
+    """GRPO / decoupled-PPO actor settings (AReaL's defaults where it has one)."""
+
+    eps_clip: float = 0.2
+    # Upper clip (clip-higher); None: eps_clip.
+    eps_clip_higher: float | None = None
+    # Dual-clip constant (> 1); None disables it.
+    c_clip: float | None = None
+    # Cap on the behaviour importance weight; None disables the weight.
+    behav_imp_weight_cap: float | None = 5.0
+    behav_imp_weight_mode: str = "mask"
+    # Reward normalisation before advantages: "group" is GRPO.
+    reward_norm: str = "group"
+    # Extra normalisation of token advantages; "none" as in the measured GRPO runs.
+    adv_norm: str = "none"
+    norm_eps: float = 1e-5
+    kl_ctl: float = 0.0
+    ppo_epochs: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    """The trainer ranks (one SPMD group) and the optimiser."""
+
+    ranks: int = 2
+    # "auto": gloo on CPU, nccl on GPU.
+    backend: str = "auto"
+    device: str = "auto"
+    lr: float = 1e-3
+    # Weight decay 0: the measured runs used none.
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    grad_clip: float = 1.0
+    max_tokens_per_mb: int = 16384
+    ppo: PPOSettings = field(default_factory=PPOSettings)
+
+
+@dataclass
+class StalenessConfig:
+    """Asynchrony: how far rollouts may run ahead of training."""
+
+    # eta: a rollout is trained at most this many versions after it started; 0 is synchronous.
+    max_staleness: int = 2
+    # Prompts (groups) per training step.
+    batch_size: int = 32
+    # Samples per prompt.
+    group_size: int = 8
+
+
+@dataclass
+class WeightSyncConfig:
+    """How new weights reach the rollout servers."""
+
+    # Offered in this order; each server accepts the first it supports.
+    methods: list[str] = field(default_factory=lambda: list(WEIGHT_SYNC_METHODS))
+    # Root for the disk method; None: <output.dir>/weights.
+    disk_root: str | None = None
+    # Bytes per streamed chunk (the contract allows at most 1 MiB).
+    chunk_bytes: int = 1 << 20
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on the task's eval split (greedy)."""
+
+    # 0 disables evaluation.
+    every_steps: int = 25
+    # None: the whole eval split.
+    max_prompts: int | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Recovery checkpoints and the final export."""
+
+    # 0 disables periodic checkpoints.
+    every_steps: int = 50
+    # None: <output.dir>/checkpoints.
+    dir: str | None = None
+    # Write a Hugging Face model at the end.
+    export_hf: bool = True
+
+
+@dataclass
+class OutputConfig:
+    """Where metrics and logs go."""
+
+    dir: str = "outputs/run"
+    log_level: str = "INFO"
+    # Written only when the tensorboard package is installed.
+    tensorboard: bool = True
+    plot: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class LauncherConfig:
+    """Start the mesh here (local) or use servers already running (attach)."""
+
+    mode: str = "local"
+    host: str = "127.0.0.1"
+    # Port of the coordinator's own gRPC service (external producers connect here); 0: any free.
+    coordinator_port: int = 0
+    # attach mode: one host:port per rollout server / trainer rank.
+    rollout_addresses: list[str] = field(default_factory=list)
+    trainer_addresses: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    """A whole run."""
+
+    name: str = "builtin"
+    total_steps: int = 400
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _omegaconf_error(exc: OmegaConfBaseException, fallback: str) -> FieldError:
+    key = getattr(exc, "full_key", None) or fallback
+    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, ConfigKeyError):
+        return FieldError(key, f"unknown key ({first_line})")
+    return FieldError(key, first_line)
+
+
+def _merge(base: DictConfig, other: Any, fallback_key: str) -> DictConfig:
+    try:
+        merged = OmegaConf.merge(base, other)
+    except OmegaConfBaseException as exc:
+        raise _omegaconf_error(exc, fallback_key) from exc
+    if not isinstance(merged, DictConfig):
+        raise TypeError(f"expected a DictConfig, got {type(merged).__name__}")
+    return merged
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise FieldError(override, "an override must look like key=value, e.g. trainer.lr=5e-4")
+    try:
+        # The YAML reading of the value, as on the command line of most tools: 3 -> int,
+        # [a,b] -> list, null -> None.
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise FieldError(key, f"cannot parse value {raw!r}: {exc}") from exc
+    return key, value
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The run config: defaults, then the YAML file at ``path`` (if any), then ``overrides``."""
+    cfg = OmegaConf.structured(RunConfig)
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise FieldError(str(path), f"not valid YAML: {exc}") from exc
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise FieldError(
+                str(path), f"the top level must be a mapping, got {type(data).__name__}"
+            )
+        cfg = _merge(cfg, data, str(path))
+    for override in overrides:
+        key, value = _parse_override(override)
+        # One override at a time, so an error names the override's key even when OmegaConf
+        # does not (e.g. a scalar given for a whole section).
+        cfg = _merge(cfg, _nested(key, value), key)
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        # e.g. an interpolation "${...}" that does not resolve.
+        raise _omegaconf_error(exc, "config") from exc
+    if not isinstance(obj, RunConfig):
+        raise TypeError(f"expected RunConfig, got {type(obj).__name__}")
+    validate_config(obj)
+    return obj
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise FieldError(key, "empty component in dotted key")
+    out: dict[str, Any] = {parts[-1]: value}
+    for part in reversed(parts[:-1]):
+        out = {part: out}
+    return out
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """``cfg`` as YAML that :func:`load_config` reads back to an equal config."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _choice(key: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise FieldError(key, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if not value >= low:
+        raise FieldError(key, f"must be >= {low}, got {value}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise FieldError(key, f"must be > 0, got {value}")
+
+
+def _address(key: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise FieldError(key, f"must be host:port with a port in 1-65535, got {value!r}")
+
+
+def validate_config(cfg: RunConfig) -> None:
+    """Checks ranges, choices and cross-field rules; raises FieldError naming the first bad key."""
+    if not cfg.name:
+        raise FieldError("name", "must not be empty")
+    _at_least("total_steps", cfg.total_steps, 1)
+    if not cfg.model.source:
+        raise FieldError("model.source", "must not be empty")
+    _at_least("model.seed", cfg.model.seed, 0)
+    if not cfg.data.task:
+        raise FieldError("data.task", "must not be empty")
+
+    r = cfg.rollout
+    _at_least("rollout.num_servers", r.num_servers, 1)
+    _choice("rollout.engine", r.engine, ENGINES)
+    _choice("rollout.device", r.device, DEVICES)
+    for name in ("workflow", "reward"):
+        if not getattr(r, name):
+            raise FieldError(f"rollout.{name}", "must not be empty")
+    _at_least("rollout.sampling.temperature", r.sampling.temperature, 0.0)
+    if not 0.0 < r.sampling.top_p <= 1.0:
+        raise FieldError("rollout.sampling.top_p", f"must be in (0, 1], got {r.sampling.top_p}")
+    _at_least("rollout.sampling.top_k", r.sampling.top_k, 0)
+    if r.sampling.max_new_tokens is not None:
+        _at_least("rollout.sampling.max_new_tokens", r.sampling.max_new_tokens, 1)
+    if r.max_concurrent_rollouts is not None:
+        _at_least("rollout.max_concurrent_rollouts", r.max_concurrent_rollouts, 1)
+
+    t = cfg.trainer
+    _at_least("trainer.ranks", t.ranks, 1)
+    _choice("trainer.backend", t.backend, BACKENDS)
+    _choice("trainer.device", t.device, DEVICES)
+    _positive("trainer.lr", t.lr)
+    _at_least("trainer.weight_decay", t.weight_decay, 0.0)
+    _at_least("trainer.warmup_steps", t.warmup_steps, 0)
+    _choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _positive("trainer.grad_clip", t.grad_clip)
+    _at_least("trainer.max_tokens_per_mb", t.max_tokens_per_mb, 1)
+    p = t.ppo
+    _positive("trainer.ppo.eps_clip", p.eps_clip)
+    if p.eps_clip_higher is not None:
+        _positive("trainer.ppo.eps_clip_higher", p.eps_clip_higher)
+    if p.c_clip is not None and not p.c_clip > 1.0:
+        raise FieldError("trainer.ppo.c_clip", f"must be > 1 when set, got {p.c_clip}")
+    if p.behav_imp_weight_cap is not None and not p.behav_imp_weight_cap > 1.0:
+        raise FieldError(
+            "trainer.ppo.behav_imp_weight_cap",
+            f"must be > 1 when set, got {p.behav_imp_weight_cap}",
+        )
+    _choice("trainer.ppo.behav_imp_weight_mode", p.behav_imp_weight_mode, IMP_WEIGHT_MODES)
+    _choice("trainer.ppo.reward_norm", p.reward_norm, ADV_NORM_LEVELS)
+    _choice("trainer.ppo.adv_norm", p.adv_norm, ADV_NORM_LEVELS)
+    _positive("trainer.ppo.norm_eps", p.norm_eps)
+    _at_least("trainer.ppo.kl_ctl", p.kl_ctl, 0.0)
+    _at_least("trainer.ppo.ppo_epochs", p.ppo_epochs, 1)
+
+    s = cfg.staleness
+    _at_least("staleness.max_staleness", s.max_staleness, 0)
+    _at_least("staleness.batch_size", s.batch_size, 1)
+    _at_least("staleness.group_size", s.group_size, 1)
+
+    w = cfg.weight_sync
+    if not w.methods:
+        raise FieldError("weight_sync.methods", "must name at least one method")
+    for i, m in enumerate(w.methods):
+        _choice(f"weight_sync.methods[{i}]", m, WEIGHT_SYNC_METHODS)
+    if len(set(w.methods)) != len(w.methods):
+        raise FieldError("weight_sync.methods", f"lists a method twice: {w.methods}")
+    if not 0 < w.chunk_bytes <= 1 << 20:
+        raise FieldError("weight_sync.chunk_bytes", f"must be in 1..1048576, got {w.chunk_bytes}")
+
+    _at_least("eval.every_steps", cfg.eval.every_steps, 0)
+    if cfg.eval.max_prompts is not None:
+        _at_least("eval.max_prompts", cfg.eval.max_prompts, 1)
+    _at_least("checkpoint.every_steps", cfg.checkpoint.every_steps, 0)
+    if not cfg.output.dir:
+        raise FieldError("output.dir", "must not be empty")
+    _choice("output.log_level", cfg.output.log_level, LOG_LEVELS)
+
+    la = cfg.launcher
+    _choice("launcher.mode", la.mode, LAUNCH_MODES)
+    if not la.host:
+        raise FieldError("launcher.host", "must not be empty")
+    if not 0 <= la.coordinator_port < 65536:
+        raise FieldError(
+            "launcher.coordinator_port", f"must be in 0-65535, got {la.coordinator_port}"
+        )
+    for key in ("rollout_addresses", "trainer_addresses"):
+        for i, addr in enumerate(getattr(la, key)):
+            _address(f"launcher.{key}[{i}]", addr)
+    if la.mode == "attach":
+        if len(la.rollout_addresses) != r.num_servers:
+            raise FieldError(
+                "launcher.rollout_addresses",
+                f"attach mode needs one address per rollout server (rollout.num_servers = "
+                f"{r.num_servers}), got {len(la.rollout_addresses)}",
+            )
+        if len(la.trainer_addresses) != t.ranks:
+            raise FieldError(
+                "launcher.trainer_addresses",
+                f"attach mode needs one address per trainer rank (trainer.ranks = {t.ranks}), "
+                f"got {len(la.trainer_addresses)}",
+            )
+    elif r.engine == "sglang" and len(r.sglang_urls) != r.num_servers:
+        raise FieldError(
+            "rollout.sglang_urls",
+            f"engine sglang needs one SGLang URL per rollout server (rollout.num_servers = "
+            f"{r.num_servers}), got {len(r.sglang_urls)}",
+        )

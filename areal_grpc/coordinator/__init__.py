@@ -1,0 +1,1 @@
+"""The coordinator: entry point of a run (``python -m areal_grpc.coordinator``)."""

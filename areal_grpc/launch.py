@@ -1,0 +1,144 @@
+"""Local launcher: starts service processes on loopback, learns their ports, stops them.
+
+Each child is one of our console entry points run with ``--port 0``; it prints
+``LISTENING host:port`` once bound (areal_grpc.cli), which is how the launcher learns its
+address without racing for free ports. Children are stopped with SIGTERM (graceful drain),
+then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from areal_grpc.server import sync_channel
+
+log = logging.getLogger(__name__)
+
+LISTENING = "LISTENING "
+
+
+@dataclass
+class Child:
+    """A started service process."""
+
+    name: str
+    process: subprocess.Popen[str]
+    address: str
+    log_path: Path | None = None
+    _pump: threading.Thread | None = field(default=None, repr=False)
+
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.process.poll() is None
+
+
+def _pump_output(stream: IO[str], sink: IO[str] | None) -> None:
+    for line in stream:
+        if sink is not None:
+            sink.write(line)
+            sink.flush()
+
+
+def start_child(
+    name: str,
+    argv: Sequence[str],
+    *,
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 120.0,
+) -> Child:
+    """Starts ``argv`` and returns once it printed its LISTENING line (else raises)."""
+    child_env = {**os.environ, **(env or {})}
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    sink: IO[str] | None = None
+    log_path = None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{name}.log"
+        sink = log_path.open("a")
+    proc = subprocess.Popen(
+        list(argv),
+        stdout=subprocess.PIPE,
+        stderr=sink if sink is not None else subprocess.DEVNULL,
+        text=True,
+        env=child_env,
+        start_new_session=True,  # Ctrl-C in the terminal reaches the launcher only.
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + ready_timeout_s
+    address = None
+    # Read lines until LISTENING; the pump thread takes the rest so the pipe never fills.
+    result: list[str] = []
+
+    def read_until_listening() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if sink is not None:
+                sink.write(line)
+                sink.flush()
+            if line.startswith(LISTENING):
+                result.append(line[len(LISTENING) :].strip())
+                break
+
+    reader = threading.Thread(target=read_until_listening, daemon=True)
+    reader.start()
+    while reader.is_alive() and time.monotonic() < deadline and proc.poll() is None:
+        reader.join(0.05)
+    if result:
+        address = result[0]
+    if address is None:
+        proc.kill()
+        proc.wait()
+        where = f"; see {log_path}" if log_path else ""
+        raise RuntimeError(f"{name} did not start (exit code {proc.returncode}){where}")
+    pump = threading.Thread(target=_pump_output, args=(proc.stdout, sink), daemon=True)
+    pump.start()
+    log.info("%s listening on %s (pid %d)", name, address, proc.pid)
+    return Child(name=name, process=proc, address=address, log_path=log_path, _pump=pump)
+
+
+def python_module_argv(module: str, *args: str) -> list[str]:
+    """argv running ``python -m module args`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]
+
+
+def health_status(address: str, service: str = "", timeout_s: float = 5.0) -> str:
+    """The grpc.health.v1 status name of ``service`` at ``address`` (UNKNOWN on failure)."""
+    with sync_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def stop_children(children: Sequence[Child], grace_s: float = 15.0) -> dict[str, int]:
+    """SIGTERM every child, wait up to ``grace_s``, SIGKILL stragglers; returns exit codes."""
+    for child in children:
+        if child.alive():
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    codes: dict[str, int] = {}
+    for child in children:
+        remaining = max(0.0, deadline - time.monotonic())
+        try:
+            codes[child.name] = child.process.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0fs; killing it", child.name, grace_s)
+            child.process.kill()
+            codes[child.name] = child.process.wait()
+    return codes

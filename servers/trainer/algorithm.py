@@ -1,0 +1,327 @@
+"""GRPO / decoupled-PPO math in one file (reference/areal-behaviour.md §5).
+
+Alignment convention (differs from AReaL's rolled tensors on purpose): every ``[B, S]``
+tensor here is *token-aligned*, like the batches of :mod:`areal_grpc.trajectory`: position
+``t`` describes token ``t`` (its behaviour log-prob, its loss mask, its advantage). The model's
+logits at position ``t`` predict token ``t + 1``, so :func:`token_logprobs` shifts once:
+``logp[:, t] = log_softmax(logits[:, t - 1])[input_ids[:, t]]`` for ``t >= 1`` and
+``logp[:, 0] = 0``. Token 0 has no predictor and is never trained (:func:`trainable_mask`).
+
+Pieces, in step order:
+
+1. :func:`shape_rewards`: ``clip((r + bias) * scale, -clip, clip)``.
+2. :func:`normalize`: mean/std at group or batch level (optionally leave-one-out), float64,
+   equal values in a group give exactly zero (never NaN).
+3. :func:`compute_advantages`: sequence reward on every generated token, plus the optional
+   KL-to-reference reward penalty summed from the token onwards (GAE with gamma = lambda = 1
+   and no critic), then optional token-level advantage normalisation.
+4. :func:`ppo_loss`: decoupled PPO surrogate for one micro-batch, normalised by the global
+   token count so that summing micro-batches and ranks gives the global token mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+# Sums a tensor over the data-parallel ranks (identity on one process).
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+
+Level = Literal["batch", "group"] | None
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass
+class RewardConfig:
+    """Sequence reward shaping: ``clip((r + bias) * scale, -clip, +clip)``."""
+
+    bias: float = 0.0
+    scale: float = 1.0
+    # None disables clipping.
+    clip: float | None = 20.0
+
+
+@dataclass
+class NormConfig:
+    """Mean/std normalisation (AReaL's Normalization)."""
+
+    # "batch": over all valid elements of the global batch; "group": per trajectory group;
+    # None: no centring.
+    mean_level: Level = "group"
+    # Same levels for the std; None divides by 1 (and drops eps).
+    std_level: Level = "group"
+    # RLOO: subtract the mean of the *other* elements (the element itself when alone).
+    mean_leave1out: bool = False
+    std_unbiased: bool = True
+    eps: float = 1e-5
+
+
+@dataclass
+class PPOConfig:
+    """Decoupled PPO / GRPO actor settings (defaults follow AReaL where it has one)."""
+
+    eps_clip: float = 0.2
+    # Upper clip (DAPO clip-higher); None uses eps_clip.
+    eps_clip_higher: float | None = None
+    # Dual clip constant (> 1); None disables it.
+    c_clip: float | None = None
+    # Cap on the behaviour importance weight exp(prox - behaviour); None disables the weight.
+    behav_imp_weight_cap: float | None = 5.0
+    # "mask": drop tokens whose weight exceeds the cap; "clamp": clamp the weight to the cap.
+    behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
+    # KL-to-reference reward penalty coefficient (0: no reference model needed).
+    kl_ctl: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    # Logits are divided by this before log-softmax (match the sampler's temperature).
+    temperature: float = 1.0
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    # Normalisation of the shaped sequence rewards (GRPO: per group); None skips it.
+    reward_norm: NormConfig | None = field(default_factory=NormConfig)
+    # Normalisation of the token advantages (over loss-mask tokens); None skips it.
+    adv_norm: NormConfig | None = None
+
+
+def shape_rewards(rewards: torch.Tensor, cfg: RewardConfig) -> torch.Tensor:
+    """``clip((rewards + bias) * scale, -clip, clip)`` in float32."""
+    r = (rewards.float() + cfg.bias) * cfg.scale
+    if cfg.clip is not None:
+        r = r.clamp(-cfg.clip, cfg.clip)
+    return r
+
+
+def _group_sum(x: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Per-group sums of a [B] tensor, gathered back to [B]."""
+    sums = torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, groups, x)
+    return sums[groups]
+
+
+def normalize(
+    x: torch.Tensor,
+    cfg: NormConfig,
+    *,
+    mask: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    reduce: Reducer = _identity,
+) -> torch.Tensor:
+    """Normalises ``x`` ([B] or [B, S]) over the valid elements of ``mask``.
+
+    ``group_index`` [B] names each row's group (group statistics are local: a group never spans
+    ranks); batch statistics are summed over ranks with ``reduce``. Computed in float64;
+    returns float32 with zeros outside the mask. Collectives run only for "batch" levels, so
+    every rank must pass the same config.
+    """
+    xd = x.double()
+    m = torch.ones_like(xd) if mask is None else mask.to(torch.float64)
+    b = xd.shape[0]
+    if group_index is None:
+        group_index = torch.zeros(b, dtype=torch.int64, device=x.device)
+    n_groups = int(group_index.max()) + 1 if b else 0
+    rowdims = tuple(range(1, xd.dim()))
+
+    def stats(level: Level, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum, count) of masked ``values`` at ``level``, broadcastable to ``x``."""
+        v = values * m
+        if level == "batch":
+            both = reduce(torch.stack([v.sum(), m.sum()]))
+            return both[0], both[1]
+        row_v = v.sum(dim=rowdims) if rowdims else v
+        row_n = m.sum(dim=rowdims) if rowdims else m
+        gs, gn = _group_sum(row_v, group_index, n_groups), _group_sum(row_n, group_index, n_groups)
+        shape = (b,) + (1,) * len(rowdims)
+        return gs.view(shape), gn.view(shape)
+
+    if cfg.mean_level is None:
+        mean = torch.zeros_like(xd)
+    else:
+        total, n = stats(cfg.mean_level, xd)
+        if cfg.mean_leave1out:
+            # Mean of the other valid elements. An element alone in its set has no baseline;
+            # AReaL centres it by 0, we centre it by itself so a lone (hence "all equal")
+            # group gets a zero advantage like any group of equal rewards.
+            others = n - 1
+            mean = torch.where(others > 0, (total - xd) / others.clamp(min=1), xd)
+        else:
+            mean = torch.where(n > 0, total / n.clamp(min=1), 0.0)
+    centred = (xd - mean) * m
+    if cfg.std_level is None:
+        return centred.float()
+    sq, n = stats(cfg.std_level, centred * centred)
+    denom = n - 1 if cfg.std_unbiased else n
+    # Too few elements for a std: divide by 1 (AReaL's rule), never by 0.
+    std = torch.where(denom > 0, (sq / denom.clamp(min=1)).sqrt(), 1.0)
+    return (centred / (std + cfg.eps)).float()
+
+
+def kl_estimate(
+    logp: torch.Tensor, logp_ref: torch.Tensor, estimator: Literal["k1", "k2", "k3"]
+) -> torch.Tensor:
+    """Per-token KL estimate with ``x = logp - logp_ref``: k1 = x, k2 = x²/2, k3 = e^-x - 1 + x."""
+    x = logp.float() - logp_ref.float()
+    if estimator == "k1":
+        return x
+    if estimator == "k2":
+        return x * x / 2
+    if estimator == "k3":
+        return torch.expm1(-x) + x
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: PPOConfig,
+    *,
+    group_index: torch.Tensor | None = None,
+    behave_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    reduce: Reducer = _identity,
+) -> torch.Tensor:
+    """Token-aligned advantages [B, S] (zero outside ``loss_mask``).
+
+    With no KL penalty every generated token of row i carries the shaped (and normalised)
+    reward r_i. With ``kl_ctl > 0`` each generated token t adds the reward
+    ``-kl_ctl * KL(behave[t], ref[t])`` (clamped to [-10, 10]) and the advantage is the sum of
+    rewards from t to the end (undiscounted return-to-go, no critic).
+    """
+    mask = loss_mask.to(torch.bool)
+    r = shape_rewards(rewards, cfg.reward)
+    if cfg.reward_norm is not None:
+        r = normalize(r, cfg.reward_norm, group_index=group_index, reduce=reduce)
+    adv = r[:, None].expand(mask.shape).clone()
+    if cfg.kl_ctl != 0.0:
+        if behave_logp is None or ref_logp is None:
+            raise ValueError("kl_ctl != 0 needs behaviour and reference log-probs")
+        kl_r = -cfg.kl_ctl * kl_estimate(behave_logp, ref_logp, cfg.kl_estimator)
+        kl_r = kl_r.clamp(-10.0, 10.0) * mask
+        # Return-to-go: reverse cumulative sum over positions t..S-1.
+        adv = adv + kl_r.flip(-1).cumsum(-1).flip(-1)
+    adv = adv * mask
+    if cfg.adv_norm is not None:
+        adv = normalize(adv, cfg.adv_norm, mask=mask, group_index=group_index, reduce=reduce)
+    return adv.float()
+
+
+def trainable_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The tokens the loss covers: loss-mask tokens that have a predicting position (t >= 1)."""
+    mask = loss_mask.to(torch.bool) & attention_mask.to(torch.bool)
+    mask = mask.clone()
+    if mask.shape[-1]:
+        mask[:, 0] = False
+    return mask
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-aligned (log-prob of token t, entropy of the distribution predicting t), [B, S].
+
+    Position 0 has no predicting logits and gets 0 in both.
+    """
+    logits = logits[:, :-1].float() / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return F.pad(logp, (1, 0)), F.pad(entropy, (1, 0))
+
+
+@dataclass
+class LossStats:
+    """Sums over one or more micro-batches (and ranks); divide by ``tokens`` for means."""
+
+    loss: float = 0.0
+    clipped_tokens: float = 0.0
+    imp_weight_sum: float = 0.0
+    imp_weight_max: float = 0.0
+    entropy_sum: float = 0.0
+    tokens: float = 0.0
+    # Tokens dropped by the importance-weight cap in "mask" mode.
+    capped_tokens: float = 0.0
+
+    @property
+    def imp_weight_mean(self) -> float:
+        """Mean behaviour importance weight over the tokens kept after the cap."""
+        kept = self.tokens - self.capped_tokens
+        return self.imp_weight_sum / kept if kept > 0 else 0.0
+
+    def add(self, other: LossStats) -> None:
+        """Accumulates ``other`` into ``self``."""
+        self.loss += other.loss
+        self.clipped_tokens += other.clipped_tokens
+        self.imp_weight_sum += other.imp_weight_sum
+        self.imp_weight_max = max(self.imp_weight_max, other.imp_weight_max)
+        self.entropy_sum += other.entropy_sum
+        self.tokens += other.tokens
+        self.capped_tokens += other.capped_tokens
+
+
+def ppo_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behave_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: PPOConfig,
+    total_tokens: float,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """Decoupled PPO loss of one micro-batch, divided by the *global* token count.
+
+    All inputs are token-aligned [B, S]; ``mask`` is the trainable mask. Summing the returned
+    loss over micro-batches and ranks gives ``sum over all tokens of l / total_tokens`` (token
+    mean of the global batch); ``total_tokens`` counts the mask before the importance-weight cap.
+
+    ``l = w * max(-A r, -A clamp(r, 1 - eps, 1 + eps_high))`` with ``r = exp(logp - prox)``,
+    optionally dual-clipped ``min(l, c_clip |A|)``, and ``w = exp(prox - behaviour)`` capped.
+    """
+    mask = mask.to(torch.bool)
+    maskf = mask.float()
+    prox = prox_logp.float().detach()
+    adv = advantages.float().detach()
+    # Masked before exp: padding positions must not produce inf (inf * 0 grads are NaN).
+    ratio = torch.where(mask, torch.exp((logp.float() - prox) * maskf), 0.0)
+    eps_high = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
+    clipped_ratio = ratio.clamp(1.0 - cfg.eps_clip, 1.0 + eps_high)
+    pg1 = -adv * ratio
+    pg2 = -adv * clipped_ratio
+    pg = torch.maximum(pg1, pg2)
+    clipped = (pg2 > pg1) & mask
+    if cfg.c_clip is not None:
+        pg = torch.minimum(pg, cfg.c_clip * adv.abs())
+    final_mask = mask
+    capped = torch.zeros_like(mask)
+    if cfg.behav_imp_weight_cap is not None:
+        log_w = (prox - behave_logp.float()) * maskf
+        # A non-finite log-ratio gets weight 0 rather than poisoning the loss.
+        w = torch.where(torch.isfinite(log_w), torch.exp(log_w), 0.0)
+        cap = cfg.behav_imp_weight_cap
+        if cfg.behav_imp_weight_mode == "mask":
+            capped = mask & (w > cap)
+            final_mask = mask & ~capped
+        elif cfg.behav_imp_weight_mode == "clamp":
+            w = w.clamp(max=cap)
+        else:
+            raise ValueError(f"unknown behav_imp_weight_mode {cfg.behav_imp_weight_mode!r}")
+        w = w * final_mask
+        pg = pg * w
+    else:
+        w = maskf
+    pg = torch.where(final_mask, pg, 0.0)
+    loss = pg.sum() / max(float(total_tokens), 1.0)
+    with torch.no_grad():
+        stats = LossStats(
+            loss=float(loss),
+            clipped_tokens=float(clipped.sum()),
+            imp_weight_sum=float((w * final_mask).sum()),
+            imp_weight_max=float(w.max()) if w.numel() else 0.0,
+            entropy_sum=float((entropy.float() * maskf).sum()) if entropy is not None else 0.0,
+            tokens=float(maskf.sum()),
+            capped_tokens=float(capped.sum()),
+        )
+    return loss, stats

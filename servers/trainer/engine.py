@@ -1,0 +1,552 @@
+"""One trainer rank: model, FSDP2 sharding, optimizer and the GRPO / decoupled-PPO step.
+
+Built from small composable pieces (torchtitan style):
+
+* :func:`init_distributed` joins the process group (gloo on CPU, nccl on GPU) from explicit
+  settings or torchrun's environment variables.
+* :func:`build_model` builds the policy with :func:`areal_grpc.model.load_model` (same source
+  and seed on every rank, hence the same initial weights as the rollout servers) and
+  :func:`apply_fsdp` shards it with ``fully_shard`` per decoder layer and at the root.
+* :func:`build_optimizer` / :func:`build_scheduler`: AdamW and a warm-up schedule.
+* :class:`TrainerEngine` runs a step: proximal log-probs (no grad), advantages, the PPO
+  update over token-budget micro-batches with gradient accumulation, clipping, optimizer
+  step, version += 1; statistics reduced over ranks. It also saves/loads sharded checkpoints
+  and exports the full model in Hugging Face format.
+
+The same engine runs without FSDP and without a process group (``fsdp=False``, one process):
+the plain reference a multi-rank step must equal.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from areal_servers.trainer.algorithm import (
+    LossStats,
+    PPOConfig,
+    compute_advantages,
+    ppo_loss,
+    token_logprobs,
+    trainable_mask,
+)
+from areal_servers.trainer.microbatch import Batch, MicroBatchSpec, split_microbatches
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from areal_grpc.model import load_model, load_tokenizer, save_pretrained
+
+# Progress callback: (phase, micro-batches done, micro-batches total).
+Progress = Callable[[str, int, int], None]
+
+CHECKPOINT_META = "trainer_meta.json"
+
+
+@dataclass
+class DistConfig:
+    """Where the rank's process group rendezvouses; unset fields come from torchrun's env."""
+
+    backend: str | None = None  # None: nccl when CUDA is available, else gloo
+    master_addr: str | None = None
+    master_port: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    # Collectives waiting longer than this fail instead of hanging forever.
+    timeout_s: float = 600.0
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, learning-rate schedule and gradient clipping."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    # Linear warm-up from lr / warmup_steps to lr over this many steps.
+    warmup_steps: int = 0
+    # After warm-up: "constant", or decay to min_lr_ratio * lr at total_steps.
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    # Global gradient-norm clip; None only measures the norm.
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass
+class EngineConfig:
+    """Everything a trainer rank needs to build itself."""
+
+    model: str = "builtin:tiny"
+    seed: int = 0
+    # Shard with FSDP2 (needs a process group); False: plain single-process training.
+    fsdp: bool = True
+    # bf16 parameters with fp32 gradient reduction; None: on GPU only (CPU bf16 is slow).
+    mixed_precision: bool | None = None
+    device: str | None = None  # None: cuda:<LOCAL_RANK> when available, else cpu
+    # Parameter (and optimizer state) dtype: "float32", or "float64" for exactness checks.
+    dtype: Literal["float32", "float64"] = "float32"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    microbatch: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+
+
+def init_distributed(cfg: DistConfig) -> tuple[int, int]:
+    """Joins (or reuses) the default process group; returns (rank, world size)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank = cfg.rank if cfg.rank is not None else int(os.environ.get("RANK", "0"))
+    world = cfg.world_size if cfg.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    addr = cfg.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = cfg.master_port or int(os.environ.get("MASTER_PORT", "29500"))
+    backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", str(rank))))
+    host = f"[{addr}]" if ":" in addr else addr
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{host}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
+    return rank, world
+
+
+def default_device() -> torch.device:
+    """cuda:<LOCAL_RANK> when CUDA is available, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def build_model(
+    source: str, seed: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """The policy on ``device`` (identical on every rank for a built-in source)."""
+    model = load_model(source, seed=seed, dtype=dtype)
+    # The eager path gives the same numbers for every padding width.
+    model.config.use_cache = False
+    return model.to(device)
+
+
+def apply_fsdp(model: PreTrainedModel, mixed_precision: bool) -> PreTrainedModel:
+    """``fully_shard`` every decoder layer, then the root (embeddings, norm, head)."""
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (DTensors under FSDP)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+
+
+def lr_factor(step: int, cfg: OptimConfig) -> float:
+    """Multiplier of the base learning rate for optimizer step ``step`` (0-based)."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant" or not cfg.total_steps:
+        return 1.0
+    span = max(cfg.total_steps - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    if cfg.schedule == "linear":
+        decay = 1.0 - progress
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR applying :func:`lr_factor`."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+def empty_batch() -> Batch:
+    """A batch with no rows: a rank with an empty shard still joins the step."""
+    return {
+        "input_ids": torch.zeros(0, 0, dtype=torch.int64),
+        "attention_mask": torch.zeros(0, 0, dtype=torch.bool),
+        "loss_mask": torch.zeros(0, 0, dtype=torch.bool),
+        "logprobs": torch.zeros(0, 0, dtype=torch.float32),
+        "versions": torch.zeros(0, 0, dtype=torch.int64),
+        "rewards": torch.zeros(0, dtype=torch.float32),
+        "group_index": torch.zeros(0, dtype=torch.int64),
+    }
+
+
+@dataclass
+class StepResult:
+    """Statistics of one step, reduced over all ranks."""
+
+    global_step: int
+    policy_version: int
+    loss: float
+    grad_norm: float
+    clip_fraction: float
+    entropy: float
+    importance_weight_mean: float
+    importance_weight_max: float
+    reward_mean: float
+    trained_tokens: int
+    sequences: int
+    learning_rate: float
+    elapsed_seconds: float
+    microbatches: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class TrainerEngine:
+    """A trainer rank's model, optimizer and step (call from one thread only)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.distributed = dist.is_initialized()
+        if cfg.fsdp and not self.distributed:
+            raise ValueError("fsdp=True needs a process group: call init_distributed first")
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.device = torch.device(cfg.device) if cfg.device else default_device()
+        self.backend = dist.get_backend() if self.distributed else "none"
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.model = build_model(cfg.model, cfg.seed, self.device, self.dtype)
+        self.vocab_size = int(self.model.config.vocab_size)
+        if cfg.fsdp:
+            mixed = cfg.mixed_precision
+            if mixed is None:
+                mixed = self.device.type == "cuda"
+            apply_fsdp(self.model, mixed)
+        self.ref_model: PreTrainedModel | None = None
+        if cfg.ppo.kl_ctl != 0.0:
+            # The reference policy is the initial one; frozen, replicated (no gradients).
+            self.ref_model = build_model(cfg.model, cfg.seed, self.device, self.dtype).eval()
+            self.ref_model.requires_grad_(False)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.version = 0
+        self.global_step = 0
+
+    # -- collectives (no-ops on one process) --------------------------------------------------
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks."""
+        if self.distributed and self.world_size > 1:
+            x = x.clone()
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
+
+    def reduce_max_ints(self, values: list[int]) -> list[int]:
+        """Element-wise max of small ints over ranks."""
+        if not (self.distributed and self.world_size > 1):
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
+
+    def barrier(self) -> None:
+        """Waits for every rank."""
+        if self.distributed and self.world_size > 1:
+            dist.barrier()
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _forward_logprobs(
+        self, model: torch.nn.Module, mb: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(
+            input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False
+        ).logits
+        return token_logprobs(logits, mb["input_ids"], self.cfg.ppo.temperature)
+
+    def train_step(self, batch: Batch | None, progress: Progress | None = None) -> StepResult:
+        """One PPO step on this rank's shard (``None``: empty shard). Collective."""
+        start = time.perf_counter()
+        cfg = self.cfg.ppo
+        report = progress or (lambda phase, done, total: None)
+        batch = empty_batch() if batch is None else dict(batch)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        if "group_index" not in batch:
+            batch["group_index"] = torch.zeros_like(batch["rewards"], dtype=torch.int64)
+        batch["train_mask"] = trainable_mask(batch["loss_mask"], batch["attention_mask"])
+        rows = batch["rewards"].shape[0]
+        totals = self.reduce_sum(
+            torch.tensor(
+                [
+                    float(batch["train_mask"].sum()),
+                    float(rows),
+                    float(batch["rewards"].double().sum()),
+                    # Staleness of trained tokens: versions behind the weights being trained.
+                    float(((self.version - batch["versions"]) * batch["train_mask"]).sum()),
+                ],
+                dtype=torch.float64,
+                device=self.device,
+            )
+        )
+        total_tokens, total_rows, reward_sum, staleness_sum = (float(v) for v in totals.tolist())
+        if total_rows == 0:
+            raise ValueError("the global batch has no trajectories")
+        mbs = split_microbatches(
+            batch, self.cfg.microbatch, self.reduce_max_ints, self.pad_token_id
+        )
+        for k, (_, mb) in enumerate(mbs):
+            mb.setdefault("train_mask", torch.zeros_like(mb["loss_mask"]))
+            mbs[k] = (mbs[k][0], {key: v.to(self.device) for key, v in mb.items()})
+        n_mb = len(mbs)
+        report("received", 0, n_mb)
+
+        # 1. Proximal (and reference) log-probs with the current weights, no grad.
+        self.model.eval()
+        with torch.no_grad():
+            for k, (_, mb) in enumerate(mbs):
+                mb["prox_logp"] = self._forward_logprobs(self.model, mb)[0]
+                if self.ref_model is not None:
+                    mb["ref_logp"] = self._forward_logprobs(self.ref_model, mb)[0]
+                report("logprobs", k + 1, n_mb)
+
+        # 2. Advantages for the whole shard (batch-level statistics are all-reduced).
+        ref_full = None
+        if self.ref_model is not None:
+            ref_full = torch.zeros_like(batch["logprobs"])
+            for rows_k, mb in mbs:
+                if rows_k:
+                    idx = torch.tensor(rows_k, device=self.device)
+                    ref_full[idx, : mb["ref_logp"].shape[1]] = mb["ref_logp"]
+        adv_full = compute_advantages(
+            batch["rewards"],
+            batch["train_mask"],
+            cfg,
+            group_index=batch["group_index"],
+            behave_logp=batch["logprobs"],
+            ref_logp=ref_full,
+            reduce=self.reduce_sum,
+        )
+        adv_stats = self.reduce_sum(
+            torch.stack(
+                [
+                    (adv_full.double() * batch["train_mask"]).sum(),
+                    (adv_full.double().square() * batch["train_mask"]).sum(),
+                ]
+            )
+        ).tolist()
+        for rows_k, mb in mbs:
+            if rows_k:
+                idx = torch.tensor(rows_k, device=self.device)
+                mb["advantages"] = adv_full[idx, : mb["input_ids"].shape[1]]
+            else:
+                mb["advantages"] = torch.zeros_like(mb["logprobs"])
+
+        # 3. PPO update with gradient accumulation over the micro-batches.
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        # FSDP averages gradients over ranks; each rank's loss is already divided by the
+        # global token count, so scaling by the world size turns the average into the sum.
+        scale = float(self.world_size) if self.cfg.fsdp else 1.0
+        stats = LossStats()
+        for k, (_, mb) in enumerate(mbs):
+            if self.cfg.fsdp:
+                # Reduce-scatter once, after the last micro-batch.
+                self.model.set_requires_gradient_sync(k == n_mb - 1)  # type: ignore[operator]
+            logp, entropy = self._forward_logprobs(self.model, mb)
+            loss, mb_stats = ppo_loss(
+                logp,
+                mb["prox_logp"],
+                mb["logprobs"],
+                mb["advantages"],
+                mb["train_mask"],
+                cfg,
+                total_tokens,
+                entropy,
+            )
+            (loss * scale).backward()
+            stats.add(mb_stats)
+            report("update", k + 1, n_mb)
+        max_norm = self.cfg.optim.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.grad is not None],
+            max_norm if max_norm is not None else float("inf"),
+        )
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        self.global_step += 1
+
+        sums = self.reduce_sum(
+            torch.tensor(
+                [
+                    stats.loss,
+                    stats.clipped_tokens,
+                    stats.imp_weight_sum,
+                    stats.entropy_sum,
+                    stats.tokens,
+                    stats.capped_tokens,
+                ],
+                dtype=torch.float64,
+                device=self.device,
+            )
+        ).tolist()
+        imp_max = self._reduce_max_float(stats.imp_weight_max)
+        tokens = sums[4]
+        kept = tokens - sums[5]
+        return StepResult(
+            global_step=self.global_step - 1,
+            policy_version=self.version,
+            loss=sums[0],
+            grad_norm=float(grad_norm),
+            clip_fraction=sums[1] / tokens if tokens else 0.0,
+            entropy=sums[3] / tokens if tokens else 0.0,
+            importance_weight_mean=sums[2] / kept if kept else 0.0,
+            importance_weight_max=imp_max,
+            reward_mean=reward_sum / total_rows,
+            trained_tokens=int(tokens),
+            sequences=int(total_rows),
+            learning_rate=lr,
+            elapsed_seconds=time.perf_counter() - start,
+            microbatches=n_mb,
+            extra=self._extra_stats(sums[5], staleness_sum, adv_stats, total_tokens),
+        )
+
+    @staticmethod
+    def _extra_stats(
+        capped: float, staleness_sum: float, adv_sums: list[float], tokens: float
+    ) -> dict[str, float]:
+        n = max(tokens, 1.0)
+        adv_mean = adv_sums[0] / n
+        return {
+            "capped_tokens": capped,
+            "staleness_mean": staleness_sum / n,
+            "advantage_mean": adv_mean,
+            "advantage_std": math.sqrt(max(adv_sums[1] / n - adv_mean * adv_mean, 0.0)),
+        }
+
+    def _reduce_max_float(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        if self.distributed and self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0])
+
+    # -- parameters, checkpoints, export ------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) model state dict on CPU; collective, complete on every rank."""
+        if not self.cfg.fsdp:
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().cpu() for k, v in full.items()}
+
+    def _replace_dir(self, tmp: Path, final: Path) -> None:
+        """Rank 0 swaps ``tmp`` into ``final`` (old contents removed only after the swap)."""
+        old = None
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+            final.rename(old)
+        tmp.rename(final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def save_checkpoint(self, path: str, global_step: int | None = None) -> None:
+        """Sharded DCP checkpoint of model, optimizer, scheduler, version and step (collective).
+
+        Every rank writes its shard into ``<path>.tmp``; after a barrier rank 0 adds the
+        metadata and renames the directory into place, so ``path`` is either the old
+        checkpoint or the complete new one.
+        """
+        final = Path(path)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.barrier()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=str(tmp),
+            no_dist=not self.distributed,
+        )
+        self.barrier()
+        if self.rank == 0:
+            meta = {
+                "policy_version": self.version,
+                # The caller's step number (default: the last step taken, -1 if none) and the
+                # engine's count of completed steps are kept apart.
+                "global_step": self.global_step - 1 if global_step is None else global_step,
+                "steps_completed": self.global_step,
+                "scheduler": self.scheduler.state_dict(),
+                "world_size": self.world_size,
+                "model": self.cfg.model,
+            }
+            (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
+            self._replace_dir(tmp, final)
+        self.barrier()
+
+    def load_checkpoint(self, path: str) -> tuple[int, int]:
+        """Restores a :meth:`save_checkpoint` directory; returns (its global step, version)."""
+        meta_file = Path(path) / CHECKPOINT_META
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{path} is not a trainer checkpoint (no {CHECKPOINT_META})")
+        meta = json.loads(meta_file.read_text())
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path, no_dist=not self.distributed)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.version = int(meta["policy_version"])
+        self.global_step = int(meta["steps_completed"])
+        self.barrier()
+        return int(meta["global_step"]), self.version
+
+    def export_hf(self, path: str) -> None:
+        """Writes the full model in Hugging Face format (collective; rank 0 writes).
+
+        The gathered weights go into a fresh unsharded model of the same source so that
+        ``save_pretrained`` sees ordinary tensors; the directory appears atomically.
+        """
+        full = self.full_state_dict()
+        if self.rank == 0:
+            final = Path(path)
+            tmp = final.with_name(final.name + f".tmp-{uuid.uuid4().hex[:8]}")
+            plain = load_model(self.cfg.model, seed=self.cfg.seed)
+            plain.load_state_dict({k: v.float() for k, v in full.items()})
+            save_pretrained(plain, self.tokenizer, tmp)
+            self._replace_dir(tmp, final)
+        self.barrier()

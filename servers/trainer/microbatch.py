@@ -1,0 +1,125 @@
+"""Token-budget micro-batches (reference/areal-behaviour.md §3.5).
+
+A rank's shard is packed with :func:`areal_grpc.ffd.ffd_allocate` into micro-batches of at
+most ``max_tokens_per_mb`` real tokens. FSDP runs collectives in every forward and backward,
+so all ranks must run the *same number* of micro-batches: the count is agreed with an
+all-reduce (max) and ranks with fewer sequences (or none) run empty micro-batches, which
+are a dummy row whose loss is exactly zero but still takes part in every collective.
+
+Gradient accumulation scales each micro-batch loss by ``1 / N`` with ``N`` the trainable
+tokens of the *global* batch (all ranks, all micro-batches), see
+:func:`areal_servers.trainer.algorithm.ppo_loss`, so the accumulated gradient is that of the
+global token mean whatever the packing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from areal_grpc.ffd import ffd_allocate
+
+Batch = dict[str, torch.Tensor]
+
+# Element-wise max of small int lists over ranks (identity on one process).
+ReduceMax = Callable[[list[int]], list[int]]
+
+# Keys with one value per token ([B, S]); everything else with a batch dim is per row ([B]).
+TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
+
+
+@dataclass
+class MicroBatchSpec:
+    """How a shard is cut into micro-batches."""
+
+    # Real (attention-mask) tokens per micro-batch; None: no budget (one micro-batch).
+    max_tokens_per_mb: int | None = None
+    # At least this many micro-batches per rank.
+    min_mbs: int = 1
+
+
+def _no_reduce(values: list[int]) -> list[int]:
+    return values
+
+
+def plan_microbatches(
+    seqlens: Sequence[int], spec: MicroBatchSpec, reduce_max: ReduceMax = _no_reduce
+) -> list[list[int]]:
+    """Row indices of each micro-batch; the count is equal on every rank (empty lists pad).
+
+    Every rank must call this once per step with the same ``spec`` (it runs collectives).
+    Raises ValueError when a sequence is longer than the budget.
+    """
+    capacity = spec.max_tokens_per_mb if spec.max_tokens_per_mb is not None else 1 << 62
+    n = max(spec.min_mbs, 1)
+    while True:
+        groups = ffd_allocate(list(seqlens), capacity, min(n, len(seqlens))) if seqlens else []
+        groups = [sorted(g) for g in groups] + [[] for _ in range(n - len(groups))]
+        # One collective per round: the max count and (negated) the min count.
+        hi, neg_lo = reduce_max([len(groups), -len(groups)])
+        if hi == -neg_lo:
+            return groups
+        # Some rank needs more micro-batches: everyone retries with at least that many.
+        n = hi
+
+
+def dummy_microbatch(pad_token_id: int = 0, device: torch.device | None = None) -> Batch:
+    """A one-row micro-batch with nothing to train: joins the collectives, adds zero loss."""
+    return {
+        "input_ids": torch.full((1, 2), pad_token_id, dtype=torch.int64, device=device),
+        "attention_mask": torch.ones(1, 2, dtype=torch.bool, device=device),
+        "loss_mask": torch.zeros(1, 2, dtype=torch.bool, device=device),
+        "logprobs": torch.zeros(1, 2, dtype=torch.float32, device=device),
+        "versions": torch.full((1, 2), -1, dtype=torch.int64, device=device),
+    }
+
+
+def select_rows(batch: Batch, rows: Sequence[int]) -> Batch:
+    """The given rows of a padded batch, trimmed to their longest sequence.
+
+    Per-token tensors are cut to ``[len(rows), S']``; per-row tensors ([B]) follow the rows;
+    other per-token tensors the caller added (advantages, proximal log-probs) too.
+    """
+    index = torch.as_tensor(list(rows), dtype=torch.int64)
+    b, s = batch["attention_mask"].shape
+    width = int(batch["attention_mask"][index].sum(dim=1).max()) if len(rows) else 0
+    out: Batch = {}
+    for key, value in batch.items():
+        if value.dim() >= 2 and value.shape[:2] == (b, s):
+            out[key] = value[index, :width]
+        elif value.dim() >= 1 and value.shape[0] == b:
+            out[key] = value[index]
+        else:
+            out[key] = value
+    return out
+
+
+def split_microbatches(
+    batch: Batch | None,
+    spec: MicroBatchSpec,
+    reduce_max: ReduceMax = _no_reduce,
+    pad_token_id: int = 0,
+) -> list[tuple[list[int], Batch]]:
+    """(rows, micro-batch) pairs for a shard (``None``: an empty shard), same count on all ranks.
+
+    Empty micro-batches come back as ``([], dummy_microbatch())``.
+    """
+    seqlens = [] if batch is None else batch["attention_mask"].sum(dim=1).tolist()
+    plan = plan_microbatches([int(n) for n in seqlens], spec, reduce_max)
+    out: list[tuple[list[int], Batch]] = []
+    for rows in plan:
+        if rows:
+            assert batch is not None
+            out.append((rows, select_rows(batch, rows)))
+        else:
+            out.append(([], dummy_microbatch(pad_token_id)))
+    return out
+
+
+def padding_waste(seqlens: Sequence[int], plan: Sequence[Sequence[int]]) -> float:
+    """Fraction of padded token slots (rows x longest row per micro-batch) that are padding."""
+    slots = sum(len(rows) * max((seqlens[i] for i in rows), default=0) for rows in plan)
+    real = sum(seqlens[i] for rows in plan for i in rows)
+    return 1.0 - real / slots if slots else 0.0

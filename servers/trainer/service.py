@@ -1,0 +1,392 @@
+"""TrainerService: one trainer rank behind gRPC (grpc.aio).
+
+All torch work (process-group set-up, steps, checkpoints, export) runs on one dedicated worker
+thread, so the event loop keeps answering (status, health) while a step runs, and the
+collectives of successive calls run in the order the calls arrived.
+
+Lock-step rule: the coordinator makes the same sequence of collective calls (TrainStep,
+SaveCheckpoint, LoadCheckpoint, ExportModel) on every rank. Every TrainStep call joins one
+agreement collective *before* any training collective, whatever happened while reading its
+stream: a rank that got bad input answers INVALID_ARGUMENT naming the field, the other ranks
+answer ABORTED, no rank trains, and all of them are ready for the next step. A step whose
+global batch has no trajectories is INVALID_ARGUMENT on every rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import torch
+import torch.distributed as dist
+from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from areal_servers.trainer.engine import (
+    DistConfig,
+    EngineConfig,
+    StepResult,
+    TrainerEngine,
+    init_distributed,
+)
+
+from areal_grpc.errors import (
+    FieldError,
+    PreconditionError,
+    abort_with,
+    status,
+    status_for_exception,
+)
+from areal_grpc.trajectory import groups_to_batch
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Local verdicts exchanged by the agreement collective.
+OK, BAD_INPUT, CONFLICT = 0, 1, 2
+
+
+class StepAborted(RuntimeError):
+    """Another rank rejected its part of the step; nothing was trained."""
+
+
+@dataclass
+class TrainerServiceConfig:
+    """A rank's engine and process-group settings."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    # Join a process group (False: a single plain process, for tools and tests).
+    distributed: bool = True
+    # When set, checkpoint and export paths must lie under this directory.
+    path_root: str | None = None
+
+
+@dataclass
+class _Shard:
+    """What one TrainStep stream delivered, or why it was refused."""
+
+    begin: trainer_pb2.StepBegin | None = None
+    groups: list[common_pb2.TrajectoryGroup] = field(default_factory=list)
+    error: Exception | None = None
+
+
+def _stats_proto(r: StepResult) -> trainer_pb2.StepStats:
+    return trainer_pb2.StepStats(
+        global_step=r.global_step,
+        policy_version=r.policy_version,
+        loss=r.loss,
+        grad_norm=r.grad_norm,
+        clip_fraction=r.clip_fraction,
+        entropy=r.entropy,
+        importance_weight_mean=r.importance_weight_mean,
+        importance_weight_max=r.importance_weight_max,
+        reward_mean=r.reward_mean,
+        trained_tokens=r.trained_tokens,
+        sequences=r.sequences,
+        learning_rate=r.learning_rate,
+        elapsed_seconds=r.elapsed_seconds,
+        extra={**r.extra, "microbatches": float(r.microbatches)},
+    )
+
+
+class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
+    """TrainerService for one rank; the engine is built on the worker thread at start."""
+
+    def __init__(self, cfg: TrainerServiceConfig) -> None:
+        self.cfg = cfg
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-torch")
+        self._busy = False
+        self.engine: TrainerEngine | None = None
+        # Building starts now so a launcher can start every rank before any is ready (the
+        # process group's rendezvous waits for all of them).
+        self._ready: Future[TrainerEngine] = self._executor.submit(self._build)
+
+    def _build(self) -> TrainerEngine:
+        if self.cfg.distributed:
+            init_distributed(self.cfg.dist)
+        self.engine = TrainerEngine(self.cfg.engine)
+        log.info(
+            "trainer rank %d/%d ready (%s, %s)",
+            self.engine.rank,
+            self.engine.world_size,
+            self.engine.backend,
+            self.cfg.engine.model,
+        )
+        return self.engine
+
+    def wait_ready(self, timeout: float | None = None) -> TrainerEngine:
+        """Blocks until the engine is built (raises what building raised)."""
+        return self._ready.result(timeout)
+
+    def close(self) -> None:
+        """Stops the worker thread after the work already queued."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        """Runs ``fn`` on the torch worker thread once the engine is ready."""
+        await asyncio.wrap_future(self._ready)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)
+
+    def _check_path(self, path: str, where: str = "path") -> str:
+        if not path:
+            raise FieldError(where, "must not be empty")
+        if self.cfg.path_root is not None:
+            root = Path(self.cfg.path_root).resolve()
+            resolved = Path(path).resolve()
+            if not resolved.is_relative_to(root):
+                raise FieldError(where, f"{path!r} is outside the allowed root {str(root)!r}")
+        return path
+
+    # -- TrainStep ----------------------------------------------------------------------------
+
+    async def _read_shard(self, requests: AsyncIterator[trainer_pb2.TrainStepRequest]) -> _Shard:
+        """Reads begin, groups, end; records the first problem instead of raising it."""
+        shard = _Shard()
+        ended = False
+        try:
+            async for req in requests:
+                kind = req.WhichOneof("kind")
+                if kind == "begin":
+                    if shard.begin is not None:
+                        raise FieldError("begin", "StepBegin sent twice")
+                    shard.begin = req.begin
+                elif kind == "group":
+                    if shard.begin is None:
+                        raise FieldError("group", "a group arrived before StepBegin")
+                    shard.groups.append(req.group)
+                elif kind == "end":
+                    if shard.begin is None:
+                        raise FieldError("end", "StepEnd arrived before StepBegin")
+                    ended = True
+                    break
+                else:
+                    raise FieldError("kind", "empty request: set begin, group or end")
+            if not ended:
+                if shard.begin is None:
+                    raise FieldError("begin", "the stream ended without StepBegin")
+                raise FieldError("end", "the stream ended without StepEnd")
+            begin = shard.begin
+            assert begin is not None
+            if begin.group_count != len(shard.groups):
+                raise FieldError(
+                    "begin.group_count",
+                    f"announced {begin.group_count} groups, {len(shard.groups)} arrived",
+                )
+        except (FieldError, PreconditionError) as exc:
+            shard.error = exc
+        return shard
+
+    def _prepare(self, shard: _Shard) -> dict[str, torch.Tensor] | None:
+        """Validates the shard into a batch (None when empty); raises FieldError."""
+        engine = self.engine
+        assert engine is not None and shard.begin is not None
+        if shard.begin.policy_version != engine.version:
+            raise PreconditionError(
+                f"begin.policy_version is {shard.begin.policy_version} but this rank's "
+                f"weights are version {engine.version}"
+            )
+        if not shard.groups:
+            return None
+        batch = groups_to_batch(
+            shard.groups, pad_token_id=engine.pad_token_id, vocab_size=engine.vocab_size
+        )
+        budget = self.cfg.engine.microbatch.max_tokens_per_mb
+        if budget is not None:
+            for g, group in enumerate(shard.groups):
+                for i, traj in enumerate(group.trajectories):
+                    if len(traj.token_ids) > budget:
+                        raise FieldError(
+                            f"groups[{g}].trajectories[{i}].token_ids",
+                            f"{len(traj.token_ids)} tokens exceed max_tokens_per_mb {budget}",
+                        )
+        return batch
+
+    def _agree(self, verdict: int, rows: int, global_step: int) -> None:
+        """The step's agreement collective: every rank learns every rank's verdict."""
+        engine = self.engine
+        assert engine is not None
+        mine = torch.tensor([verdict, rows, global_step], dtype=torch.int64)
+        if engine.distributed and engine.world_size > 1:
+            everyone = [torch.zeros_like(mine) for _ in range(engine.world_size)]
+            dist.all_gather(everyone, mine)
+        else:
+            everyone = [mine]
+        verdicts = [int(t[0]) for t in everyone]
+        if verdict != OK:
+            return  # the caller reports its own error
+        bad = [r for r, v in enumerate(verdicts) if v != OK]
+        if bad:
+            raise StepAborted(f"rank(s) {bad} rejected their part of the step; nothing trained")
+        steps = {int(t[2]) for t in everyone}
+        if len(steps) > 1:
+            raise PreconditionError(f"ranks disagree on begin.global_step: {sorted(steps)}")
+        if sum(int(t[1]) for t in everyone) == 0:
+            raise FieldError("groups", "the step's global batch has no trajectories on any rank")
+
+    def _step_job(self, shard: _Shard, progress: Callable[[str, int, int], None]) -> StepResult:
+        """Worker-thread body of TrainStep: validate, agree, train."""
+        engine = self.engine
+        assert engine is not None
+        self._busy = True
+        try:
+            batch = None
+            error = shard.error
+            if error is None:
+                try:
+                    batch = self._prepare(shard)
+                except (FieldError, PreconditionError) as exc:
+                    error = exc
+            verdict = OK
+            if error is not None:
+                verdict = CONFLICT if isinstance(error, PreconditionError) else BAD_INPUT
+            rows = 0 if batch is None else int(batch["rewards"].shape[0])
+            step = shard.begin.global_step if shard.begin is not None else -1
+            self._agree(verdict, rows, step)
+            if error is not None:
+                raise error
+            result = engine.train_step(batch, progress)
+            # Report the coordinator's step number, not the engine's own counter.
+            result.global_step = step
+            return result
+        finally:
+            self._busy = False
+
+    async def TrainStep(
+        self,
+        request_iterator: AsyncIterator[trainer_pb2.TrainStepRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[trainer_pb2.TrainStepResponse]:
+        """Reads this rank's shard, joins the step on every rank, streams progress and stats."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[trainer_pb2.StepProgress] = asyncio.Queue()
+
+        def progress(phase: str, done: int, total: int) -> None:
+            msg = trainer_pb2.StepProgress(
+                microbatches_done=done, microbatches_total=total, phase=phase
+            )
+            loop.call_soon_threadsafe(queue.put_nowait, msg)
+
+        try:
+            await asyncio.wrap_future(self._ready)
+        except Exception as exc:
+            await abort_with(context, status(grpc.StatusCode.UNAVAILABLE, f"not ready: {exc}"))
+        try:
+            # Headers go out at once: a caller can tell the rank has taken the step on.
+            await context.send_initial_metadata(())
+            shard = await self._read_shard(request_iterator)
+        except BaseException as exc:
+            # The stream broke (cancelled, deadline): still take part in the step's agreement
+            # so the other ranks are released, then let the cancellation proceed.
+            broken = _Shard(error=FieldError("stream", f"broken before StepEnd: {exc!r}"))
+            self._executor.submit(self._step_job, broken, lambda *_: None)
+            raise
+        # Submitted even if this call is cancelled from here on: the other ranks wait for it.
+        job = asyncio.wrap_future(self._executor.submit(self._step_job, shard, progress))
+        while True:
+            getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({job, getter}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                yield trainer_pb2.TrainStepResponse(progress=getter.result())
+                continue
+            getter.cancel()
+            break
+        while not queue.empty():
+            yield trainer_pb2.TrainStepResponse(progress=queue.get_nowait())
+        try:
+            result = job.result()
+        except StepAborted as exc:
+            await abort_with(context, status(grpc.StatusCode.ABORTED, str(exc)))
+            return
+        except Exception as exc:
+            if not isinstance(exc, (FieldError, PreconditionError)):
+                log.exception("training step failed")
+            await abort_with(context, status_for_exception(exc))
+            return
+        yield trainer_pb2.TrainStepResponse(stats=_stats_proto(result))
+
+    # -- checkpoints, export, status ----------------------------------------------------------
+
+    async def _unary(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return await self._run(fn)
+        except Exception as exc:
+            if isinstance(exc, FileNotFoundError):
+                st = status(grpc.StatusCode.NOT_FOUND, str(exc))
+            else:
+                if not isinstance(exc, (FieldError, PreconditionError)):
+                    log.exception("trainer call failed")
+                st = status_for_exception(exc)
+        await abort_with(context, st)
+        raise AssertionError("unreachable: abort raises")
+
+    async def SaveCheckpoint(
+        self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.SaveCheckpointResponse:
+        """Sharded, atomic checkpoint of model, optimizer, scheduler, version, step."""
+
+        def job() -> trainer_pb2.SaveCheckpointResponse:
+            engine = self.engine
+            assert engine is not None
+            # Validation failures here are identical on every rank (same request), so no rank
+            # is left waiting in the checkpoint's collectives.
+            path = self._check_path(request.path)
+            engine.save_checkpoint(path, request.global_step or None)
+            return trainer_pb2.SaveCheckpointResponse(path=path, policy_version=engine.version)
+
+        return await self._unary(context, job)
+
+    async def LoadCheckpoint(
+        self, request: trainer_pb2.LoadCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.LoadCheckpointResponse:
+        """Restores a SaveCheckpoint directory."""
+
+        def job() -> trainer_pb2.LoadCheckpointResponse:
+            engine = self.engine
+            assert engine is not None
+            path = self._check_path(request.path)
+            step, version = engine.load_checkpoint(path)
+            return trainer_pb2.LoadCheckpointResponse(global_step=step, policy_version=version)
+
+        return await self._unary(context, job)
+
+    async def ExportModel(
+        self, request: trainer_pb2.ExportModelRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.ExportModelResponse:
+        """Writes the full model in Hugging Face format (rank 0 writes)."""
+
+        def job() -> trainer_pb2.ExportModelResponse:
+            engine = self.engine
+            assert engine is not None
+            path = self._check_path(request.path)
+            engine.export_hf(path)
+            return trainer_pb2.ExportModelResponse(path=path, policy_version=engine.version)
+
+        return await self._unary(context, job)
+
+    async def GetTrainerStatus(
+        self, request: trainer_pb2.GetTrainerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.GetTrainerStatusResponse:
+        """Answers at once, even while a step runs (reads plain attributes, no torch work)."""
+        engine = self.engine
+        if engine is None:
+            return trainer_pb2.GetTrainerStatusResponse(
+                rank=self.cfg.dist.rank or 0,
+                world_size=self.cfg.dist.world_size or 1,
+                model=self.cfg.engine.model,
+            )
+        return trainer_pb2.GetTrainerStatusResponse(
+            rank=engine.rank,
+            world_size=engine.world_size,
+            policy_version=engine.version,
+            global_step=engine.global_step,
+            backend=engine.backend,
+            model=self.cfg.engine.model,
+            busy=self._busy,
+        )

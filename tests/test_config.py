@@ -1,0 +1,191 @@
+"""Run configuration: defaults, YAML + overrides precedence, errors that name the bad key."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_grpc.config import RunConfig, load_config, to_yaml, validate_config
+from areal_grpc.errors import FieldError
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_the_builtin_run():
+    cfg = load_config(None, [])
+    assert cfg == RunConfig()
+    assert cfg.model.source.startswith("builtin:")
+    assert cfg.data.task == "first3"
+    assert cfg.rollout.num_servers == 1
+    assert cfg.rollout.engine == "hf"
+    assert cfg.trainer.ranks == 2
+    assert cfg.launcher.mode == "local"
+    # GRPO settings of the measured tiny-model runs.
+    assert (cfg.staleness.batch_size, cfg.staleness.group_size) == (32, 8)
+    assert cfg.trainer.lr == 1e-3
+    assert cfg.trainer.grad_clip == 1.0
+    assert cfg.trainer.weight_decay == 0.0
+    assert cfg.trainer.ppo.eps_clip == 0.2
+    assert cfg.trainer.ppo.ppo_epochs == 1
+    assert cfg.trainer.ppo.kl_ctl == 0.0
+    assert cfg.trainer.ppo.reward_norm == "group"
+    assert cfg.rollout.sampling.temperature == 1.0
+    assert cfg.eval.every_steps == 25
+    assert cfg.weight_sync.methods == ["distributed", "stream", "disk"]
+
+
+def test_yaml_then_overrides_in_order(tmp_path):
+    path = _write(
+        tmp_path,
+        "trainer:\n  lr: 5.0e-4\n  ranks: 4\nstaleness:\n  max_staleness: 0\n"
+        "weight_sync:\n  methods: [disk]\n",
+    )
+    cfg = load_config(path, ["trainer.lr=2e-4", "trainer.ppo.eps_clip=0.1", "trainer.lr=3e-4"])
+    assert cfg.trainer.lr == 3e-4  # the last override wins over the file
+    assert cfg.trainer.ranks == 4  # from the file
+    assert cfg.staleness.max_staleness == 0
+    assert cfg.weight_sync.methods == ["disk"]  # lists are replaced, not appended
+    assert cfg.trainer.ppo.eps_clip == 0.1
+    assert cfg.trainer.ppo.behav_imp_weight_cap == 5.0  # untouched siblings keep defaults
+    assert cfg.rollout == RunConfig().rollout
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config(
+        None,
+        [
+            "trainer.ppo.behav_imp_weight_cap=null",
+            "weight_sync.methods=[stream,disk]",
+            "output.tensorboard=false",
+            "trainer.lr=1",
+            "name=7",
+        ],
+    )
+    assert cfg.trainer.ppo.behav_imp_weight_cap is None
+    assert cfg.weight_sync.methods == ["stream", "disk"]
+    assert cfg.output.tensorboard is False
+    assert cfg.trainer.lr == 1.0 and isinstance(cfg.trainer.lr, float)
+    assert cfg.name == "7"
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "launcher.mode=attach",
+            "launcher.rollout_addresses=[10.0.0.1:5000]",
+            "launcher.trainer_addresses=[10.0.0.2:6000,10.0.0.3:6000]",
+            "rollout.sampling.max_new_tokens=64",
+        ],
+    )
+    assert load_config(_write(tmp_path, to_yaml(cfg)), []) == cfg
+
+
+def test_empty_yaml_file_means_defaults(tmp_path):
+    assert load_config(_write(tmp_path, ""), []) == RunConfig()
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "words"),
+    [
+        ("trainer.lr=abc", "trainer.lr", "Float"),
+        ("trainer.foo=1", "trainer.foo", "unknown key"),
+        ("tranier.lr=1e-3", "tranier", "unknown key"),
+        ("trainer.ranks=2.5", "trainer.ranks", "Integer"),
+        ("trainer.ranks=true", "trainer.ranks", "Integer"),
+        ("output.plot=maybe", "output.plot", "bool"),
+        ("trainer=3", "trainer", ""),
+        ("trainer.lr", "trainer.lr", "key=value"),
+        ("=3", "=3", "key=value"),
+        ("trainer..lr=1", "trainer..lr", "empty component"),
+        ("trainer.lr=", "trainer.lr", ""),
+        ("name=${nope}", "name", "nope"),
+    ],
+)
+def test_bad_override_names_the_key(override, field, words):
+    with pytest.raises(FieldError) as err:
+        load_config(None, [override])
+    assert err.value.field == field
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("trainer.lr=0", "trainer.lr"),
+        ("trainer.ranks=0", "trainer.ranks"),
+        ("trainer.backend=mpi", "trainer.backend"),
+        ("trainer.ppo.eps_clip=-0.1", "trainer.ppo.eps_clip"),
+        ("trainer.ppo.behav_imp_weight_cap=0.5", "trainer.ppo.behav_imp_weight_cap"),
+        ("trainer.ppo.adv_norm=token", "trainer.ppo.adv_norm"),
+        ("rollout.engine=vllm", "rollout.engine"),
+        ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
+        ("rollout.max_concurrent_rollouts=0", "rollout.max_concurrent_rollouts"),
+        ("staleness.max_staleness=-1", "staleness.max_staleness"),
+        ("staleness.batch_size=0", "staleness.batch_size"),
+        ("weight_sync.methods=[]", "weight_sync.methods"),
+        ("weight_sync.methods=[stream,stream]", "weight_sync.methods"),
+        ("weight_sync.methods=[stream,nfs]", "weight_sync.methods[1]"),
+        ("weight_sync.chunk_bytes=2000000", "weight_sync.chunk_bytes"),
+        ("eval.every_steps=-1", "eval.every_steps"),
+        ("launcher.mode=remote", "launcher.mode"),
+        ("launcher.rollout_addresses=[localhost]", "launcher.rollout_addresses[0]"),
+        ("output.log_level=LOUD", "output.log_level"),
+        ("launcher.coordinator_port=70000", "launcher.coordinator_port"),
+        ("total_steps=0", "total_steps"),
+    ],
+)
+def test_out_of_range_values_name_the_key(override, field):
+    with pytest.raises(FieldError) as err:
+        load_config(None, [override])
+    assert err.value.field == field
+
+
+def test_attach_mode_needs_an_address_per_server_and_rank():
+    with pytest.raises(FieldError) as err:
+        load_config(None, ["launcher.mode=attach", "launcher.rollout_addresses=[h:1]"])
+    assert err.value.field == "launcher.trainer_addresses"
+    assert "trainer.ranks = 2" in str(err.value)
+    cfg = load_config(
+        None,
+        [
+            "launcher.mode=attach",
+            "launcher.rollout_addresses=[h:1]",
+            "launcher.trainer_addresses=[h:2,h:3]",
+        ],
+    )
+    assert cfg.launcher.trainer_addresses == ["h:2", "h:3"]
+
+
+def test_sglang_engine_needs_a_url_per_server():
+    with pytest.raises(FieldError) as err:
+        load_config(None, ["rollout.engine=sglang"])
+    assert err.value.field == "rollout.sglang_urls"
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_urls=[http://h:30000]"])
+    assert cfg.rollout.sglang_urls == ["http://h:30000"]
+
+
+def test_bad_yaml_file_errors_name_the_key_or_file(tmp_path):
+    with pytest.raises(FieldError) as err:
+        load_config(_write(tmp_path, "trainer:\n  lr: fast\n"), [])
+    assert err.value.field == "trainer.lr"
+    with pytest.raises(FieldError) as err:
+        load_config(_write(tmp_path, "staleness:\n  eta: 2\n"), [])
+    assert err.value.field == "staleness.eta"
+    path = _write(tmp_path, "- just\n- a list\n")
+    with pytest.raises(FieldError, match="mapping") as err:
+        load_config(path, [])
+    assert err.value.field == path
+    with pytest.raises(FieldError, match="not valid YAML"):
+        load_config(_write(tmp_path, "trainer: [unclosed\n"), [])
+
+
+def test_validate_config_checks_a_config_built_in_code():
+    cfg = RunConfig()
+    cfg.trainer.grad_clip = 0.0
+    with pytest.raises(FieldError) as err:
+        validate_config(cfg)
+    assert err.value.field == "trainer.grad_clip"

@@ -1,0 +1,188 @@
+"""Server scaffolding: health, reflection, message limits, graceful stop, entry points."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+from areal.v1 import rollout_pb2, rollout_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from areal_grpc.errors import FieldError, abort_with, field_violations, invalid_argument
+from areal_grpc.launch import health_status, python_module_argv, start_child, stop_children
+from areal_grpc.server import (
+    BackgroundServer,
+    ChannelOptions,
+    ServerOptions,
+    aio_channel,
+    service,
+    start_server,
+    sync_channel,
+)
+
+
+class EchoRollout(rollout_pb2_grpc.RolloutServiceServicer):
+    """A servicer for scaffolding tests: Generate echoes its input, or rejects bad input."""
+
+    async def Generate(self, request, context):
+        if any(t < 0 for t in request.input_ids):
+            await abort_with(context, invalid_argument(FieldError("input_ids", "negative id")))
+        done = rollout_pb2.Completion(output_ids=list(request.input_ids))
+        return rollout_pb2.GenerateResponse(completions=[done])
+
+    async def GetRolloutStatus(self, request, context):
+        await asyncio.sleep(0.5)  # long enough to be in flight during a graceful stop
+        return rollout_pb2.GetRolloutStatusResponse(engine="echo")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _start(**opts):
+    return await start_server([_echo_service()], ServerOptions(**opts))
+
+
+def test_health_serving_for_each_service_and_overall():
+    async def body():
+        running = await _start()
+        try:
+            async with aio_channel(running.address) as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                for name in ("", "areal.v1.RolloutService"):
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Check(health_pb2.HealthCheckRequest(service="nope.Service"))
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        finally:
+            await running.stop(0)
+
+    run(body())
+
+
+def _echo_service():
+    return service(
+        EchoRollout(), rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2
+    )
+
+
+def test_reflection_lists_services_and_resolves_messages():
+    with BackgroundServer([_echo_service()]) as server, sync_channel(server.address) as ch:
+        db = ProtoReflectionDescriptorDatabase(ch)
+        names = set(db.get_services())
+        assert {"areal.v1.RolloutService", "grpc.health.v1.Health"} <= names
+        file_desc = db.FindFileContainingSymbol("areal.v1.GenerateRequest")
+        assert file_desc.name == "areal/v1/rollout.proto"
+
+
+def test_bad_input_gets_invalid_argument_naming_field_and_server_stays_up():
+    async def body():
+        running = await _start()
+        try:
+            async with aio_channel(running.address) as ch:
+                stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Generate(rollout_pb2.GenerateRequest(input_ids=[1, -2]))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "input_ids" in err.value.details()
+                ok = await stub.Generate(rollout_pb2.GenerateRequest(input_ids=[5, 6]))
+                assert list(ok.completions[0].output_ids) == [5, 6]
+        finally:
+            await running.stop(0)
+
+    run(body())
+
+
+def test_bad_request_details_readable_by_sync_clients():
+    with BackgroundServer([_echo_service()]) as server, sync_channel(server.address) as ch:
+        stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(rollout_pb2.GenerateRequest(input_ids=[-1]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field_violations(err.value) == [("input_ids", "negative id")]
+
+
+def test_message_size_limit_rejects_oversized_request_and_server_stays_up():
+    async def body():
+        running = await _start(max_message_bytes=1 << 16)
+        try:
+            big = ChannelOptions(max_message_bytes=1 << 24)
+            async with aio_channel(running.address, big) as ch:
+                stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Generate(rollout_pb2.GenerateRequest(input_ids=[7] * 100_000))
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                ok = await stub.Generate(rollout_pb2.GenerateRequest(input_ids=[1, 2, 3]))
+                assert list(ok.completions[0].output_ids) == [1, 2, 3]
+        finally:
+            await running.stop(0)
+
+    run(body())
+
+
+def test_graceful_stop_finishes_in_flight_calls_and_reports_not_serving():
+    async def body():
+        running = await _start(grace_s=5)
+        async with aio_channel(running.address) as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            in_flight = asyncio.ensure_future(
+                stub.GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest())
+            )
+            await asyncio.sleep(0.1)
+            stopping = asyncio.ensure_future(running.stop())
+            await asyncio.sleep(0.05)
+            state = await running.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+            assert state.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            reply = await in_flight
+            assert reply.engine == "echo"
+            await stopping
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["areal_servers.rollout", "areal_servers.trainer", "areal_grpc.coordinator.serve"],
+)
+def test_entry_points_help(module):
+    out = subprocess.run(
+        python_module_argv(module, "--help"), capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--host" in out.stdout and "--port" in out.stdout
+
+
+def test_entry_point_serves_and_drains_on_sigterm(tmp_path):
+    child = start_child(
+        "coordinator",
+        python_module_argv("areal_grpc.coordinator.serve", "--port", "0"),
+        log_dir=tmp_path,
+    )
+    try:
+        assert health_status(child.address, "areal.v1.CoordinatorService") == "SERVING"
+        child.process.send_signal(signal.SIGTERM)
+        assert child.process.wait(timeout=30) == 0
+        assert "draining" in (tmp_path / "coordinator.log").read_text()
+    finally:
+        stop_children([child])
+
+
+def test_main_command_brings_the_mesh_up_and_down(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "areal_grpc.coordinator", "--log-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for svc in ("RolloutService", "WeightSyncService", "TrainerService", "CoordinatorService"):
+        assert f"areal.v1.{svc} SERVING" in out.stdout
+    assert "mesh stopped (cleanly)" in out.stdout

@@ -1,0 +1,314 @@
+"""The GRPO / decoupled-PPO math against element-by-element reference computations.
+
+The references are written here straight from reference/areal-behaviour.md §5 with Python
+loops over plain floats, independent of the vectorised code under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from areal_servers.trainer.algorithm import (
+    NormConfig,
+    PPOConfig,
+    RewardConfig,
+    compute_advantages,
+    kl_estimate,
+    normalize,
+    ppo_loss,
+    shape_rewards,
+    token_logprobs,
+    trainable_mask,
+)
+
+
+def ref_normalize(xs, masks, groups, cfg: NormConfig):
+    """Loop version of AReaL's Normalization over rows ``xs`` (lists) with ``masks``."""
+    rows = len(xs)
+
+    def members(i, level):
+        return [j for j in range(rows) if level == "batch" or groups[j] == groups[i]]
+
+    def valid(rows_):
+        return [(j, t) for j in rows_ for t in range(len(xs[j])) if masks[j][t]]
+
+    out = [[0.0] * len(x) for x in xs]
+    for i in range(rows):
+        for t in range(len(xs[i])):
+            if not masks[i][t]:
+                continue
+            if cfg.mean_level is None:
+                mean = 0.0
+            else:
+                vals = [xs[j][u] for j, u in valid(members(i, cfg.mean_level))]
+                if cfg.mean_leave1out:
+                    n = len(vals)
+                    mean = (sum(vals) - xs[i][t]) / (n - 1) if n > 1 else xs[i][t]
+                else:
+                    mean = sum(vals) / len(vals)
+            if cfg.std_level is None:
+                out[i][t] = xs[i][t] - mean
+                continue
+            # The std of the centred values of the std level's set, each centred by its own
+            # mean (leave-one-out means differ per element).
+            sq, n = 0.0, 0
+            for j, u in valid(members(i, cfg.std_level)):
+                if cfg.mean_level is None:
+                    mj = 0.0
+                else:
+                    vals_j = [xs[k][w] for k, w in valid(members(j, cfg.mean_level))]
+                    if cfg.mean_leave1out:
+                        mj = (
+                            (sum(vals_j) - xs[j][u]) / (len(vals_j) - 1)
+                            if len(vals_j) > 1
+                            else xs[j][u]
+                        )
+                    else:
+                        mj = sum(vals_j) / len(vals_j)
+                sq += (xs[j][u] - mj) ** 2
+                n += 1
+            denom = n - 1 if cfg.std_unbiased else n
+            std = math.sqrt(sq / denom) if denom > 0 else 1.0
+            out[i][t] = (xs[i][t] - mean) / (std + cfg.eps)
+    return out
+
+
+LEVELS = [
+    NormConfig("group", "group"),
+    NormConfig("batch", "batch"),
+    NormConfig("group", "batch"),
+    NormConfig("group", None),
+    NormConfig("group", None, mean_leave1out=True),
+    NormConfig("batch", "group", std_unbiased=False),
+    NormConfig(None, "batch"),
+]
+
+
+@pytest.mark.parametrize("cfg", LEVELS, ids=lambda c: f"{c.mean_level}-{c.std_level}")
+def test_normalize_matches_reference_on_rows_and_tokens(cfg):
+    gen = torch.Generator().manual_seed(1)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3])
+    x = torch.randn(8, 5, generator=gen)
+    mask = torch.rand(8, 5, generator=gen) > 0.3
+    mask[6] = False  # a row with no valid tokens
+    got = normalize(x, cfg, mask=mask, group_index=groups)
+    want = ref_normalize(x.tolist(), mask.tolist(), groups.tolist(), cfg)
+    torch.testing.assert_close(got, torch.tensor(want), atol=1e-5, rtol=1e-5)
+    # Sequence-level ([B]) normalisation of rewards, no mask.
+    r = torch.randn(8, generator=gen)
+    got_r = normalize(r, cfg, group_index=groups)
+    want_r = ref_normalize([[v] for v in r.tolist()], [[True]] * 8, groups.tolist(), cfg)
+    torch.testing.assert_close(got_r, torch.tensor([w[0] for w in want_r]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", LEVELS, ids=lambda c: f"{c.mean_level}-{c.std_level}")
+def test_equal_rewards_in_a_group_give_zero_advantage_never_nan(cfg):
+    # Group 0: all equal; group 1: a single member; group 2: varied.
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.0, 1.0])
+    groups = torch.tensor([0, 0, 0, 1, 2, 2])
+    out = normalize(rewards, cfg, group_index=groups)
+    assert torch.isfinite(out).all()
+    if cfg.mean_level == "group":
+        assert out[:4].abs().max() == 0.0
+        assert out[4] < 0 < out[5]
+
+
+def test_batch_level_statistics_are_summed_over_ranks():
+    # Two "ranks" with halves of a batch: reducing their sums must equal the whole batch.
+    x = torch.tensor([0.0, 1.0, 3.0, 7.0])
+    cfg = NormConfig("batch", "batch")
+    whole = normalize(x, cfg)
+    # The mean pass gives the other half's (sum, count); the std pass needs its squared sum,
+    # so emulate the second collective with the known global mean.
+    mean = x.double().mean()
+    calls = []
+
+    def reduce_left(t):
+        calls.append(t)
+        if len(calls) == 1:
+            return t + torch.stack([x[2:].double().sum(), torch.tensor(2.0, dtype=torch.float64)])
+        return t + torch.stack(
+            [((x[2:].double() - mean) ** 2).sum(), torch.tensor(2.0, dtype=torch.float64)]
+        )
+
+    left = normalize(x[:2], cfg, reduce=reduce_left)
+    torch.testing.assert_close(left, whole[:2])
+
+
+def test_shape_rewards_bias_scale_clip():
+    r = torch.tensor([0.0, 1.0, 5.0, -5.0])
+    got = shape_rewards(r, RewardConfig(bias=-0.5, scale=10.0, clip=20.0))
+    assert got.tolist() == [-5.0, 5.0, 20.0, -20.0]
+    assert shape_rewards(r, RewardConfig(clip=None)).tolist() == r.tolist()
+
+
+def test_advantages_put_the_normalised_reward_on_every_generated_token():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    rewards = torch.tensor([1.0, 0.0, 0.0])
+    groups = torch.tensor([0, 0, 1])
+    cfg = PPOConfig(reward=RewardConfig(bias=0.0, scale=2.0, clip=None))
+    adv = compute_advantages(rewards, loss_mask, cfg, group_index=groups)
+    r = [2.0, 0.0]
+    mean, std = 1.0, math.sqrt(((2 - 1) ** 2 + (0 - 1) ** 2) / 1)
+    want = torch.zeros(3, 5)
+    want[0, 2:4] = (r[0] - mean) / (std + 1e-5)
+    want[1, 1:5] = (r[1] - mean) / (std + 1e-5)
+    torch.testing.assert_close(adv, want)  # group 2 has one member: zero advantage
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_penalty_is_a_return_to_go_reward(estimator):
+    gen = torch.Generator().manual_seed(3)
+    loss_mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)
+    behave = -torch.rand(2, 5, generator=gen) * 3
+    ref = -torch.rand(2, 5, generator=gen) * 3
+    rewards = torch.tensor([1.0, -1.0])
+    cfg = PPOConfig(kl_ctl=0.3, kl_estimator=estimator, reward_norm=None)
+    adv = compute_advantages(rewards, loss_mask, cfg, behave_logp=behave, ref_logp=ref)
+    for i in range(2):
+        for t in range(5):
+            if not loss_mask[i, t]:
+                assert adv[i, t] == 0
+                continue
+            total = float(rewards[i])
+            for u in range(t, 5):
+                if loss_mask[i, u]:
+                    x = float(behave[i, u] - ref[i, u])
+                    kl = {"k1": x, "k2": x * x / 2, "k3": math.exp(-x) - 1 + x}[estimator]
+                    total += max(-10.0, min(10.0, -0.3 * kl))
+            assert adv[i, t].item() == pytest.approx(total, abs=1e-5)
+
+
+def test_kl_estimators_match_their_formulas():
+    a, b = torch.tensor([-0.2, -1.5]), torch.tensor([-0.7, -0.1])
+    x = (a - b).tolist()
+    assert kl_estimate(a, b, "k1").tolist() == pytest.approx(x)
+    assert kl_estimate(a, b, "k2").tolist() == pytest.approx([v * v / 2 for v in x])
+    assert kl_estimate(a, b, "k3").tolist() == pytest.approx([math.exp(-v) - 1 + v for v in x])
+
+
+def test_token_logprobs_shift_logits_to_the_token_they_predict():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 7, generator=gen)
+    ids = torch.randint(0, 7, (2, 4), generator=gen)
+    logp, ent = token_logprobs(logits, ids, temperature=0.5)
+    for i in range(2):
+        assert logp[i, 0] == 0 and ent[i, 0] == 0
+        for t in range(1, 4):
+            probs = torch.softmax(logits[i, t - 1] / 0.5, -1)
+            assert logp[i, t].item() == pytest.approx(math.log(probs[ids[i, t]]), abs=1e-5)
+            want_h = -sum(p * math.log(p) for p in probs.tolist())
+            assert ent[i, t].item() == pytest.approx(want_h, abs=1e-5)
+
+
+def test_trainable_mask_drops_token_zero_and_padding():
+    loss = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    attn = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    assert trainable_mask(loss, attn).tolist() == [
+        [False, True, True, False],
+        [False, True, True, False],
+    ]
+
+
+def ref_token_loss(theta, prox, behave, adv, cfg: PPOConfig):
+    """(loss, kept, clipped, w) of one token straight from §5.3."""
+    ratio = math.exp(theta - prox)
+    hi = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
+    clipped_ratio = min(max(ratio, 1 - cfg.eps_clip), 1 + hi)
+    pg1, pg2 = -adv * ratio, -adv * clipped_ratio
+    loss = max(pg1, pg2)
+    if cfg.c_clip is not None:
+        loss = min(loss, cfg.c_clip * abs(adv))
+    w, kept = 1.0, True
+    if cfg.behav_imp_weight_cap is not None:
+        w = math.exp(prox - behave)
+        if w > cfg.behav_imp_weight_cap:
+            if cfg.behav_imp_weight_mode == "mask":
+                kept, w = False, 0.0
+            else:
+                w = cfg.behav_imp_weight_cap
+        loss *= w
+    return (loss if kept else 0.0), kept, pg2 > pg1, w
+
+
+PPO_CONFIGS = [
+    PPOConfig(),
+    PPOConfig(eps_clip=0.1, eps_clip_higher=0.3),
+    PPOConfig(c_clip=3.0),
+    PPOConfig(behav_imp_weight_cap=1.5, behav_imp_weight_mode="clamp"),
+    PPOConfig(behav_imp_weight_cap=1.2, behav_imp_weight_mode="mask", c_clip=2.0),
+    PPOConfig(behav_imp_weight_cap=None),
+]
+
+
+@pytest.mark.parametrize("cfg", PPO_CONFIGS, ids=range(len(PPO_CONFIGS)))
+def test_ppo_loss_matches_reference_and_its_gradient(cfg):
+    gen = torch.Generator().manual_seed(7)
+    b, s = 3, 6
+    prox = -torch.rand(b, s, generator=gen) * 2
+    theta = (prox + torch.randn(b, s, generator=gen) * 0.4).requires_grad_(True)
+    behave = prox + torch.randn(b, s, generator=gen) * 0.4
+    adv = torch.randn(b, s, generator=gen)
+    mask = torch.rand(b, s, generator=gen) > 0.3
+    mask[2] = False
+    # Padding positions may hold anything, even values whose exp overflows.
+    theta.data[~mask] += 200.0
+    entropy = torch.rand(b, s, generator=gen)
+    total = 40.0  # global token count (other ranks / micro-batches hold the rest)
+    loss, stats = ppo_loss(theta, prox, behave, adv, mask, cfg, total, entropy)
+    loss.backward()
+    want_loss, clipped, w_sum, w_max, kept_n = 0.0, 0, 0.0, 0.0, 0
+    want_grad = torch.zeros(b, s)
+    h = 1e-3
+    for i in range(b):
+        for t in range(s):
+            if not mask[i, t]:
+                continue
+            args = (
+                float(theta.detach()[i, t]),
+                float(prox[i, t]),
+                float(behave[i, t]),
+                float(adv[i, t]),
+            )
+            ell, kept, was_clipped, w = ref_token_loss(*args, cfg)
+            want_loss += ell / total
+            clipped += int(was_clipped)
+            if kept:
+                kept_n += 1
+                w_sum += w
+                w_max = max(w_max, w)
+            up = ref_token_loss(args[0] + h, *args[1:], cfg)[0]
+            down = ref_token_loss(args[0] - h, *args[1:], cfg)[0]
+            want_grad[i, t] = (up - down) / (2 * h) / total
+    assert loss.item() == pytest.approx(want_loss, abs=1e-6)
+    assert stats.loss == pytest.approx(want_loss, abs=1e-6)
+    assert stats.tokens == int(mask.sum())
+    assert stats.clipped_tokens == clipped
+    assert stats.imp_weight_max == pytest.approx(w_max if kept_n else 0.0, abs=1e-6)
+    if cfg.behav_imp_weight_cap is not None:
+        assert stats.imp_weight_mean == pytest.approx(w_sum / kept_n, abs=1e-6)
+    assert stats.entropy_sum == pytest.approx(float((entropy * mask).sum()), abs=1e-5)
+    assert torch.isfinite(theta.grad).all()
+    torch.testing.assert_close(theta.grad, want_grad, atol=2e-4, rtol=1e-3)
+
+
+def test_microbatch_losses_sum_to_the_global_token_mean():
+    gen = torch.Generator().manual_seed(11)
+    prox = -torch.rand(4, 5, generator=gen)
+    theta = prox + 0.1 * torch.randn(4, 5, generator=gen)
+    adv = torch.randn(4, 5, generator=gen)
+    mask = torch.rand(4, 5, generator=gen) > 0.2
+    cfg = PPOConfig(behav_imp_weight_cap=None)
+    total = float(mask.sum())
+    whole, _ = ppo_loss(theta, prox, prox, adv, mask, cfg, total)
+    parts = [
+        ppo_loss(theta[r], prox[r], prox[r], adv[r], mask[r], cfg, total)[0]
+        for r in (slice(0, 1), slice(1, 3), slice(3, 4))
+    ]
+    assert sum(p.item() for p in parts) == pytest.approx(whole.item(), abs=1e-6)
+    per_token = torch.maximum(
+        -adv * torch.exp(theta - prox), -adv * torch.exp(theta - prox).clamp(0.8, 1.2)
+    )
+    assert whole.item() == pytest.approx(float(per_token[mask].mean()), abs=1e-6)
