@@ -1,0 +1,302 @@
+"""The inference-engine interface shared by the ``hf`` and ``sglang`` engines.
+
+An engine turns token ids into sampled tokens, each with its log-probability and the policy
+version that produced it. It can be paused at a token boundary (in-flight requests end with
+``FinishReason.INTERRUPTED`` and their partial output) and resumed, and its weights can be
+swapped atomically for a newer version.
+
+Log-probabilities are taken under the *sampling distribution*: ``log_softmax(logits / T)``,
+after temperature and before top-p / top-k truncation (as ``Completion.output_logprobs`` in
+rollout.proto says). Greedy decoding (T = 0) reports ``log_softmax(logits)``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from areal.v1 import common_pb2, rollout_pb2
+
+from areal_grpc.errors import FieldError
+
+
+class FinishReason(enum.IntEnum):
+    """Why a generation ended; values equal ``areal.v1.FinishReason``."""
+
+    UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+    STOP = common_pb2.FINISH_REASON_STOP
+    LENGTH = common_pb2.FINISH_REASON_LENGTH
+    INTERRUPTED = common_pb2.FINISH_REASON_INTERRUPTED
+    CANCELLED = common_pb2.FINISH_REASON_CANCELLED
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling parameters of one request (one sample; ``n_samples`` is for callers)."""
+
+    # 0 means greedy.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 means no limit.
+    top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    n_samples: int = 1
+    ignore_eos: bool = False
+
+    def validate(self, where: str = "sampling") -> None:
+        """Raises :class:`FieldError` naming the first bad field."""
+        if not self.temperature >= 0.0:
+            raise FieldError(f"{where}.temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise FieldError(f"{where}.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise FieldError(f"{where}.top_k", f"must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise FieldError(f"{where}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.n_samples < 1:
+            raise FieldError(f"{where}.n_samples", f"must be >= 1, got {self.n_samples}")
+        for i, tok in enumerate(self.stop_token_ids):
+            if tok < 0:
+                raise FieldError(f"{where}.stop_token_ids[{i}]", f"negative token id {tok}")
+
+    @classmethod
+    def from_proto(
+        cls,
+        msg: common_pb2.SamplingParams,
+        *,
+        default_max_new_tokens: int,
+        where: str = "sampling",
+    ) -> SamplingConfig:
+        """Server defaults for unset fields; FieldError for bad values (n_samples 0 -> 1)."""
+        if msg.max_new_tokens < 0:
+            raise FieldError(f"{where}.max_new_tokens", f"must be >= 1, got {msg.max_new_tokens}")
+        if msg.n_samples < 0:
+            raise FieldError(f"{where}.n_samples", f"must be >= 1, got {msg.n_samples}")
+        cfg = cls(
+            temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            top_k=msg.top_k,
+            max_new_tokens=msg.max_new_tokens or default_max_new_tokens,
+            stop_token_ids=tuple(msg.stop_token_ids),
+            n_samples=msg.n_samples or 1,
+            ignore_eos=msg.ignore_eos,
+        )
+        cfg.validate(where)
+        return cfg
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        """The proto form (every field set explicitly)."""
+        return common_pb2.SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            n_samples=self.n_samples,
+            ignore_eos=self.ignore_eos,
+        )
+
+    def with_updates(self, **changes: object) -> SamplingConfig:
+        """A copy with some fields changed."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass
+class TokenEvent:
+    """Tokens decoded since the previous event, or the end of a request (``finish`` set)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+
+@dataclass
+class GenerationResult:
+    """One finished (or interrupted) sample."""
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.UNSPECIFIED
+
+    def extend(self, event: TokenEvent) -> None:
+        """Appends an event's tokens (and its finish reason, when it has one)."""
+        self.output_ids += event.token_ids
+        self.output_logprobs += event.logprobs
+        self.output_versions += event.versions
+        if event.finish is not None:
+            self.finish_reason = event.finish
+
+    def to_proto(self) -> rollout_pb2.Completion:
+        """As an ``areal.v1.Completion``."""
+        return rollout_pb2.Completion(
+            output_ids=self.output_ids,
+            output_logprobs=self.output_logprobs,
+            output_versions=self.output_versions,
+            finish_reason=int(self.finish_reason),
+        )
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """Load and version numbers of an engine."""
+
+    version: int
+    running: int
+    queued: int
+    paused: bool
+    generated_tokens: int
+
+
+class InferenceEngine(abc.ABC):
+    """Token-in / token-out generation with per-token versions, pause/resume, weight swap."""
+
+    #: "hf" or "sglang".
+    kind: str = ""
+    #: Model name or local path.
+    model_name: str = ""
+    #: Token ids must be below this.
+    vocab_size: int = 0
+    #: Longest prompt + output the model accepts.
+    max_context: int = 0
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    @abc.abstractmethod
+    def stream(
+        self, input_ids: Sequence[int], params: SamplingConfig
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Generates one sample, yielding tokens as decoded; the last event has ``finish``.
+
+        Closing the iterator early (or cancelling the consuming task) cancels the request
+        and frees its slot.
+        """
+
+    async def generate(self, input_ids: Sequence[int], params: SamplingConfig) -> GenerationResult:
+        """Generates one sample and returns it whole (an interrupted one ends INTERRUPTED)."""
+        result = GenerationResult()
+        stream = self.stream(input_ids, params)
+        try:
+            async for event in stream:
+                result.extend(event)
+        finally:
+            await stream.aclose()
+        return result
+
+    async def generate_n(
+        self, input_ids: Sequence[int], params: SamplingConfig
+    ) -> list[GenerationResult]:
+        """``params.n_samples`` independent samples, decoded concurrently."""
+        one = params.with_updates(n_samples=1)
+        return list(
+            await asyncio.gather(*(self.generate(input_ids, one) for _ in range(params.n_samples)))
+        )
+
+    @abc.abstractmethod
+    async def pause(self) -> int:
+        """Stops decoding at the next token boundary; returns how many requests it interrupted.
+
+        Requests submitted while paused wait until :meth:`resume`.
+        """
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Resumes decoding."""
+
+    @abc.abstractmethod
+    async def wait_until_resumed(self) -> None:
+        """Returns at once when not paused, else when :meth:`resume` is called."""
+
+    @abc.abstractmethod
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Swaps in a full state dict atomically, serving ``version`` from then on.
+
+        Raises :class:`areal_grpc.errors.PreconditionError` unless ``version`` is newer than
+        the served one, and ValueError (nothing changed) when the state dict does not match.
+        """
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Policy version of the weights being served (0 for the initial weights)."""
+
+    @abc.abstractmethod
+    def status(self) -> EngineStatus:
+        """Current load and version numbers."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Cancels everything in flight and releases resources."""
+
+    def check_prompt(
+        self,
+        input_ids: Sequence[int],
+        params: SamplingConfig,
+        ids_field: str = "input_ids",
+        max_new_field: str = "sampling.max_new_tokens",
+    ) -> None:
+        """FieldError unless the prompt is non-empty, in the vocabulary and fits the context."""
+        if len(input_ids) == 0:
+            raise FieldError(ids_field, "must not be empty")
+        for i, tok in enumerate(input_ids):
+            if not 0 <= tok < self.vocab_size:
+                raise FieldError(
+                    f"{ids_field}[{i}]",
+                    f"token id {tok} is outside the vocabulary (size {self.vocab_size})",
+                )
+        if self.max_context and len(input_ids) >= self.max_context:
+            raise FieldError(
+                ids_field,
+                f"prompt of {len(input_ids)} tokens leaves no room in the model's context "
+                f"of {self.max_context}",
+            )
+        if self.max_context and len(input_ids) + params.max_new_tokens > self.max_context:
+            raise FieldError(
+                max_new_field,
+                f"prompt ({len(input_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the model's context of {self.max_context}",
+            )
+
+
+async def generate_resumable(
+    engine: InferenceEngine, input_ids: Sequence[int], params: SamplingConfig
+) -> GenerationResult:
+    """Generates one sample to completion across pauses (reference behaviour §2.5).
+
+    When a pause interrupts the request, it is re-sent after resume as prompt + partial
+    output with the remaining token budget, so the result can mix policy versions; the
+    partial tokens keep the version that produced them.
+    """
+    prompt = list(input_ids)
+    result = GenerationResult()
+    budget = params.max_new_tokens
+    while True:
+        chunk = await engine.generate(
+            prompt + result.output_ids,
+            params.with_updates(max_new_tokens=budget - len(result.output_ids)),
+        )
+        result.extend(TokenEvent(chunk.output_ids, chunk.output_logprobs, chunk.output_versions))
+        if chunk.finish_reason != FinishReason.INTERRUPTED:
+            result.finish_reason = chunk.finish_reason
+            return result
+        if len(result.output_ids) >= budget:
+            result.finish_reason = FinishReason.LENGTH
+            return result
+        await engine.wait_until_resumed()
+
+
+__all__ = [
+    "EngineStatus",
+    "FinishReason",
+    "GenerationResult",
+    "InferenceEngine",
+    "SamplingConfig",
+    "TokenEvent",
+    "generate_resumable",
+]

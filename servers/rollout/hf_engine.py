@@ -1,0 +1,517 @@
+"""The ``hf`` engine: an in-process transformers causal LM with continuous batching.
+
+One background thread owns the model and decodes every running request together, one token
+per step, over a shared left-padded KV cache. A request that arrives while others decode is
+prefilled and joins the batch at the next step; a finished, cancelled or interrupted request
+leaves it at the next step. The asyncio side only enqueues requests and receives tokens
+(through ``loop.call_soon_threadsafe``), so the event loop never blocks on torch.
+
+Log-probabilities are ``log_softmax(logits / T)`` of the sampled token (after temperature,
+before top-p / top-k truncation; ``log_softmax(logits)`` for greedy T = 0), computed from the
+same logits that were sampled from, so a full forward of prompt + output reproduces them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from areal_servers.rollout.engine import (
+    EngineStatus,
+    FinishReason,
+    InferenceEngine,
+    SamplingConfig,
+    TokenEvent,
+)
+from transformers import DynamicCache, PreTrainedModel
+
+from areal_grpc.errors import PreconditionError
+from areal_grpc.model import load_model, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class HFEngineConfig:
+    """Settings of the ``hf`` engine."""
+
+    # "builtin:tiny", "builtin:micro" or a local HF checkpoint directory.
+    model: str = "builtin:tiny"
+    # Seeds the built-in model's init (identical in every process) and the sampler.
+    seed: int = 0
+    # "auto" picks cuda when available, else cpu.
+    device: str = "auto"
+    # Requests decoded together; more wait in a queue.
+    max_running_requests: int = 256
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: int
+    prompt: list[int]
+    params: SamplingConfig
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[TokenEvent]
+    stop_ids: frozenset[int]
+    generated: int = 0
+    # Sampled but not yet fed through the model.
+    pending_token: int = -1
+    cancelled: bool = False
+    done: bool = False
+
+
+@dataclass
+class _Batch:
+    """The running rows: request i owns row i of every cache tensor and of ``mask``."""
+
+    requests: list[_Request] = field(default_factory=list)
+    kv: KV = field(default_factory=list)
+    # The live cache object holding ``kv``, reused while the rows stay the same (building one
+    # from tensors costs a copy of the whole cache); None after rows joined or left.
+    cache: DynamicCache | None = None
+    # [B, T] 1 where the cache holds a real token (left padding is 0).
+    mask: torch.Tensor | None = None
+
+
+def _pad_left(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+class HFEngine(InferenceEngine):
+    """Continuous-batching generation with a transformers causal LM (CPU or GPU)."""
+
+    kind = "hf"
+
+    def __init__(
+        self,
+        config: HFEngineConfig | None = None,
+        model: PreTrainedModel | None = None,
+    ) -> None:
+        self.config = config or HFEngineConfig()
+        device = self.config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.model_name = self.config.model
+        self._model = (model or load_model(self.config.model, seed=self.config.seed)).to(
+            self.device
+        )
+        self._model.eval()
+        tokenizer = load_tokenizer(self.config.model) if model is None else None
+        mcfg = self._model.config
+        self.vocab_size = int(mcfg.vocab_size)
+        self.max_context = int(getattr(mcfg, "max_position_embeddings", 0) or 0)
+        self.eos_token_id = (
+            tokenizer.eos_token_id if tokenizer is not None else getattr(mcfg, "eos_token_id", None)
+        )
+        self.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer is not None else getattr(mcfg, "pad_token_id", 0)
+        )
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(self.config.seed)
+
+        self._cond = threading.Condition()
+        # Held for every forward step and for a weight swap, so a swap lands between steps.
+        self._model_lock = threading.Lock()
+        self._pending: deque[_Request] = deque()
+        self._batch = _Batch()
+        self._paused = False
+        self._closed = False
+        self._version = 0
+        self._generated_tokens = 0
+        self._pause_waiters: list[concurrent.futures.Future[int]] = []
+        self._resume_waiters: list[concurrent.futures.Future[None]] = []
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="hf-engine-decode", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------- public
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The served model (read-only use; weights change only through load_weights)."""
+        return self._model
+
+    @property
+    def version(self) -> int:
+        """Policy version being served."""
+        return self._version
+
+    def status(self) -> EngineStatus:
+        """Running and queued request counts, version, pause state, tokens generated."""
+        with self._cond:
+            running = sum(1 for r in self._batch.requests if not r.cancelled and not r.done)
+            return EngineStatus(
+                version=self._version,
+                running=running,
+                queued=len(self._pending),
+                paused=self._paused,
+                generated_tokens=self._generated_tokens,
+            )
+
+    async def stream(
+        self, input_ids: Sequence[int], params: SamplingConfig
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Generates one sample; see :meth:`InferenceEngine.stream`."""
+        params.validate()
+        self.check_prompt(input_ids, params)
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos and self.eos_token_id is not None:
+            stops.add(int(self.eos_token_id))
+        req = _Request(
+            rid=next(self._ids),
+            prompt=[int(t) for t in input_ids],
+            params=params,
+            loop=asyncio.get_running_loop(),
+            queue=asyncio.Queue(),
+            stop_ids=frozenset(stops),
+        )
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._pending.append(req)
+            self._cond.notify_all()
+        try:
+            while True:
+                event = await req.queue.get()
+                yield event
+                if event.finish is not None:
+                    return
+        finally:
+            if not req.done:
+                self._cancel(req)
+
+    async def pause(self) -> int:
+        """Interrupts running requests at the next token boundary; returns how many."""
+        fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._cond:
+            self._paused = True
+            self._pause_waiters.append(fut)
+            self._cond.notify_all()
+        return await asyncio.wrap_future(fut)
+
+    async def resume(self) -> None:
+        """Lets queued and resubmitted requests decode again."""
+        with self._cond:
+            self._paused = False
+            waiters, self._resume_waiters = self._resume_waiters, []
+            self._cond.notify_all()
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def wait_until_resumed(self) -> None:
+        """Returns when generation is not paused."""
+        with self._cond:
+            if not self._paused:
+                return
+            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._resume_waiters.append(fut)
+        await asyncio.wrap_future(fut)
+
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Validates ``state_dict`` against the model, then swaps it in between two steps."""
+        if version <= self._version:
+            raise PreconditionError(
+                f"weights version {version} is not newer than the served version {self._version}"
+            )
+        prepared = self._prepare_state_dict(state_dict)
+        await asyncio.to_thread(self._swap_weights, prepared, version)
+
+    async def close(self) -> None:
+        """Stops the decode thread; outstanding requests end CANCELLED."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        await asyncio.to_thread(self._thread.join)
+        with self._cond:
+            leftovers = list(self._pending) + list(self._batch.requests)
+            self._pending.clear()
+            self._batch = _Batch()
+            pause_waiters, self._pause_waiters = self._pause_waiters, []
+            resume_waiters, self._resume_waiters = self._resume_waiters, []
+        for req in leftovers:
+            self._finish(req, FinishReason.CANCELLED)
+        for w in pause_waiters:
+            w.set_result(0)
+        for w2 in resume_waiters:
+            w2.set_result(None)
+
+    # --------------------------------------------------------------------------- weights
+
+    def _prepare_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        current = self._model.state_dict()
+        unexpected = sorted(set(state_dict) - set(current))
+        if unexpected:
+            raise ValueError(f"state dict has unknown tensors: {unexpected[:5]}")
+        missing = set(current) - set(state_dict)
+        if getattr(self._model.config, "tie_word_embeddings", False):
+            # Tied output weights share the embedding; checkpoints usually omit them.
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"state dict lacks tensors: {sorted(missing)[:5]}")
+        prepared: dict[str, torch.Tensor] = {}
+        for name, tensor in state_dict.items():
+            target = current[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the model needs "
+                    f"{tuple(target.shape)}"
+                )
+            # Private copies made before taking the lock: the swap itself is short and cannot
+            # fail, and the caller may go on changing its tensors meanwhile.
+            prepared[name] = tensor.detach().to(device=self.device, dtype=target.dtype, copy=True)
+        return prepared
+
+    def _swap_weights(self, prepared: dict[str, torch.Tensor], version: int) -> None:
+        with self._model_lock:
+            if version <= self._version:
+                raise PreconditionError(
+                    f"weights version {version} is not newer than the served version "
+                    f"{self._version}"
+                )
+            current = self._model.state_dict()
+            with torch.no_grad():
+                for name, tensor in prepared.items():
+                    current[name].copy_(tensor)
+            with self._cond:
+                self._version = version
+        log.info("hf engine now serves policy version %d", version)
+
+    # ------------------------------------------------------------------------ scheduling
+
+    def _cancel(self, req: _Request) -> None:
+        with self._cond:
+            req.cancelled = True
+            with contextlib.suppress(ValueError):
+                self._pending.remove(req)
+            self._cond.notify_all()
+
+    def _emit(self, req: _Request, event: TokenEvent) -> None:
+        try:
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, event)
+        except RuntimeError:
+            # The caller's event loop is gone: nobody is listening any more.
+            req.cancelled = True
+
+    def _finish(self, req: _Request, reason: FinishReason) -> None:
+        if req.done:
+            return
+        req.done = True
+        self._emit(req, TokenEvent(finish=reason))
+
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():
+                while self._step():
+                    pass
+        except Exception:
+            log.exception("hf engine decode loop failed")
+            with self._cond:
+                self._closed = True
+                leftovers = list(self._pending) + list(self._batch.requests)
+                self._pending.clear()
+                self._batch = _Batch()
+            for req in leftovers:
+                self._finish(req, FinishReason.CANCELLED)
+
+    def _step(self) -> bool:
+        """One scheduling round: pause handling, admission, prefill, one decode step."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return False
+                if self._pause_waiters:
+                    self._interrupt_all_locked()
+                    continue
+                self._drop_finished_locked()
+                if not self._paused and (self._pending or self._batch.requests):
+                    break
+                self._cond.wait()
+            room = self.config.max_running_requests - len(self._batch.requests)
+            admitted: list[_Request] = []
+            while self._pending and room > 0:
+                admitted.append(self._pending.popleft())
+                room -= 1
+        with self._model_lock:
+            version = self._version
+            if admitted:
+                self._prefill(admitted, version)
+            if self._batch.requests:
+                self._decode(version)
+        return True
+
+    def _interrupt_all_locked(self) -> None:
+        interrupted = 0
+        for req in self._batch.requests:
+            if not req.cancelled and not req.done:
+                interrupted += 1
+                self._finish(req, FinishReason.INTERRUPTED)
+        self._batch = _Batch()
+        waiters, self._pause_waiters = self._pause_waiters, []
+        for w in waiters:
+            w.set_result(interrupted)
+
+    def _drop_finished_locked(self) -> None:
+        keep = [i for i, r in enumerate(self._batch.requests) if not r.cancelled and not r.done]
+        if len(keep) == len(self._batch.requests):
+            return
+        if not keep:
+            self._batch = _Batch()
+            return
+        index = torch.tensor(keep, device=self.device)
+        mask = self._batch.mask
+        assert mask is not None
+        mask = mask.index_select(0, index)
+        # Columns that are padding in every remaining row carry nothing: trim them.
+        valid_cols = torch.nonzero(mask.any(dim=0)).flatten()
+        start = int(valid_cols[0]) if valid_cols.numel() else mask.shape[1]
+        kv = [
+            (k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
+            for k, v in self._batch.kv
+        ]
+        self._batch = _Batch(
+            requests=[self._batch.requests[i] for i in keep], kv=kv, mask=mask[:, start:]
+        )
+
+    # ------------------------------------------------------------------------ decoding
+
+    def _prefill(self, admitted: list[_Request], version: int) -> None:
+        # Same-length prompts are prefilled together without padding (the n samples of one
+        # prompt always share a length), so prefill never attends over pad tokens.
+        by_length: dict[int, list[_Request]] = {}
+        for req in admitted:
+            by_length.setdefault(len(req.prompt), []).append(req)
+        for length, reqs in by_length.items():
+            ids = torch.tensor([r.prompt for r in reqs], dtype=torch.long, device=self.device)
+            out = self._model(input_ids=ids, use_cache=True)
+            logits = out.logits[:, -1, :].float()
+            self._sample_and_emit(reqs, logits, version)
+            kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+            mask = torch.ones(len(reqs), length, dtype=torch.long, device=self.device)
+            keep = [i for i, r in enumerate(reqs) if not r.done]
+            if not keep:
+                continue
+            if len(keep) < len(reqs):
+                index = torch.tensor(keep, device=self.device)
+                kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kv]
+                mask = mask.index_select(0, index)
+            self._merge([reqs[i] for i in keep], kv, mask)
+
+    def _merge(self, reqs: list[_Request], kv: KV, mask: torch.Tensor) -> None:
+        with self._cond:
+            batch = self._batch
+            if not batch.requests:
+                self._batch = _Batch(requests=list(reqs), kv=kv, mask=mask)
+                return
+            assert batch.mask is not None
+            t = max(batch.mask.shape[1], mask.shape[1])
+            pad_old, pad_new = t - batch.mask.shape[1], t - mask.shape[1]
+            merged_kv = [
+                (
+                    torch.cat([_pad_left(k0, pad_old, 2), _pad_left(k1, pad_new, 2)]),
+                    torch.cat([_pad_left(v0, pad_old, 2), _pad_left(v1, pad_new, 2)]),
+                )
+                for (k0, v0), (k1, v1) in zip(batch.kv, kv, strict=True)
+            ]
+            merged_mask = torch.cat(
+                [_pad_left(batch.mask, pad_old, 1), _pad_left(mask, pad_new, 1)]
+            )
+            self._batch = _Batch(requests=batch.requests + reqs, kv=merged_kv, mask=merged_mask)
+
+    def _decode(self, version: int) -> None:
+        batch = self._batch
+        assert batch.mask is not None
+        # Cancelled rows still ride along this step (their tokens are discarded); they are
+        # removed at the next scheduling round.
+        ids = torch.tensor(
+            [[r.pending_token] for r in batch.requests], dtype=torch.long, device=self.device
+        )
+        positions = batch.mask.sum(dim=1, keepdim=True)
+        mask = torch.cat([batch.mask, torch.ones_like(positions)], dim=1)
+        cache = batch.cache
+        if cache is None:
+            cache = DynamicCache(ddp_cache_data=batch.kv, config=self._model.config)
+        out = self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        with self._cond:
+            if self._batch is batch:
+                self._batch = _Batch(
+                    requests=batch.requests, kv=kv, mask=mask, cache=out.past_key_values
+                )
+        self._sample_and_emit(batch.requests, out.logits[:, -1, :].float(), version)
+
+    def _sample_and_emit(self, reqs: list[_Request], logits: torch.Tensor, version: int) -> None:
+        temps = torch.tensor(
+            [r.params.temperature if r.params.temperature > 0 else 1.0 for r in reqs],
+            device=logits.device,
+        )
+        logp = F.log_softmax(logits / temps[:, None], dim=-1)
+        probs = logp.exp()
+        for i, r in enumerate(reqs):
+            if r.params.top_k > 0 or r.params.top_p < 1.0:
+                probs[i] = _truncate(probs[i], r.params.top_k, r.params.top_p)
+        sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+        greedy = logits.argmax(dim=-1)
+        is_greedy = torch.tensor([r.params.temperature == 0 for r in reqs], device=logits.device)
+        tokens = torch.where(is_greedy, greedy, sampled)
+        token_logp = logp.gather(1, tokens[:, None]).squeeze(1)
+        tokens_l, logp_l = tokens.tolist(), token_logp.tolist()
+        produced = 0
+        with self._cond:
+            for r, tok, lp in zip(reqs, tokens_l, logp_l, strict=True):
+                if r.cancelled or r.done:
+                    continue
+                r.generated += 1
+                r.pending_token = tok
+                produced += 1
+                self._emit(r, TokenEvent([tok], [lp], [version]))
+                if tok in r.stop_ids:
+                    self._finish(r, FinishReason.STOP)
+                elif r.generated >= r.params.max_new_tokens or (
+                    self.max_context and len(r.prompt) + r.generated >= self.max_context
+                ):
+                    self._finish(r, FinishReason.LENGTH)
+            self._generated_tokens += produced
+
+
+def _truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``probs`` restricted to the top-k tokens and the top-p nucleus (renormalised)."""
+    sorted_p, order = probs.sort(descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    if top_p < 1.0:
+        # Keep a token while the mass before it is below top_p (the top token always stays).
+        before = sorted_p.cumsum(0) - sorted_p
+        keep &= before < top_p
+    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    out = torch.zeros_like(probs)
+    out[order] = kept
+    return out / out.sum()
+
+
+__all__ = ["HFEngine", "HFEngineConfig"]

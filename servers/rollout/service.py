@@ -1,0 +1,367 @@
+"""``RolloutService``: episodes for the coordinator, token-in/token-out for external agents.
+
+Bad input is answered with INVALID_ARGUMENT naming the field (``google.rpc.BadRequest``). On
+the multiplexed ``RunEpisodes`` stream a bad task must not take its neighbours down, so it is
+answered by its own result, outcome ``EPISODE_OUTCOME_FAILED`` with a reason that starts
+``"INVALID_ARGUMENT: <field>: ..."``, and the stream goes on. A cancelled call, a cancelled
+task or an expired deadline cancels its generations, which frees their engine slots at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from areal_servers.rollout.engine import InferenceEngine, SamplingConfig
+from areal_servers.rollout.workflows import (
+    AcceptFn,
+    EpisodeContext,
+    Workflow,
+    build_workflow,
+    get_accept_filter,
+    maybe_await,
+)
+from google.protobuf import json_format, struct_pb2
+from transformers import PreTrainedTokenizerBase
+
+from areal_grpc.errors import FieldError, abort_with, status_for_exception
+from areal_grpc.trajectory import validate_group
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutServiceConfig:
+    """Server-side defaults of episode tasks and generation requests."""
+
+    # Workflow of a task whose ``workflow`` is empty.
+    default_workflow: str = "rlvr"
+    # Parameters every task starts from; a task's workflow_params override them. The key
+    # "accept" names the accept filter ("all", "nonuniform" or an import path).
+    default_workflow_params: dict[str, Any] = field(default_factory=dict)
+    # max_new_tokens when a request leaves it 0.
+    default_max_new_tokens: int = 16
+    # Largest group_size / n_samples accepted (bounds the work one message can ask for).
+    max_samples: int = 1024
+
+
+@dataclass
+class PreparedTask:
+    """A validated episode task, ready to run."""
+
+    task: rollout_pb2.EpisodeTask
+    workflow: Workflow
+    accept: AcceptFn
+    accept_name: str
+    item: dict[str, Any]
+    sampling: SamplingConfig
+    group_size: int
+
+
+def _failed(
+    task_id: str, exc: BaseException, start_version: int = 0
+) -> rollout_pb2.RunEpisodesResponse:
+    if isinstance(exc, FieldError):
+        reason = f"INVALID_ARGUMENT: {exc}"
+    else:
+        reason = f"{type(exc).__name__}: {exc}"
+    return rollout_pb2.RunEpisodesResponse(
+        task_id=task_id,
+        outcome=rollout_pb2.EPISODE_OUTCOME_FAILED,
+        reason=reason,
+        start_version=start_version,
+    )
+
+
+class EpisodeRunner:
+    """Validates and runs ``EpisodeTask`` messages on an engine (no gRPC needed)."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        config: RolloutServiceConfig | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config or RolloutServiceConfig()
+        self.running_episodes = 0
+
+    def prepare(self, task: rollout_pb2.EpisodeTask) -> PreparedTask:
+        """Checks a task and builds its workflow; FieldError (named ``task.*``) when bad."""
+        if not task.task_id:
+            raise FieldError("task.task_id", "must not be empty")
+        if task.group_size < 0 or task.group_size > self.config.max_samples:
+            raise FieldError(
+                "task.group_size",
+                f"must be in [1, {self.config.max_samples}], got {task.group_size}",
+            )
+        sampling = SamplingConfig.from_proto(
+            task.sampling,
+            default_max_new_tokens=self.config.default_max_new_tokens,
+            where="task.sampling",
+        )
+        params: dict[str, Any] = dict(self.config.default_workflow_params)
+        params.update(json_format.MessageToDict(task.workflow_params))
+        accept_name = str(params.pop("accept", "all"))
+        accept = get_accept_filter(accept_name)
+        workflow = build_workflow(task.workflow or self.config.default_workflow, params)
+        item = json_format.MessageToDict(task.data)
+        return PreparedTask(
+            task=task,
+            workflow=workflow,
+            accept=accept,
+            accept_name=accept_name,
+            item=item,
+            sampling=sampling,
+            group_size=task.group_size or 1,
+        )
+
+    async def run(self, prepared: PreparedTask) -> rollout_pb2.RunEpisodesResponse:
+        """Runs a prepared task; never raises (failures and cancellation become outcomes)."""
+        task = prepared.task
+        start_version = self.engine.version
+        started = time.monotonic()
+        self.running_episodes += 1
+        try:
+            ctx = EpisodeContext(
+                engine=self.engine,
+                tokenizer=self.tokenizer,
+                task_id=task.task_id,
+                group_size=prepared.group_size,
+                sampling=prepared.sampling,
+                is_eval=task.is_eval,
+                trace_context=task.trace_context,
+            )
+            group = await prepared.workflow.run_episode(ctx, prepared.item)
+            response = rollout_pb2.RunEpisodesResponse(
+                task_id=task.task_id, start_version=start_version
+            )
+            if group is not None:
+                # Custom workflows are checked too: a malformed group never reaches a trainer.
+                validate_group(group, "group", self.engine.vocab_size)
+            if group is None:
+                response.outcome = rollout_pb2.EPISODE_OUTCOME_REJECTED
+                response.reason = "the workflow returned no group"
+            elif not task.is_eval and not await maybe_await(prepared.accept(group)):
+                response.outcome = rollout_pb2.EPISODE_OUTCOME_REJECTED
+                response.reason = f"accept filter {prepared.accept_name!r} dropped the group"
+            else:
+                response.outcome = rollout_pb2.EPISODE_OUTCOME_ACCEPTED
+                response.group.CopyFrom(group)
+        except asyncio.CancelledError:
+            # Our own cancellation (CancelEpisode or the stream ending): report, don't raise.
+            response = rollout_pb2.RunEpisodesResponse(
+                task_id=task.task_id,
+                outcome=rollout_pb2.EPISODE_OUTCOME_CANCELLED,
+                reason="cancelled",
+                start_version=start_version,
+            )
+        except Exception as exc:  # a workflow bug must not end the stream
+            log.warning("episode %s failed: %s", task.task_id, exc, exc_info=True)
+            response = _failed(task.task_id, exc, start_version)
+        finally:
+            self.running_episodes -= 1
+        response.elapsed_seconds = time.monotonic() - started
+        return response
+
+
+_INPUT_DONE = object()
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """The gRPC handlers of ``areal.v1.RolloutService`` over one engine."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        config: RolloutServiceConfig | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config or RolloutServiceConfig()
+        self.runner = EpisodeRunner(engine, tokenizer, self.config)
+
+    # --------------------------------------------------------------------------- episodes
+
+    async def RunEpisodes(
+        self,
+        request_iterator: AsyncIterator[rollout_pb2.RunEpisodesRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[rollout_pb2.RunEpisodesResponse]:
+        """Runs streamed tasks concurrently; yields each result as its task finishes."""
+        results: asyncio.Queue[Any] = asyncio.Queue()
+        active: dict[str, asyncio.Task[rollout_pb2.RunEpisodesResponse]] = {}
+
+        def finished(task_id: str, fut: asyncio.Task[rollout_pb2.RunEpisodesResponse]) -> None:
+            active.pop(task_id, None)
+            if fut.cancelled():
+                response = rollout_pb2.RunEpisodesResponse(
+                    task_id=task_id,
+                    outcome=rollout_pb2.EPISODE_OUTCOME_CANCELLED,
+                    reason="cancelled before it started",
+                )
+            else:
+                response = fut.result()
+            results.put_nowait(response)
+
+        def start(req: rollout_pb2.EpisodeTask) -> None:
+            try:
+                if req.task_id in active:
+                    raise FieldError("task.task_id", f"{req.task_id!r} is already running")
+                prepared = self.runner.prepare(req)
+            except Exception as exc:
+                results.put_nowait(_failed(req.task_id, exc, self.engine.version))
+                return
+            job = asyncio.create_task(self.runner.run(prepared))
+            active[req.task_id] = job
+            job.add_done_callback(lambda fut, tid=req.task_id: finished(tid, fut))
+
+        async def read() -> None:
+            try:
+                async for req in request_iterator:
+                    kind = req.WhichOneof("kind")
+                    if kind == "task":
+                        start(req.task)
+                    elif kind == "cancel":
+                        job = active.get(req.cancel.task_id)
+                        # Unknown ids are ignored: the task may have finished already.
+                        if job is not None:
+                            job.cancel()
+                    else:
+                        results.put_nowait(
+                            _failed("", FieldError("kind", "set either task or cancel"))
+                        )
+            except Exception as exc:
+                results.put_nowait(exc)
+                return
+            results.put_nowait(_INPUT_DONE)
+
+        reader = asyncio.create_task(read())
+        input_done = False
+        try:
+            while not (input_done and not active and results.empty()):
+                item = await results.get()
+                if item is _INPUT_DONE:
+                    input_done = True
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            reader.cancel()
+            for job in list(active.values()):
+                job.cancel()
+
+    # ------------------------------------------------------------------------- generation
+
+    def _sampling(self, msg: common_pb2.SamplingParams) -> SamplingConfig:
+        cfg = SamplingConfig.from_proto(
+            msg, default_max_new_tokens=self.config.default_max_new_tokens
+        )
+        if cfg.n_samples > self.config.max_samples:
+            raise FieldError(
+                "sampling.n_samples", f"must be <= {self.config.max_samples}, got {cfg.n_samples}"
+            )
+        return cfg
+
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateResponse:
+        """All ``n_samples`` completions of one prompt, decoded concurrently."""
+        try:
+            cfg = self._sampling(request.sampling)
+            self.engine.check_prompt(request.input_ids, cfg)
+            log.debug(
+                "generate %s traceparent=%s", request.request_id, request.trace_context.traceparent
+            )
+            results = await self.engine.generate_n(list(request.input_ids), cfg)
+        except Exception as exc:
+            await abort_with(context, status_for_exception(exc))
+            raise AssertionError("unreachable") from exc
+        return rollout_pb2.GenerateResponse(
+            completions=[r.to_proto() for r in results], policy_version=self.engine.version
+        )
+
+    async def GenerateStream(
+        self, request: rollout_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rollout_pb2.GenerateStreamResponse]:
+        """One completion, one message per decoded token, the finish reason last."""
+        try:
+            cfg = self._sampling(request.sampling)
+            if cfg.n_samples != 1:
+                raise FieldError("sampling.n_samples", f"must be 0 or 1, got {cfg.n_samples}")
+            self.engine.check_prompt(request.input_ids, cfg)
+        except Exception as exc:
+            await abort_with(context, status_for_exception(exc))
+            return
+        stream = self.engine.stream(list(request.input_ids), cfg)
+        try:
+            async for event in stream:
+                yield rollout_pb2.GenerateStreamResponse(
+                    output_ids=event.token_ids,
+                    output_logprobs=event.logprobs,
+                    output_versions=event.versions,
+                    finish_reason=int(event.finish or 0),  # type: ignore[arg-type]
+                )
+        finally:
+            # Runs when the client cancels too, so the request's slot is freed at once.
+            await stream.aclose()
+
+    # ---------------------------------------------------------------------- pause, status
+
+    async def PauseGeneration(
+        self, request: rollout_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.PauseGenerationResponse:
+        """Interrupts running generations at the next token boundary."""
+        interrupted = await self.engine.pause()
+        return rollout_pb2.PauseGenerationResponse(
+            interrupted_requests=interrupted, policy_version=self.engine.version
+        )
+
+    async def ResumeGeneration(
+        self, request: rollout_pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ResumeGenerationResponse:
+        """Resumes generation; interrupted episodes continue from their partial output."""
+        await self.engine.resume()
+        return rollout_pb2.ResumeGenerationResponse(policy_version=self.engine.version)
+
+    async def GetRolloutStatus(
+        self, request: rollout_pb2.GetRolloutStatusRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GetRolloutStatusResponse:
+        """Version, load, engine and model."""
+        st = self.engine.status()
+        return rollout_pb2.GetRolloutStatusResponse(
+            policy_version=st.version,
+            running_requests=st.running,
+            queued_requests=st.queued,
+            running_episodes=self.runner.running_episodes,
+            paused=st.paused,
+            engine=self.engine.kind,
+            model=self.engine.model_name,
+            vocab_size=self.engine.vocab_size,
+            generated_tokens=st.generated_tokens,
+        )
+
+
+def item_to_struct(item: Mapping[str, Any]) -> struct_pb2.Struct:
+    """A dataset item as a ``google.protobuf.Struct`` (for building EpisodeTask.data)."""
+    struct = struct_pb2.Struct()
+    struct.update(dict(item))
+    return struct
+
+
+__all__ = [
+    "EpisodeRunner",
+    "PreparedTask",
+    "RolloutServiceConfig",
+    "RolloutServicer",
+    "item_to_struct",
+]

@@ -1,0 +1,510 @@
+"""The ``sglang`` engine: drives an SGLang server over its HTTP API.
+
+Payloads follow SGLang 0.5.10's HTTP protocol as AReaL uses it (reference/areal-behaviour.md
+§6.4): ``POST /generate`` with ``input_ids``, ``sampling_params``, ``return_logprob: true``,
+``stream: false``; ``POST /pause_generation {}`` and ``POST /continue_generation {}`` around
+a weight update; ``POST /update_weights_from_disk {"model_path", "abort_all_requests": true}``;
+``GET /health`` for readiness; ``/init_weights_update_group`` and
+``/update_weights_from_distributed`` (one attempt each) for the distributed data plane. A
+request aborted by a pause comes back as ``FinishReason.INTERRUPTED`` with its partial output;
+:func:`generate_resumable` re-sends prompt + partial output after resume (§2.5). Each returned
+token gets the policy version read when the response arrived.
+
+Calls are retried with tenacity on transient failures (connection errors, timeouts, HTTP
+5xx), ``request_retries`` attempts in all, as AReaL does for generate, pause, continue and disk
+updates; other HTTP errors and malformed answers raise :class:`SGLangError` at once. The
+engine either attaches to a running server (``url``) or launches
+``python -m sglang.launch_server`` as a subprocess (GPU machines only).
+
+The HTTP client is a small asyncio HTTP/1.1 client (no extra dependency): cancelling a request
+closes its connection, and SGLang aborts requests whose client has disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+from areal_servers.rollout.engine import (
+    EngineStatus,
+    FinishReason,
+    InferenceEngine,
+    SamplingConfig,
+    TokenEvent,
+)
+from safetensors.torch import save_file
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
+from transformers import ByT5Tokenizer
+
+from areal_grpc.errors import PreconditionError
+from areal_grpc.model import builtin_spec, is_builtin, qwen2_config
+
+log = logging.getLogger(__name__)
+
+# SGLang's "no top-k limit" value, as AReaL sends it.
+NO_TOP_K = 100_000_000
+
+
+class TransientHTTPError(ConnectionError):
+    """A failure worth retrying: no connection, a timeout, or an HTTP 5xx answer."""
+
+
+class SGLangError(RuntimeError):
+    """SGLang answered, but with an error or a malformed body."""
+
+
+@dataclass
+class SGLangEngineConfig:
+    """Settings of the ``sglang`` engine."""
+
+    # Local HF checkpoint directory served by SGLang (the tokenizer and limits come from it).
+    model: str
+    # Attach to this server ("http://host:port"); empty launches one (needs launch=True).
+    url: str = ""
+    seed: int = 0
+    # Launch `python -m sglang.launch_server` when url is empty.
+    launch: bool = False
+    launch_host: str = "127.0.0.1"
+    launch_port: int = 30000
+    launch_args: list[str] = field(default_factory=list)
+    # Seconds to wait for /health after a launch (AReaL: 300).
+    setup_timeout_s: float = 300.0
+    # Per-request timeout (AReaL: 3600) and attempts for idempotent calls (AReaL: 3).
+    request_timeout_s: float = 3600.0
+    request_retries: int = 3
+    retry_wait_s: float = 0.5
+    # Where load_weights writes a state dict for /update_weights_from_disk.
+    weights_dir: str = ""
+
+
+@dataclass
+class HTTPResponse:
+    """Status code and body of one HTTP exchange."""
+
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        """The body parsed as JSON."""
+        return json.loads(self.body.decode("utf-8"))
+
+
+async def http_request(
+    url: str, method: str, path: str, payload: Any = None, timeout_s: float = 60.0
+) -> HTTPResponse:
+    """One HTTP/1.1 request (JSON body) to ``url``; TransientHTTPError on network failure."""
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or 80
+    body = b"" if payload is None else json.dumps(payload).encode("utf-8")
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        "Content-Type: application/json\r\nAccept: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+
+    async def exchange() -> HTTPResponse:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError as exc:
+            raise TransientHTTPError(f"cannot connect to {url}: {exc}") from exc
+        try:
+            writer.write(head.encode("ascii") + body)
+            await writer.drain()
+            status_line = await reader.readline()
+            if not status_line:
+                raise TransientHTTPError(f"{url}{path}: connection closed without a response")
+            status = int(status_line.split()[1])
+            headers: dict[str, str] = {}
+            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if "content-length" in headers:
+                data = await reader.readexactly(int(headers["content-length"]))
+            elif headers.get("transfer-encoding", "").lower() == "chunked":
+                chunks = []
+                while True:
+                    size = int((await reader.readline()).split(b";")[0], 16)
+                    if size == 0:
+                        break
+                    chunks.append(await reader.readexactly(size))
+                    await reader.readline()
+                data = b"".join(chunks)
+            else:
+                data = await reader.read()
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise TransientHTTPError(f"{url}{path}: {exc}") from exc
+        finally:
+            writer.close()
+        if status >= 500:
+            raise TransientHTTPError(f"{url}{path}: HTTP {status}: {data[:200]!r}")
+        return HTTPResponse(status, data)
+
+    try:
+        return await asyncio.wait_for(exchange(), timeout_s)
+    except asyncio.TimeoutError as exc:
+        raise TransientHTTPError(f"{url}{path}: no answer in {timeout_s} s") from exc
+
+
+def generate_payload(input_ids: Sequence[int], params: SamplingConfig) -> dict[str, Any]:
+    """The ``/generate`` request body for one sample (reference §6.4, exactly)."""
+    return {
+        "input_ids": list(input_ids),
+        "image_data": [],
+        "sampling_params": {
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else NO_TOP_K,
+            "max_new_tokens": params.max_new_tokens,
+            "temperature": 0.0 if params.temperature == 0 else params.temperature,
+            "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": params.ignore_eos,
+            "skip_special_tokens": True,
+            "frequency_penalty": 0.0,
+        },
+        "return_logprob": True,
+        "stream": False,
+    }
+
+
+def parse_generate_response(body: Any) -> tuple[list[int], list[float], str]:
+    """(tokens, logprobs, finish type) from a ``/generate`` answer; SGLangError if malformed."""
+    if not isinstance(body, dict):
+        raise SGLangError(f"/generate answered a {type(body).__name__}, not a JSON object")
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise SGLangError("/generate answer has no meta_info object")
+    finish = meta.get("finish_reason") or {}
+    kind = str(finish.get("type", "")) if isinstance(finish, dict) else str(finish)
+    message = str(finish.get("message", "")) if isinstance(finish, dict) else ""
+    if kind == "abort" and message.startswith("Abort before prefill"):
+        return [], [], "abort"
+    triples = meta.get("output_token_logprobs") or []
+    tokens = [int(t[1]) for t in triples]
+    logprobs = [float(t[0]) for t in triples]
+    return tokens, logprobs, kind
+
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+class SGLangEngine(InferenceEngine):
+    """An :class:`InferenceEngine` backed by an SGLang server's HTTP API."""
+
+    kind = "sglang"
+
+    def __init__(self, config: SGLangEngineConfig) -> None:
+        self.config = config
+        self.model_name = config.model
+        self._process: subprocess.Popen[bytes] | None = None
+        self.url = config.url.rstrip("/")
+        if not self.url:
+            if not config.launch:
+                raise ValueError("the sglang engine needs a url to attach to, or launch=True")
+            self.url = f"http://{config.launch_host}:{config.launch_port}"
+        self.vocab_size, self.max_context = _model_limits(config.model)
+        self.eos_token_id, self.pad_token_id = _special_ids(config.model)
+        self._version = 0
+        self._paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._running = 0
+        self._queued = 0
+        self._generated_tokens = 0
+        self._weights_tmp: str | None = None
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    def launch(self) -> None:
+        """Starts ``python -m sglang.launch_server`` for the model (GPU machines only)."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.config.model,
+            "--host",
+            self.config.launch_host,
+            "--port",
+            str(self.config.launch_port),
+            "--random-seed",
+            str(self.config.seed),
+            *self.config.launch_args,
+        ]
+        log.info("launching %s", " ".join(cmd))
+        self._process = subprocess.Popen(cmd)
+
+    async def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Polls ``GET /health`` every second until it answers 200 (TimeoutError otherwise)."""
+        deadline = time.monotonic() + (timeout_s or self.config.setup_timeout_s)
+        while True:
+            if self._process is not None and self._process.poll() is not None:
+                raise RuntimeError(f"sglang exited with code {self._process.returncode}")
+            try:
+                if (await http_request(self.url, "GET", "/health", timeout_s=5.0)).status == 200:
+                    return
+            except TransientHTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"sglang at {self.url} not healthy in time")
+            await asyncio.sleep(1.0)
+
+    async def start(self) -> None:
+        """Launches the server when configured to, then waits for it to be healthy."""
+        if self.config.launch and self._process is None and not self.config.url:
+            self.launch()
+        await self.wait_healthy()
+
+    async def close(self) -> None:
+        """Stops a launched server and removes temporary weight files."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            await asyncio.to_thread(self._process.wait)
+        if self._weights_tmp:
+            shutil.rmtree(self._weights_tmp, ignore_errors=True)
+        self._resumed.set()
+
+    # --------------------------------------------------------------------------- calls
+
+    async def _post(self, path: str, payload: Any, attempts: int | None = None) -> Any:
+        """POSTs with retries on transient failures; the JSON answer (or None)."""
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(attempts or self.config.request_retries),
+            wait=wait_exponential(multiplier=self.config.retry_wait_s, max=10.0),
+            retry=retry_if_exception_type(TransientHTTPError),
+            reraise=True,
+        ):
+            with attempt:
+                resp = await http_request(
+                    self.url, "POST", path, payload, self.config.request_timeout_s
+                )
+        if resp.status >= 400:
+            raise SGLangError(f"{path}: HTTP {resp.status}: {resp.body[:200]!r}")
+        return resp.json() if resp.body.strip() else None
+
+    async def stream(
+        self, input_ids: Sequence[int], params: SamplingConfig
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """One ``/generate`` call; an abort (a pause) ends INTERRUPTED with the partial output."""
+        params.validate()
+        self.check_prompt(input_ids, params)
+        self._queued += 1
+        try:
+            await self._resumed.wait()
+        finally:
+            self._queued -= 1
+        self._running += 1
+        try:
+            body = await self._post("/generate", generate_payload(input_ids, params))
+        finally:
+            self._running -= 1
+        tokens, logprobs, kind = parse_generate_response(body)
+        version = self._version
+        self._generated_tokens += len(tokens)
+        if tokens:
+            yield TokenEvent(tokens, logprobs, [version] * len(tokens))
+        if kind == "abort":
+            finish = FinishReason.INTERRUPTED
+        elif kind in _FINISH:
+            finish = _FINISH[kind]
+        else:
+            raise SGLangError(f"/generate finished with unknown reason {kind!r}")
+        yield TokenEvent(finish=finish)
+
+    async def pause(self) -> int:
+        """``POST /pause_generation {}``: SGLang aborts in-flight requests."""
+        self._paused = True
+        self._resumed.clear()
+        interrupted = self._running
+        await self._post("/pause_generation", {})
+        return interrupted
+
+    async def resume(self) -> None:
+        """``POST /continue_generation {}``, then lets waiting requests go."""
+        await self._post("/continue_generation", {})
+        self._paused = False
+        self._resumed.set()
+
+    async def wait_until_resumed(self) -> None:
+        """Returns when generation is not paused."""
+        await self._resumed.wait()
+
+    async def update_weights_from_disk(self, model_path: str, version: int) -> None:
+        """``POST /update_weights_from_disk``; serves ``version`` once SGLang accepts."""
+        if version <= self._version:
+            raise PreconditionError(
+                f"weights version {version} is not newer than the served version {self._version}"
+            )
+        body = await self._post(
+            "/update_weights_from_disk", {"model_path": model_path, "abort_all_requests": True}
+        )
+        if isinstance(body, dict) and body.get("success") is False:
+            raise SGLangError(f"update_weights_from_disk failed: {body.get('message', body)}")
+        self._version = version
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> None:
+        """``POST /init_weights_update_group`` (one attempt: joining a group is not idempotent)."""
+        await self._post(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": str(master_port),
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "backend": backend,
+                "group_name": group_name,
+            },
+            attempts=1,
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        version: int | None = None,
+    ) -> None:
+        """``POST /update_weights_from_distributed`` for one bucket (one attempt).
+
+        The sender broadcasts the tensors over the group meanwhile; pass ``version`` with the
+        last bucket to serve the new version from then on.
+        """
+        if version is not None and version <= self._version:
+            raise PreconditionError(
+                f"weights version {version} is not newer than the served version {self._version}"
+            )
+        body = await self._post(
+            "/update_weights_from_distributed",
+            {
+                "names": list(names),
+                "dtypes": list(dtypes),
+                "shapes": [list(s) for s in shapes],
+                "group_name": group_name,
+                "abort_all_requests": True,
+            },
+            attempts=1,
+        )
+        if isinstance(body, dict) and body.get("success") is False:
+            raise SGLangError(f"update_weights_from_distributed failed: {body.get('message')}")
+        if version is not None:
+            self._version = version
+
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Writes ``state_dict`` as a safetensors checkpoint, then loads it from disk."""
+        if version <= self._version:
+            raise PreconditionError(
+                f"weights version {version} is not newer than the served version {self._version}"
+            )
+        root = self.config.weights_dir or self._tmp_root()
+        path = Path(root) / f"v{version}"
+        await asyncio.to_thread(_write_checkpoint, self.config.model, state_dict, path)
+        await self.update_weights_from_disk(str(path), version)
+
+    def _tmp_root(self) -> str:
+        if self._weights_tmp is None:
+            self._weights_tmp = tempfile.mkdtemp(prefix="areal-sglang-weights-")
+        return self._weights_tmp
+
+    # -------------------------------------------------------------------------- status
+
+    @property
+    def version(self) -> int:
+        """Policy version being served."""
+        return self._version
+
+    def status(self) -> EngineStatus:
+        """Requests in flight to SGLang, requests waiting for resume, version."""
+        return EngineStatus(
+            version=self._version,
+            running=self._running,
+            queued=self._queued,
+            paused=self._paused,
+            generated_tokens=self._generated_tokens,
+        )
+
+
+def _model_limits(model: str) -> tuple[int, int]:
+    if is_builtin(model):
+        spec = builtin_spec(model)
+        return spec.vocab_size, spec.max_position_embeddings
+    config = json.loads((Path(model) / "config.json").read_text())
+    return int(config["vocab_size"]), int(config.get("max_position_embeddings", 0) or 0)
+
+
+def _special_ids(model: str) -> tuple[int | None, int | None]:
+    if is_builtin(model):
+        # The built-in byte tokenizer: pad 0, eos 1.
+        return 1, 0
+    config = json.loads((Path(model) / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos, config.get("pad_token_id")
+
+
+def _write_checkpoint(model: str, state_dict: Mapping[str, torch.Tensor], path: Path) -> None:
+    """A directory SGLang can load: model.safetensors plus the source's config files."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, tensor in state_dict.items():
+        t = tensor.detach().cpu().contiguous()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        # Tied weights (lm_head = embed_tokens) are stored once, as HF checkpoints do.
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = t
+    save_file(tensors, str(tmp / "model.safetensors"))
+    if is_builtin(model):
+        config = qwen2_config(builtin_spec(model), ByT5Tokenizer())
+        config.architectures = ["Qwen2ForCausalLM"]
+        config.to_json_file(str(tmp / "config.json"))
+    else:
+        for name in os.listdir(model):
+            if name.endswith(".json") and not name.endswith(".safetensors.index.json"):
+                shutil.copy(Path(model) / name, tmp / name)
+    shutil.rmtree(path, ignore_errors=True)
+    # A complete directory appears at once: SGLang never reads a half-written one.
+    tmp.rename(path)
+
+
+__all__ = [
+    "NO_TOP_K",
+    "HTTPResponse",
+    "SGLangEngine",
+    "SGLangEngineConfig",
+    "SGLangError",
+    "TransientHTTPError",
+    "generate_payload",
+    "http_request",
+    "parse_generate_response",
+]

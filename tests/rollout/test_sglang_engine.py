@@ -1,0 +1,252 @@
+"""The ``sglang`` engine against a fake SGLang HTTP server on loopback.
+
+SGLang needs a GPU, so these tests use a stand-in that checks every request against the
+documented protocol (reference/areal-behaviour.md §6.4): exact /generate payload keys and
+values, pause/continue bodies, update_weights_from_disk, health. Test names say "fake_server".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from areal_servers.rollout.engine import FinishReason, SamplingConfig, generate_resumable
+from areal_servers.rollout.sglang_engine import (
+    NO_TOP_K,
+    SGLangEngine,
+    SGLangEngineConfig,
+    SGLangError,
+)
+from safetensors.torch import load_file
+
+from areal_grpc.errors import PreconditionError
+from areal_grpc.model import load_model
+
+SAMPLING_KEYS = {
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "temperature",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "frequency_penalty",
+}
+
+
+class FakeSGLang:
+    """A scripted SGLang: records requests; ``/generate`` answers come from ``script``."""
+
+    def __init__(self):
+        self.requests: list[tuple[str, str, object]] = []
+        self.paused = threading.Event()
+        self.generate_seen = threading.Event()
+        self.script: list = []  # callables (body) -> (status, json body)
+        self.fail_next: dict[str, int] = {}
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                fake.requests.append(("GET", self.path, None))
+                self._answer(200 if self.path == "/health" else 404, {})
+
+            def do_POST(self):
+                n = int(self.headers["Content-Length"])
+                body = json.loads(self.rfile.read(n))
+                fake.requests.append(("POST", self.path, body))
+                if fake.fail_next.get(self.path, 0) > 0:
+                    fake.fail_next[self.path] -= 1
+                    return self._answer(503, {"error": "busy"})
+                if self.path == "/pause_generation":
+                    fake.paused.set()
+                    return self._answer(200, {})
+                if self.path == "/continue_generation":
+                    fake.paused.clear()
+                    return self._answer(200, {})
+                if self.path == "/update_weights_from_disk":
+                    ok = (Path(body["model_path"]) / "model.safetensors").is_file()
+                    fake.loaded = load_file(str(Path(body["model_path"]) / "model.safetensors"))
+                    return self._answer(200, {"success": ok, "message": ""})
+                if self.path in ("/init_weights_update_group", "/update_weights_from_distributed"):
+                    return self._answer(200, {"success": True, "message": ""})
+                if self.path == "/generate":
+                    fake.generate_seen.set()
+                    status, answer = fake.script.pop(0)(body)
+                    return self._answer(status, answer)
+                self._answer(404, {})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.paused.set()  # release a handler that is waiting for a pause
+        self.server.shutdown()
+        self.server.server_close()
+
+    def posts(self, path):
+        return [body for method, p, body in self.requests if p == path]
+
+
+def answer(tokens, finish, message=""):
+    triples = [[-0.1 * (i + 1), t, None] for i, t in enumerate(tokens)]
+    return 200, {
+        "text": "",
+        "meta_info": {
+            "output_token_logprobs": triples,
+            "finish_reason": {"type": finish, "message": message},
+        },
+    }
+
+
+@pytest.fixture
+def fake():
+    server = FakeSGLang()
+    yield server
+    server.close()
+
+
+def make_engine(fake):
+    return SGLangEngine(SGLangEngineConfig(model="builtin:micro", url=fake.url, retry_wait_s=0.001))
+
+
+async def test_sglang_protocol_fake_server_generate_pause_update_resume(fake):
+    """Interrupted by a pause, the request is re-sent as prompt + partial output with the
+    remaining budget after the update; tokens carry the version they were produced under."""
+
+    def first(body):
+        fake.paused.wait(30)  # in flight until the pause aborts it
+        return answer([10, 11], "abort")
+
+    fake.script = [first, lambda body: answer([12, 13, 1], "stop")]
+    engine = make_engine(fake)
+    await engine.start()
+    cfg = SamplingConfig(temperature=0.8, top_p=0.9, max_new_tokens=5, stop_token_ids=(9,))
+    task = asyncio.create_task(generate_resumable(engine, [5, 6, 7], cfg))
+    await asyncio.to_thread(fake.generate_seen.wait, 30)
+    assert await engine.pause() == 1
+    state = {k: v for k, v in load_model("builtin:micro", seed=1).state_dict().items()}
+    await engine.load_weights(state, version=1)
+    await engine.resume()
+    result = await task
+    await engine.close()
+
+    assert result.output_ids == [10, 11, 12, 13, 1]
+    assert result.output_versions == [0, 0, 1, 1, 1]
+    assert result.output_logprobs == pytest.approx([-0.1, -0.2, -0.1, -0.2, -0.3])
+    assert result.finish_reason == FinishReason.STOP
+    gens = fake.posts("/generate")
+    assert [g["input_ids"] for g in gens] == [[5, 6, 7], [5, 6, 7, 10, 11]]
+    for g, budget in zip(gens, [5, 3], strict=True):
+        assert set(g) == {"input_ids", "image_data", "sampling_params", "return_logprob", "stream"}
+        assert g["image_data"] == [] and g["return_logprob"] is True and g["stream"] is False
+        assert set(g["sampling_params"]) == SAMPLING_KEYS
+        sp = g["sampling_params"]
+        assert sp["max_new_tokens"] == budget and sp["top_k"] == NO_TOP_K
+        assert sp["temperature"] == pytest.approx(0.8) and sp["top_p"] == pytest.approx(0.9)
+        assert sp["stop_token_ids"] == [9] and sp["ignore_eos"] is False
+        assert sp["skip_special_tokens"] is True and sp["frequency_penalty"] == 0.0
+    assert fake.posts("/pause_generation") == [{}]
+    assert fake.posts("/continue_generation") == [{}]
+    (update,) = fake.posts("/update_weights_from_disk")
+    assert update["abort_all_requests"] is True and update["model_path"].endswith("v1")
+    # The tied lm_head is stored once, under the embedding's name.
+    assert set(fake.loaded) == set(state) - {"lm_head.weight"}
+    assert all(fake.loaded[k].equal(state[k]) for k in fake.loaded)
+    assert ("GET", "/health", None) in fake.requests
+    assert engine.version == 1
+
+
+async def test_sglang_protocol_fake_server_abort_before_prefill_and_greedy(fake):
+    fake.script = [
+        lambda body: answer([99], "abort", "Abort before prefill: paused"),
+        lambda body: answer([4, 4], "length"),
+    ]
+    engine = make_engine(fake)
+    cfg = SamplingConfig(temperature=0.0, top_k=5, max_new_tokens=2)
+    result = await generate_resumable(engine, [3], cfg)
+    assert result.output_ids == [4, 4] and result.finish_reason == FinishReason.LENGTH
+    first, second = fake.posts("/generate")
+    assert first["input_ids"] == second["input_ids"] == [3]
+    assert first["sampling_params"]["temperature"] == 0.0
+    assert first["sampling_params"]["top_k"] == 5
+
+
+async def test_sglang_protocol_fake_server_retries_transient_errors_only(fake):
+    engine = make_engine(fake)
+    fake.fail_next["/pause_generation"] = 2
+    await engine.pause()  # two 503s, then success: 3 attempts
+    assert len(fake.posts("/pause_generation")) == 3
+    fake.fail_next["/continue_generation"] = 3
+    with pytest.raises(ConnectionError):
+        await engine.resume()
+    assert len(fake.posts("/continue_generation")) == 3
+    fake.script = [lambda body: (200, [1, 2, 3])]
+    await engine.resume()
+    with pytest.raises(SGLangError, match="not a JSON object"):
+        await engine.generate([3], SamplingConfig(max_new_tokens=2))
+    with pytest.raises(PreconditionError):
+        await engine.update_weights_from_disk("/nowhere", version=0)
+    assert fake.posts("/update_weights_from_disk") == []
+
+
+async def test_sglang_protocol_fake_server_unreachable_url_is_a_connection_error():
+    engine = SGLangEngine(
+        SGLangEngineConfig(
+            model="builtin:micro", url="http://127.0.0.1:9", retry_wait_s=0.001, request_retries=2
+        )
+    )
+    with pytest.raises(ConnectionError):
+        await engine.generate([3], SamplingConfig(max_new_tokens=1))
+    with contextlib.suppress(Exception):
+        await engine.close()
+
+
+async def test_sglang_protocol_fake_server_distributed_update_payloads(fake):
+    engine = make_engine(fake)
+    await engine.init_weights_update_group("10.0.0.1", 29500, 1, 3, "areal-weights")
+    assert fake.posts("/init_weights_update_group") == [
+        {
+            "master_address": "10.0.0.1",
+            "master_port": "29500",
+            "rank_offset": 1,
+            "world_size": 3,
+            "backend": "nccl",
+            "group_name": "areal-weights",
+        }
+    ]
+    await engine.update_weights_from_distributed(
+        ["a.weight", "b.bias"], ["bfloat16", "float32"], [(4, 2), (3,)], "areal-weights", version=4
+    )
+    assert fake.posts("/update_weights_from_distributed") == [
+        {
+            "names": ["a.weight", "b.bias"],
+            "dtypes": ["bfloat16", "float32"],
+            "shapes": [[4, 2], [3]],
+            "group_name": "areal-weights",
+            "abort_all_requests": True,
+        }
+    ]
+    assert engine.version == 4
+    fake.fail_next["/update_weights_from_distributed"] = 1
+    with pytest.raises(ConnectionError):
+        await engine.update_weights_from_distributed(["a"], ["float32"], [[1]], "g", version=5)
+    assert len(fake.posts("/update_weights_from_distributed")) == 2  # one attempt, no retry
+    assert engine.version == 4
