@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from areal_grpc import tracing
 from areal_grpc.server import ServerOptions, Service, serve_until_signal, start_server
 
 BuildServices = Callable[[argparse.Namespace], Awaitable[Sequence[Service]]]
@@ -34,6 +35,9 @@ def serve_main(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
+    # service.name in traces: areal-rollout, areal-trainer, areal-coordinator.
+    tracing.init_tracing(parser.prog)
+
     async def run() -> None:
         services = await build(args)
         running = await start_server(services, ServerOptions(host=args.host, port=args.port))
@@ -41,5 +45,8 @@ def serve_main(
         print(f"LISTENING {running.address}", flush=True)
         await serve_until_signal(running)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        tracing.shutdown_tracing()
     return 0

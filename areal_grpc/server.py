@@ -22,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from areal_grpc import tracing
+
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -102,12 +104,16 @@ def channel_options(opts: ChannelOptions | None = None) -> list[tuple[str, Any]]
 
 def aio_channel(address: str, opts: ChannelOptions | None = None) -> grpc.aio.Channel:
     """An asyncio channel to ``address`` (host:port)."""
-    return grpc.aio.insecure_channel(address, options=channel_options(opts))
+    return grpc.aio.insecure_channel(
+        address, options=channel_options(opts), interceptors=tracing.aio_client_interceptors()
+    )
 
 
 def sync_channel(address: str, opts: ChannelOptions | None = None) -> grpc.Channel:
     """A blocking channel to ``address`` (host:port)."""
-    return grpc.insecure_channel(address, options=channel_options(opts))
+    return tracing.traced_sync_channel(
+        grpc.insecure_channel(address, options=channel_options(opts))
+    )
 
 
 class RunningServer:
@@ -161,7 +167,9 @@ async def start_server(
     """Starts a server with ``services`` plus health and reflection, all SERVING."""
     opts = opts or ServerOptions()
     server = grpc.aio.server(
-        options=server_options(opts), maximum_concurrent_rpcs=opts.max_concurrent_rpcs
+        options=server_options(opts),
+        maximum_concurrent_rpcs=opts.max_concurrent_rpcs,
+        interceptors=tracing.server_interceptors(),
     )
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -1,0 +1,147 @@
+"""OpenTelemetry for every service: provider set-up, gRPC interceptors, trace context in messages.
+
+A bidi stream is one RPC but carries many tasks, so a task's trace context travels inside each
+streamed message (``areal.v1.TraceContext``, W3C ``traceparent``/``tracestate``), not only in
+the call's metadata. :func:`to_proto` captures the current span; :func:`from_proto` turns a
+message's context back into a parent for the next span.
+
+Export: when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, spans go over OTLP/gRPC (Jaeger ingests
+OTLP directly on port 4317); otherwise nothing is exported and no interceptor is installed, so
+untraced runs pay nothing. Sampling follows the standard ``OTEL_TRACES_SAMPLER`` /
+``OTEL_TRACES_SAMPLER_ARG`` variables (parent-based always-on by default).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+from areal.v1 import common_pb2
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+# Span attribute names shared by every service.
+POLICY_VERSION = "areal.policy_version"
+STALENESS = "areal.staleness"
+TASK_ID = "areal.task_id"
+ROLLOUT_SERVER = "areal.rollout_server"
+TOKENS = "areal.tokens"
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_provider: TracerProvider | None = None
+
+
+def init_tracing(
+    service_name: str, processor: SpanProcessor | None = None
+) -> TracerProvider | None:
+    """Sets up tracing for this process; returns the provider, or None when tracing is off.
+
+    Tracing is on when ``processor`` is given (tests pass an in-memory one) or when
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (spans are batched to that OTLP/gRPC endpoint).
+    """
+    global _provider
+    if processor is None and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return None
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    if processor is None:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        processor = BatchSpanProcessor(OTLPSpanExporter())
+    provider.add_span_processor(processor)
+    _provider = provider
+    return provider
+
+
+def shutdown_tracing() -> None:
+    """Flushes and stops the provider set up by :func:`init_tracing` (no-op when off)."""
+    global _provider
+    if _provider is not None:
+        _provider.shutdown()
+        _provider = None
+
+
+def enabled() -> bool:
+    """True when :func:`init_tracing` turned tracing on in this process."""
+    return _provider is not None
+
+
+def tracer(name: str = "areal_grpc") -> trace.Tracer:
+    """A tracer from this process's provider (a no-op tracer when tracing is off)."""
+    if _provider is None:
+        return trace.NoOpTracer()
+    return _provider.get_tracer(name)
+
+
+def _not_health_check() -> Any:
+    from opentelemetry.instrumentation.grpc import filters
+
+    return filters.negate(filters.health_check())
+
+
+def server_interceptors() -> list[Any]:
+    """aio server interceptors that open a span per RPC (none when tracing is off)."""
+    if _provider is None:
+        return []
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    return [aio_server_interceptor(tracer_provider=_provider, filter_=_not_health_check())]
+
+
+def aio_client_interceptors() -> list[Any]:
+    """aio channel interceptors that open a client span per RPC (none when tracing is off)."""
+    if _provider is None:
+        return []
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors as make
+
+    return list(make(tracer_provider=_provider, filter_=_not_health_check()))
+
+
+def traced_sync_channel(channel: grpc.Channel) -> grpc.Channel:
+    """``channel`` with a client span per RPC (unchanged when tracing is off)."""
+    if _provider is None:
+        return channel
+    from opentelemetry.instrumentation.grpc import client_interceptor
+    from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+
+    interceptor = client_interceptor(tracer_provider=_provider, filter_=_not_health_check())
+    return intercept_channel(channel, interceptor)
+
+
+def to_proto(ctx: otel_context.Context | None = None) -> common_pb2.TraceContext:
+    """The W3C trace context of ``ctx`` (default: the current span) as a message field."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return common_pb2.TraceContext(
+        traceparent=carrier.get("traceparent", ""), tracestate=carrier.get("tracestate", "")
+    )
+
+
+def from_proto(msg: common_pb2.TraceContext | None) -> otel_context.Context | None:
+    """A parent context from a message's trace context; None when the message carries none."""
+    if msg is None or not msg.traceparent:
+        return None
+    carrier = {"traceparent": msg.traceparent}
+    if msg.tracestate:
+        carrier["tracestate"] = msg.tracestate
+    return _PROPAGATOR.extract(carrier)
+
+
+@contextmanager
+def span(
+    name: str,
+    parent: common_pb2.TraceContext | otel_context.Context | None = None,
+    attributes: Mapping[str, Any] | None = None,
+) -> Iterator[trace.Span]:
+    """A span named ``name``, child of ``parent`` (a message's context) or of the current span."""
+    ctx = from_proto(parent) if isinstance(parent, common_pb2.TraceContext) else parent
+    with tracer().start_as_current_span(
+        name, context=ctx, attributes=dict(attributes or {})
+    ) as current:
+        yield current
