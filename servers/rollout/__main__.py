@@ -6,10 +6,11 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from areal.v1 import rollout_pb2, rollout_pb2_grpc, weight_sync_pb2, weight_sync_pb2_grpc
+from areal.v1 import rollout_pb2, rollout_pb2_grpc
 from areal_servers.rollout.engine import InferenceEngine
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
+from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
 
 from areal_grpc.cli import base_parser, serve_main
 from areal_grpc.model import load_tokenizer
@@ -33,6 +34,16 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--workflow-params", default="{}", help="JSON object of default workflow parameters"
     )
     parser.add_argument("--max-new-tokens", type=int, default=16, help="default max_new_tokens")
+    parser.add_argument(
+        "--weights-root",
+        default=None,
+        help="UpdateFromDisk paths must lie under this directory (unset: no DISK updates)",
+    )
+    parser.add_argument(
+        "--weight-methods",
+        default="distributed,stream,disk",
+        help="weight-sync methods this server accepts (comma-separated)",
+    )
     return parser
 
 
@@ -82,11 +93,12 @@ async def build(args: argparse.Namespace) -> Sequence[Service]:
         await start()
     return [
         service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
-        # Placeholder until the weight-sync issue lands; it will drive rollout.engine.
-        service(
-            weight_sync_pb2_grpc.WeightSyncServiceServicer(),
-            weight_sync_pb2_grpc.add_WeightSyncServiceServicer_to_server,
-            weight_sync_pb2,
+        build_weight_sync_service(
+            rollout.engine,
+            WeightSyncConfig(
+                disk_root=args.weights_root,
+                methods=tuple(m for m in args.weight_methods.split(",") if m),
+            ),
         ),
     ]
 

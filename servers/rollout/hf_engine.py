@@ -230,8 +230,12 @@ class HFEngine(InferenceEngine):
             raise PreconditionError(
                 f"weights version {version} is not newer than the served version {self._version}"
             )
-        prepared = self._prepare_state_dict(state_dict)
-        await asyncio.to_thread(self._swap_weights, prepared, version)
+        # Both the copy and the swap run off the event loop: for a large model they take long
+        # enough to stall every stream the server is serving.
+        await asyncio.to_thread(self._load_blocking, state_dict, version)
+
+    def _load_blocking(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self._swap_weights(self._prepare_state_dict(state_dict), version)
 
     async def close(self) -> None:
         """Stops the decode thread; outstanding requests end CANCELLED."""

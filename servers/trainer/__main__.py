@@ -21,6 +21,7 @@ from areal_servers.trainer.algorithm import NormConfig, PPOConfig, RewardConfig
 from areal_servers.trainer.engine import DistConfig, EngineConfig, OptimConfig
 from areal_servers.trainer.microbatch import MicroBatchSpec
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
+from areal_servers.trainer.weight_publisher import PublisherConfig
 
 from areal_grpc.cli import base_parser, serve_main
 from areal_grpc.server import Service, service
@@ -79,6 +80,19 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kl-ctl", type=float, default=0.0)
     g.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], default="k1")
     g.add_argument("--temperature", type=float, default=1.0)
+    g = parser.add_argument_group("weight publishing (PublishWeights)")
+    g.add_argument(
+        "--weights-root", default=None, help="rank 0 writes versions here for DISK (unset: no DISK)"
+    )
+    g.add_argument("--weights-keep", type=int, default=2, help="published versions kept on disk")
+    g.add_argument("--weights-bucket-mb", type=float, default=64.0, help="gather/send bucket")
+    g.add_argument(
+        "--weights-master-addr",
+        default=None,
+        help="address rollout servers use to reach rank 0's weight group (default: --host)",
+    )
+    g.add_argument("--weights-backend", choices=["auto", "gloo", "nccl"], default="auto")
+    g.add_argument("--weights-timeout-s", type=float, default=600.0)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainerServiceConfig:
@@ -127,8 +141,22 @@ def config_from_args(args: argparse.Namespace) -> TrainerServiceConfig:
         world_size=args.world_size,
         timeout_s=args.collective_timeout_s,
     )
+    host = args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    weights = PublisherConfig(
+        disk_root=args.weights_root,
+        keep_versions=args.weights_keep,
+        bucket_bytes=max(1, int(args.weights_bucket_mb * (1 << 20))),
+        master_address=args.weights_master_addr or host,
+        backend=None if args.weights_backend == "auto" else args.weights_backend,
+        timeout_s=args.weights_timeout_s,
+        group_timeout_s=min(300.0, args.weights_timeout_s),
+    )
     return TrainerServiceConfig(
-        engine=engine, dist=dist_cfg, distributed=not args.no_fsdp, path_root=args.path_root
+        engine=engine,
+        dist=dist_cfg,
+        distributed=not args.no_fsdp,
+        path_root=args.path_root,
+        weights=weights,
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,14 @@ from areal_servers.trainer.engine import (
     StepResult,
     TrainerEngine,
     init_distributed,
+)
+from areal_servers.trainer.weight_publisher import (
+    DEFAULT_METHODS,
+    PublisherConfig,
+    PublishSession,
+    TensorMeta,
+    WeightPublisher,
+    run_publication,
 )
 
 from areal_grpc.errors import (
@@ -65,6 +74,8 @@ class TrainerServiceConfig:
     distributed: bool = True
     # When set, checkpoint and export paths must lie under this directory.
     path_root: str | None = None
+    # How PublishWeights sends weights (disk root, bucket size, group address).
+    weights: PublisherConfig = field(default_factory=PublisherConfig)
 
 
 @dataclass
@@ -95,6 +106,29 @@ def _stats_proto(r: StepResult) -> trainer_pb2.StepStats:
     )
 
 
+def _check_publish(request: trainer_pb2.PublishWeightsRequest) -> tuple[list[str], list[int]]:
+    """(addresses, methods) of a PublishWeights request; FieldError naming the bad field."""
+    addresses = list(request.rollout_addresses)
+    seen: set[str] = set()
+    for i, address in enumerate(addresses):
+        if not address or address.startswith(":") or ":" not in address:
+            raise FieldError(f"rollout_addresses[{i}]", f"{address!r} is not host:port")
+        if address in seen:
+            raise FieldError(f"rollout_addresses[{i}]", f"{address!r} is listed twice")
+        seen.add(address)
+    methods = list(request.methods) or list(DEFAULT_METHODS)
+    for i, m in enumerate(methods):
+        if m not in DEFAULT_METHODS:
+            raise FieldError(f"methods[{i}]", f"unknown or unspecified method {m}")
+    if len(set(methods)) != len(methods):
+        raise FieldError("methods", "lists a method twice")
+    if request.bucket_bytes < 0:
+        raise FieldError("bucket_bytes", f"is negative ({request.bucket_bytes})")
+    if request.timeout_seconds < 0:
+        raise FieldError("timeout_seconds", f"is negative ({request.timeout_seconds})")
+    return addresses, methods
+
+
 class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
     """TrainerService for one rank; the engine is built on the worker thread at start."""
 
@@ -106,6 +140,8 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         # Building starts now so a launcher can start every rank before any is ready (the
         # process group's rendezvous waits for all of them).
         self._ready: Future[TrainerEngine] = self._executor.submit(self._build)
+        # Rank 0's sender; it keeps the distributed weight group between publications.
+        self.publisher = WeightPublisher(cfg.weights)
 
     def _build(self) -> TrainerEngine:
         if self.cfg.distributed:
@@ -127,6 +163,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
     def close(self) -> None:
         """Stops the worker thread after the work already queued."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.publisher.close()
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         """Runs ``fn`` on the torch worker thread once the engine is ready."""
@@ -367,6 +404,82 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             path = self._check_path(request.path)
             engine.export_hf(path)
             return trainer_pb2.ExportModelResponse(path=path, policy_version=engine.version)
+
+        return await self._unary(context, job)
+
+    async def PublishWeights(
+        self, request: trainer_pb2.PublishWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.PublishWeightsResponse:
+        """Gathers the full weights piece by piece (every rank); rank 0 sends them.
+
+        Validation depends on the request only, so every rank refuses the same bad request
+        before any collective and none is left waiting.
+        """
+        try:
+            addresses, methods = _check_publish(request)
+        except FieldError as exc:
+            await abort_with(context, status_for_exception(exc))
+            raise AssertionError("unreachable") from exc
+        loop = asyncio.get_running_loop()
+        wcfg = self.cfg.weights
+        bucket_bytes = request.bucket_bytes or wcfg.bucket_bytes
+        timeout_s = request.timeout_seconds or wcfg.timeout_s
+
+        def job() -> trainer_pb2.PublishWeightsResponse:
+            engine = self.engine
+            assert engine is not None
+            start = time.monotonic()
+            version = engine.version
+            factory = None
+            if engine.rank == 0:
+                config_json = engine.model.config.to_json_string()
+
+                def factory(metas: list[TensorMeta], buckets: list[list[int]]) -> PublishSession:
+                    return self.publisher.session(
+                        addresses,
+                        methods,
+                        version,
+                        metas,
+                        buckets,
+                        bucket_bytes=bucket_bytes,
+                        timeout_s=timeout_s,
+                        config_json=config_json,
+                    )
+
+            self._busy = True
+            try:
+                results, stats = run_publication(
+                    engine.model, engine.rank, loop, factory, bucket_bytes
+                )
+            finally:
+                self._busy = False
+            elapsed = time.monotonic() - start
+            ok = sum(r.ok for r in results)
+            if engine.rank == 0:
+                log.info(
+                    "published version %d to %d/%d servers in %.2fs",
+                    version,
+                    ok,
+                    len(results),
+                    elapsed,
+                )
+            return trainer_pb2.PublishWeightsResponse(
+                policy_version=version,
+                results=[
+                    trainer_pb2.PublishTargetResult(
+                        address=r.address,
+                        method=r.method,  # type: ignore[arg-type]
+                        ok=r.ok,
+                        error=r.error,
+                        policy_version=r.policy_version,
+                        sent_bytes=r.sent_bytes,
+                    )
+                    for r in results
+                ],
+                elapsed_seconds=elapsed,
+                tensor_count=stats.tensor_count,
+                total_bytes=stats.total_bytes,
+            )
 
         return await self._unary(context, job)
 

@@ -1,4 +1,4 @@
-"""``areal-rollout`` as a real process: serves RolloutService, health and the WeightSync slot."""
+"""``areal-rollout`` as a real process: serves RolloutService, WeightSyncService and health."""
 
 from __future__ import annotations
 
@@ -67,11 +67,19 @@ def test_areal_rollout_serves_and_drains_on_sigterm():
             # The server default --max-new-tokens applies when the request leaves it unset.
             assert len(resp.completions[0].output_ids) == 3
             ws = weight_sync_pb2_grpc.WeightSyncServiceStub(channel)
+            stream = weight_sync_pb2.TransferOption(
+                method=weight_sync_pb2.TRANSFER_METHOD_STREAM,
+                stream=weight_sync_pb2.StreamParams(max_chunk_bytes=1 << 20),
+            )
+            plan = ws.Negotiate(weight_sync_pb2.NegotiateRequest(offers=[stream]), timeout=10)
+            assert plan.plan.method == weight_sync_pb2.TRANSFER_METHOD_STREAM
+            assert plan.policy_version == 0
             try:
                 ws.Negotiate(weight_sync_pb2.NegotiateRequest(), timeout=10)
-                raise AssertionError("expected UNIMPLEMENTED")
+                raise AssertionError("expected an error for an empty offer")
             except grpc.RpcError as err:
-                assert err.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "offers" in err.details()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

@@ -1,8 +1,9 @@
 from areal.v1 import common_pb2 as _common_pb2
+from areal.v1 import weight_sync_pb2 as _weight_sync_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -155,3 +156,45 @@ class GetTrainerStatusResponse(_message.Message):
     model: str
     busy: bool
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., policy_version: _Optional[int] = ..., global_step: _Optional[int] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., busy: _Optional[bool] = ...) -> None: ...
+
+class PublishWeightsRequest(_message.Message):
+    __slots__ = ("rollout_addresses", "methods", "bucket_bytes", "timeout_seconds")
+    ROLLOUT_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rollout_addresses: _containers.RepeatedScalarFieldContainer[str]
+    methods: _containers.RepeatedScalarFieldContainer[_weight_sync_pb2.TransferMethod]
+    bucket_bytes: int
+    timeout_seconds: float
+    def __init__(self, rollout_addresses: _Optional[_Iterable[str]] = ..., methods: _Optional[_Iterable[_Union[_weight_sync_pb2.TransferMethod, str]]] = ..., bucket_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class PublishTargetResult(_message.Message):
+    __slots__ = ("address", "method", "ok", "error", "policy_version", "sent_bytes")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    method: _weight_sync_pb2.TransferMethod
+    ok: bool
+    error: str
+    policy_version: int
+    sent_bytes: int
+    def __init__(self, address: _Optional[str] = ..., method: _Optional[_Union[_weight_sync_pb2.TransferMethod, str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., policy_version: _Optional[int] = ..., sent_bytes: _Optional[int] = ...) -> None: ...
+
+class PublishWeightsResponse(_message.Message):
+    __slots__ = ("policy_version", "results", "elapsed_seconds", "tensor_count", "total_bytes")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    results: _containers.RepeatedCompositeFieldContainer[PublishTargetResult]
+    elapsed_seconds: float
+    tensor_count: int
+    total_bytes: int
+    def __init__(self, policy_version: _Optional[int] = ..., results: _Optional[_Iterable[_Union[PublishTargetResult, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...

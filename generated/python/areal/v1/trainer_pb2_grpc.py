@@ -61,6 +61,11 @@ class TrainerServiceStub:
                 request_serializer=areal_dot_v1_dot_trainer__pb2.GetTrainerStatusRequest.SerializeToString,
                 response_deserializer=areal_dot_v1_dot_trainer__pb2.GetTrainerStatusResponse.FromString,
                 _registered_method=True)
+        self.PublishWeights = channel.unary_unary(
+                '/areal.v1.TrainerService/PublishWeights',
+                request_serializer=areal_dot_v1_dot_trainer__pb2.PublishWeightsRequest.SerializeToString,
+                response_deserializer=areal_dot_v1_dot_trainer__pb2.PublishWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -105,6 +110,16 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishWeights(self, request, context):
+        """Publishes the current weights to rollout servers (collective: call it on every rank with
+        the same request). Every rank gathers the full parameters piece by piece; rank 0 sends
+        each piece as it is gathered, by the method each server accepts (see WeightSyncService),
+        and reports one result per server. A server that fails does not stop the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +147,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetTrainerStatus,
                     request_deserializer=areal_dot_v1_dot_trainer__pb2.GetTrainerStatusRequest.FromString,
                     response_serializer=areal_dot_v1_dot_trainer__pb2.GetTrainerStatusResponse.SerializeToString,
+            ),
+            'PublishWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishWeights,
+                    request_deserializer=areal_dot_v1_dot_trainer__pb2.PublishWeightsRequest.FromString,
+                    response_serializer=areal_dot_v1_dot_trainer__pb2.PublishWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +291,33 @@ class TrainerService:
             '/areal.v1.TrainerService/GetTrainerStatus',
             areal_dot_v1_dot_trainer__pb2.GetTrainerStatusRequest.SerializeToString,
             areal_dot_v1_dot_trainer__pb2.GetTrainerStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/areal.v1.TrainerService/PublishWeights',
+            areal_dot_v1_dot_trainer__pb2.PublishWeightsRequest.SerializeToString,
+            areal_dot_v1_dot_trainer__pb2.PublishWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

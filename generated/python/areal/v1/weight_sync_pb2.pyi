@@ -29,7 +29,7 @@ COLLECTIVE_BACKEND_GLOO: CollectiveBackend
 COLLECTIVE_BACKEND_NCCL: CollectiveBackend
 
 class DistributedParams(_message.Message):
-    __slots__ = ("backend", "master_address", "master_port", "world_size", "rank_offset", "group_name", "bucket_bytes")
+    __slots__ = ("backend", "master_address", "master_port", "world_size", "rank_offset", "group_name", "bucket_bytes", "joined")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class DistributedParams(_message.Message):
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
     backend: CollectiveBackend
     master_address: str
     master_port: int
@@ -44,7 +45,8 @@ class DistributedParams(_message.Message):
     rank_offset: int
     group_name: str
     bucket_bytes: int
-    def __init__(self, backend: _Optional[_Union[CollectiveBackend, str]] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., group_name: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    joined: bool
+    def __init__(self, backend: _Optional[_Union[CollectiveBackend, str]] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., group_name: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., joined: _Optional[bool] = ...) -> None: ...
 
 class StreamParams(_message.Message):
     __slots__ = ("max_chunk_bytes",)

@@ -1,0 +1,261 @@
+"""Versioned weight directories on disk: atomic write, confined load, retention.
+
+A published version is a Hugging Face style directory ``<root>/v<version:08d>`` holding
+``config.json``, one or more ``*.safetensors`` shards and ``model.safetensors.index.json``.
+It is written under a hidden temporary name and renamed into place, so a reader never sees a
+half-written version. Readers resolve a requested path against *their own* root and refuse
+anything that leads outside it (``..``, absolute paths elsewhere, symlinks pointing out),
+with a :class:`~areal_grpc.errors.FieldError` naming the field. Only safetensors are read:
+no pickle, no ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from areal_grpc.errors import FieldError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+_TMP_PREFIX = ".tmp-"
+
+
+def version_dir_name(version: int) -> str:
+    """The directory name of ``version`` under a root, e.g. ``v00000003``."""
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    return f"v{version:08d}"
+
+
+def shard_name(index: int, count: int) -> str:
+    """HF shard file name: ``model-00001-of-00003.safetensors`` (1-based)."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+class VersionWriter:
+    """Writes one version directory shard by shard, then publishes it atomically.
+
+    Use as a context manager; leaving it with an exception removes the temporary directory
+    and publishes nothing::
+
+        with VersionWriter(root, version, shard_count=n) as w:
+            for bucket in buckets:
+                w.add_shard(bucket)
+            w.write_config(config_json)
+        w.path  # <root>/v00000007
+    """
+
+    def __init__(self, root: str | os.PathLike[str], version: int, shard_count: int) -> None:
+        if shard_count < 1:
+            raise ValueError("shard_count must be >= 1")
+        self.root = Path(root)
+        self.version = version
+        self.shard_count = shard_count
+        self.path = self.root / version_dir_name(version)
+        self._tmp = self.root / f"{_TMP_PREFIX}{version_dir_name(version)}-{uuid.uuid4().hex[:8]}"
+        self._weight_map: dict[str, str] = {}
+        self._total = 0
+        self._shards = 0
+
+    def __enter__(self) -> VersionWriter:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._tmp.mkdir()
+        return self
+
+    def add_shard(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Writes the next shard file (tensors made contiguous CPU copies only if needed)."""
+        if self._shards >= self.shard_count:
+            raise ValueError(f"more than the announced {self.shard_count} shards")
+        name = shard_name(self._shards, self.shard_count)
+        plain = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        save_file(plain, str(self._tmp / name), metadata={"format": "pt"})
+        for k, v in plain.items():
+            if k in self._weight_map:
+                raise ValueError(f"tensor {k!r} written twice")
+            self._weight_map[k] = name
+            self._total += v.numel() * v.element_size()
+        self._shards += 1
+
+    def write_config(self, config: Mapping[str, object] | str) -> None:
+        """Writes ``config.json`` from a dict or from JSON text (``config.to_json_string()``)."""
+        text = config if isinstance(config, str) else json.dumps(config, indent=2)
+        (self._tmp / "config.json").write_text(text)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None or self._shards != self.shard_count:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            if exc_type is None:
+                raise ValueError(f"wrote {self._shards} of {self.shard_count} announced shards")
+            return
+        index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
+        (self._tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+        _fsync_dir(self._tmp)
+        if self.path.exists():
+            # Re-publishing a version (e.g. a retried update) replaces it as a whole.
+            old = self.root / f"{_TMP_PREFIX}old-{uuid.uuid4().hex[:8]}"
+            self.path.rename(old)
+            self._tmp.rename(self.path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            self._tmp.rename(self.path)
+        _fsync_dir(self.root)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Best effort durability of the rename; some file systems refuse fsync on directories.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_version(
+    root: str | os.PathLike[str],
+    version: int,
+    shards: Iterable[Mapping[str, torch.Tensor]],
+    shard_count: int,
+    config: Mapping[str, object] | str | None = None,
+) -> Path:
+    """Writes ``shards`` as version ``version`` under ``root`` atomically; returns its path."""
+    with VersionWriter(root, version, shard_count) as writer:
+        for shard in shards:
+            writer.add_shard(shard)
+        if config is not None:
+            writer.write_config(config)
+    return writer.path
+
+
+def list_versions(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Published versions under ``root`` as (version, path), oldest first."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    found = []
+    for entry in base.iterdir():
+        m = _VERSION_DIR.match(entry.name)
+        if m and entry.is_dir() and not entry.is_symlink():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def prune_versions(root: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Deletes all but the ``keep`` newest versions (and stale temporary dirs); returns them."""
+    if keep < 1:
+        raise ValueError("keep must be >= 1")
+    versions = list_versions(root)
+    doomed = [p for _, p in versions[:-keep]]
+    base = Path(root)
+    for entry in base.iterdir() if base.is_dir() else ():
+        # Leftovers of writers that died mid-write; a live writer's directory is younger
+        # than the newest published version only while it runs, so only old ones go.
+        if entry.name.startswith(_TMP_PREFIX) and versions:
+            newest = versions[-1][1].stat().st_mtime
+            if entry.stat().st_mtime < newest:
+                doomed.append(entry)
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def resolve_confined(root: str | os.PathLike[str], path: str, field: str = "path") -> Path:
+    """``path`` (relative to ``root`` or absolute inside it) resolved; FieldError otherwise.
+
+    Refuses empty paths, any ``..`` component, absolute paths outside ``root`` and paths that
+    leave ``root`` through a symlink (checked on the fully resolved path).
+    """
+    if not path:
+        raise FieldError(field, "must not be empty")
+    if "\x00" in path:
+        raise FieldError(field, "contains a NUL byte")
+    base = Path(root).resolve()
+    candidate = Path(path)
+    if ".." in candidate.parts:
+        raise FieldError(field, f"{path!r} contains '..'")
+    if not candidate.is_absolute():
+        candidate = base / candidate
+    elif not (
+        candidate.is_relative_to(base) or candidate.is_relative_to(Path(os.path.abspath(root)))
+    ):
+        raise FieldError(field, f"{path!r} is outside the weights root")
+    resolved = candidate.resolve()
+    if not resolved.is_relative_to(base):
+        raise FieldError(field, f"{path!r} leads outside the weights root (through a symlink)")
+    if not resolved.is_dir():
+        raise FieldError(field, f"{path!r} is not a directory under the weights root")
+    return resolved
+
+
+def weight_files(directory: Path, root: Path, field: str = "path") -> list[Path]:
+    """The safetensors files of a version directory, each checked to lie inside ``root``."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FieldError(field, f"{INDEX_FILE} is malformed: {exc}") from None
+        names = sorted(set(weight_map.values()))
+    elif (directory / SINGLE_FILE).is_file():
+        names = [SINGLE_FILE]
+    else:
+        raise FieldError(field, f"no {INDEX_FILE} or {SINGLE_FILE} in the directory")
+    files = []
+    base = root.resolve()
+    for name in names:
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise FieldError(field, f"{INDEX_FILE} names a bad shard file {name!r}")
+        f = (directory / name).resolve()
+        if not f.is_relative_to(base):
+            raise FieldError(field, f"shard {name!r} leads outside the weights root")
+        if not f.is_file():
+            raise FieldError(field, f"shard {name!r} is missing")
+        files.append(f)
+    return files
+
+
+def load_version(
+    root: str | os.PathLike[str], path: str, field: str = "path"
+) -> dict[str, torch.Tensor]:
+    """The state dict stored at ``path`` under ``root`` (confined; safetensors only)."""
+    directory = resolve_confined(root, path, field)
+    out: dict[str, torch.Tensor] = {}
+    for f in weight_files(directory, Path(root), field):
+        try:
+            part = load_file(str(f))
+        except Exception as exc:  # safetensors raises its own error types for bad files
+            raise FieldError(field, f"cannot read {f.name}: {exc}") from None
+        dup = set(part) & set(out)
+        if dup:
+            raise FieldError(field, f"tensor {sorted(dup)[0]!r} appears in two shards")
+        out.update(part)
+    return out
+
+
+__all__ = [
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "VersionWriter",
+    "list_versions",
+    "load_version",
+    "prune_versions",
+    "resolve_confined",
+    "shard_name",
+    "version_dir_name",
+    "weight_files",
+    "write_version",
+]

@@ -1,0 +1,205 @@
+"""Pieces of the weight-sync protocol shared by senders and receivers.
+
+* ``PushWeights`` wire format: a :class:`PushWeightsRequest` header, then chunks encoded by the
+  codec's fast path (``PushWeightsRequest.chunk`` is field 2), so a chunk's data is copied once
+  on the way out and sliced without a copy on the way in. Any protobuf library can still talk
+  to the method: the bytes are plain ``PushWeightsRequest`` messages.
+* Buckets: how an ordered list of tensors is cut into broadcast / shard buckets (AReaL's rule,
+  identical on both sides so a receiver can recompute the sender's buckets).
+* :class:`WeightGroup`: a torch.distributed process group of its own (a ``TCPStore`` at the
+  sender plus a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` object), independent of any default
+  group the process already belongs to: the trainer's own FSDP group is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from areal.v1 import tensor_pb2, weight_sync_pb2
+from google.protobuf.message import DecodeError
+
+from areal_grpc import tensor_codec as tc
+
+PUSH_WEIGHTS_METHOD = "/areal.v1.WeightSyncService/PushWeights"
+SERVICE_NAME = "areal.v1.WeightSyncService"
+#: Largest chunk data per PushWeights message (the contract's limit).
+MAX_CHUNK_BYTES = tc.MiB
+DEFAULT_BUCKET_BYTES = 64 * tc.MiB
+
+PushMessage = weight_sync_pb2.PushWeightsRequest | tc.ChunkView
+
+
+def encode_push_request(msg: weight_sync_pb2.PushWeightsRequest | tc.ChunkLike) -> bytes:
+    """Wire bytes of a PushWeights message: a full request, or a chunk (view) as field 2."""
+    if isinstance(msg, weight_sync_pb2.PushWeightsRequest):
+        return msg.SerializeToString()
+    return tc.encode_chunk(msg, wrap_field=2)
+
+
+def decode_push_request(buf: bytes) -> PushMessage:
+    """A chunk as a zero-copy :class:`ChunkView`, or any other message parsed in full."""
+    try:
+        return tc.decode_chunk(buf, wrap_field=2)
+    except DecodeError:
+        # No single chunk field: a header (or an unusual encoding the full parser handles).
+        return weight_sync_pb2.PushWeightsRequest.FromString(buf)
+
+
+def plan_buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Indices of tensors grouped in order into buckets of at most ``bucket_bytes``.
+
+    A bucket is closed before a tensor that would overflow it (a tensor bigger than the limit
+    gets a bucket of its own). ``bucket_bytes <= 0`` means one bucket for everything.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, n in enumerate(nbytes):
+        if current and bucket_bytes > 0 and size + n > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def spec_nbytes(spec: tensor_pb2.TensorSpec) -> int:
+    """Byte size of a ``TensorSpec`` (FieldError for a bad dtype)."""
+    dtype = tc.dtype_from_proto(spec.dtype, f"{tc.tensor_label(spec.name)}.dtype")
+    n = 1
+    for d in spec.shape:
+        n *= int(d)
+    return n * dtype.itemsize
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the form SGLang's ParamSpec dtypes take)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class GroupParams:
+    """Where and how a weight group rendezvouses; this process is ``rank``."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank: int
+    group_name: str
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+
+
+class WeightGroup:
+    """A private process group between a sender (rank 0) and receivers (ranks 1..).
+
+    Creating one blocks until every rank has joined (or ``timeout_s`` passes). Collectives
+    are called on the group object directly, never through ``torch.distributed``'s default
+    group, so a process may also belong to another group (the trainer's FSDP group).
+    """
+
+    def __init__(self, params: GroupParams) -> None:
+        self.params = params
+        timeout = datetime.timedelta(seconds=params.timeout_s)
+        host = params.master_address
+        self._store = dist.TCPStore(
+            host,
+            params.master_port,
+            params.world_size,
+            is_master=params.rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        # The group name prefixes every key, so several groups can share a store's port space.
+        store = dist.PrefixStore(f"areal-weights/{params.group_name}", self._store)
+        if params.backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            # Bind to the interface that reaches the master, not whatever the hostname says.
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_ip_for(host))]
+            self.pg: object = dist.ProcessGroupGloo(store, params.rank, params.world_size, opts)
+            self.device = torch.device("cpu")
+        elif params.backend == "nccl":
+            nccl = getattr(dist, "ProcessGroupNCCL", None)
+            if nccl is None or not torch.cuda.is_available():
+                raise RuntimeError("the nccl backend needs a CUDA build of torch and a GPU")
+            nopts = nccl.Options()
+            nopts._timeout = timeout
+            self.pg = nccl(store, params.rank, params.world_size, nopts)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            raise ValueError(f"unknown backend {params.backend!r}")
+        # One collective now so both sides fail here, not on the first bucket, when a rank is
+        # missing (gloo connects lazily per collective otherwise).
+        self.barrier()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self.params.rank
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcasts ``tensor`` in place from ``src`` (blocks until done)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.pg.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]
+
+    def barrier(self) -> None:
+        """Waits for every rank (a tiny all-reduce, which every backend supports)."""
+        t = torch.zeros(1, device=self.device)
+        self.pg.allreduce([t]).wait()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Releases the group's connections (best effort)."""
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            # An already broken group may refuse; there is nothing more to release then.
+            with contextlib.suppress(Exception):
+                shutdown()
+
+
+def _local_ip_for(remote: str) -> str:
+    """The local address this host uses to reach ``remote`` (loopback stays loopback)."""
+    if remote in ("127.0.0.1", "localhost", "::1"):
+        return remote
+    try:
+        with socket.socket(
+            socket.AF_INET6 if ":" in remote else socket.AF_INET, socket.SOCK_DGRAM
+        ) as s:
+            s.connect((remote, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "MAX_CHUNK_BYTES",
+    "PUSH_WEIGHTS_METHOD",
+    "SERVICE_NAME",
+    "GroupParams",
+    "PushMessage",
+    "WeightGroup",
+    "decode_push_request",
+    "encode_push_request",
+    "free_port",
+    "plan_buckets",
+    "spec_nbytes",
+    "torch_dtype_name",
+]

@@ -1,0 +1,380 @@
+"""Seconds per weight sync for each method, ~100M-parameter model, loopback, vs baselines.
+
+Run by hand: ``.venv/bin/python bench/weight_sync.py [--reps N] [--layers L]``.
+
+What runs (all on this machine, loopback):
+
+* A local Qwen2 config (hidden 1024, 8 layers, MLP 2816, byte vocabulary: ~104M parameters,
+  float32, random init, no downloads) saved as an HF directory.
+* One ``areal-trainer`` process (world size 1, FSDP2 over gloo).
+* Per method, one rollout server process (hf engine + RolloutService + WeightSyncService),
+  updated repeatedly as in a training run: the trainer takes a tiny step (not timed), then the
+  coordinator's ``clients.fleet.update_fleet_weights`` moves the new version by that method.
+  The time is the whole fleet update (pause, negotiate, gather, transfer, swap into the served
+  model, confirm, resume).
+
+Baselines, measured in the same run on the same bytes (the state dict the trainer publishes):
+
+* stream: a raw TCP copy between two processes (``sendall`` from tensor memory,
+  ``recv_into`` preallocated buffers, one ack at the end).
+* disk: ``safetensors.torch.save_file`` then ``load_file`` of the state dict.
+* distributed: a bare ``torch.distributed`` gloo group of two fresh processes broadcasting
+  the same tensors one by one (as the protocol does).
+
+Each method and baseline runs once unmeasured, then ``--reps`` times; each prints
+``RESULT bench=weight_sync_<method> value=<s> unit=s baseline=<s> ratio=<r> target=1.3``
+(medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from safetensors.torch import load_file, save_file
+from transformers import ByT5Tokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from areal_grpc.launch import python_module_argv, start_child, stop_children
+from areal_grpc.model import save_pretrained
+from areal_grpc.server import sync_channel
+
+TARGET = 1.3
+METHODS = ("stream", "disk", "distributed")
+ACK = b"k"
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+def build_model_dir(path: Path, layers: int) -> Path:
+    """A random-init Qwen2 model (~104M parameters at 8 layers) saved as an HF directory."""
+    tok = ByT5Tokenizer()
+    config = Qwen2Config(
+        vocab_size=384,
+        hidden_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=2816,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    save_pretrained(model, tok, path)
+    return path
+
+
+def published_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors a trainer publishes for this model (tied lm_head left out)."""
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    sd.pop("lm_head.weight", None)
+    return sd
+
+
+# ------------------------------------------------------------------------- rollout child
+
+
+def serve_rollout(model: str, disk_root: str) -> None:
+    """Child mode: a rollout server with WeightSyncService; prints LISTENING host:port."""
+    from areal.v1 import rollout_pb2, rollout_pb2_grpc
+    from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+    from areal_servers.rollout.service import RolloutServicer
+    from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+
+    from areal_grpc.model import load_tokenizer
+    from areal_grpc.server import ServerOptions, serve_until_signal, service, start_server
+
+    torch.set_num_threads(1)
+
+    async def main() -> None:
+        engine = HFEngine(HFEngineConfig(model=model, device="cpu"))
+        rollout = RolloutServicer(engine, load_tokenizer(model))
+        services = [
+            service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
+            build_weight_sync_service(engine, WeightSyncConfig(disk_root=disk_root)),
+        ]
+        running = await start_server(services, ServerOptions(port=0))
+        print(f"LISTENING {running.address}", flush=True)
+        await serve_until_signal(running)
+
+    asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def train_one_step(address: str, step: int = 0, version: int = 0) -> int:
+    """One tiny training step (the published version goes up by one); the new version."""
+    with sync_channel(address) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        group = common_pb2.TrajectoryGroup(group_id="g")
+        for i in range(2):
+            group.trajectories.append(
+                common_pb2.Trajectory(
+                    token_ids=[5 + i, 9, 11, 13, 17, 19, 23, 29],
+                    logprobs=[0.0] * 3 + [-5.9] * 5,
+                    versions=[-1] * 3 + [version] * 5,
+                    loss_mask=[False] * 3 + [True] * 5,
+                    reward=float(i),
+                    prompt_length=3,
+                    group_id="g",
+                )
+            )
+        msgs = [
+            trainer_pb2.TrainStepRequest(
+                begin=trainer_pb2.StepBegin(global_step=step, policy_version=version, group_count=1)
+            ),
+            trainer_pb2.TrainStepRequest(group=group),
+            trainer_pb2.TrainStepRequest(end=trainer_pb2.StepEnd()),
+        ]
+        version = 0
+        for resp in stub.TrainStep(iter(msgs), timeout=600):
+            if resp.HasField("stats"):
+                version = resp.stats.policy_version
+        return int(version)
+
+
+def time_sync(trainer: str, rollout: str, method: str) -> float:
+    """One fleet update by ``method`` into the rollout server; seconds."""
+    from areal_clients.fleet import update_fleet_weights
+
+    start = time.perf_counter()
+    result = asyncio.run(
+        update_fleet_weights([trainer], [rollout], methods=(method,), timeout_s=600)
+    )
+    elapsed = time.perf_counter() - start
+    if result.failed_servers or result.servers[0].method != method:
+        raise RuntimeError(f"{method} sync failed: {result.servers}")
+    print(
+        f"  {method}: version {result.version}: fleet update {elapsed:.3f} s, of which "
+        f"PublishWeights on rank 0 {result.publish_elapsed_s:.3f} s",
+        flush=True,
+    )
+    return elapsed
+
+
+# ---------------------------------------------------------------------------- baselines
+
+
+def _tcp_receiver(port_q: mp.Queue, sizes: list[int]) -> None:
+    bufs = [bytearray(n) for n in sizes]  # preallocated, like the receiver's staging buffers
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port_q.put(srv.getsockname()[1])
+        conn, _ = srv.accept()
+        with conn:
+            for buf in bufs:
+                view = memoryview(buf)
+                got = 0
+                while got < len(buf):
+                    got += conn.recv_into(view[got:], len(buf) - got)
+            conn.sendall(ACK)
+
+
+def tcp_baseline(sd: dict[str, torch.Tensor]) -> float:
+    """Raw TCP copy of the state dict's bytes to another process; seconds."""
+    tensors = [t.contiguous() for t in sd.values()]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    proc = ctx.Process(target=_tcp_receiver, args=(q, sizes))
+    proc.start()
+    port = q.get(timeout=120)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        start = time.perf_counter()
+        # No framing: both sides know the sizes, as a receiver knows them from the header.
+        for t in tensors:
+            s.sendall(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        assert s.recv(1) == ACK
+        elapsed = time.perf_counter() - start
+    proc.join(timeout=60)
+    return elapsed
+
+
+def disk_baseline(sd: dict[str, torch.Tensor], root: Path) -> float:
+    """Plain safetensors save + load of the state dict; seconds."""
+    path = root / "baseline.safetensors"
+    start = time.perf_counter()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+    back = load_file(str(path))
+    elapsed = time.perf_counter() - start
+    assert back.keys() == sd.keys()
+    path.unlink()
+    return elapsed
+
+
+def _bcast_rank(rank: int, port: int, model_dir: str, out: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    sd = published_state_dict(Path(model_dir))
+    tensors = (
+        [t.contiguous() for t in sd.values()]
+        if rank == 0
+        else [torch.empty_like(t) for t in sd.values()]
+    )
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    dist.barrier()
+    start = time.perf_counter()
+    for t in tensors:
+        dist.broadcast(t, src=0)
+    dist.barrier()
+    if rank == 0:
+        out.put(time.perf_counter() - start)
+    dist.destroy_process_group()
+
+
+def broadcast_baseline(model_dir: Path) -> float:
+    """A bare torch.distributed (gloo) broadcast of the same tensors, two processes; seconds."""
+    from areal_grpc.weight_transfer import free_port
+
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_bcast_rank, args=(r, port, str(model_dir), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    elapsed = q.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    return float(elapsed)
+
+
+# -------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    """Runs the benchmark and prints one RESULT line per method."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--serve-rollout", nargs=2, metavar=("MODEL", "DISK_ROOT"))
+    args = parser.parse_args()
+    if args.serve_rollout:
+        serve_rollout(*args.serve_rollout)
+        return 0
+    torch.set_num_threads(1)
+    methods = [m for m in args.methods.split(",") if m]
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
+        base = Path(tmp)
+        model_dir = build_model_dir(base / "model", args.layers)
+        sd = published_state_dict(model_dir)
+        n_params = sum(t.numel() for t in sd.values())
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        print(f"model: {n_params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB float32")
+        weights_root = base / "weights"
+        weights_root.mkdir()
+        trainer = start_child(
+            "trainer",
+            python_module_argv(
+                "areal_servers.trainer",
+                "--port=0",
+                "--rank=0",
+                "--world-size=1",
+                "--master-addr=127.0.0.1",
+                f"--master-port={_port()}",
+                f"--model={model_dir}",
+                "--torch-threads=1",
+                f"--weights-root={weights_root}",
+                "--weights-keep=1",
+                "--log-level=WARNING",
+            ),
+            log_dir=base / "logs",
+            env={"OMP_NUM_THREADS": "1"},
+            ready_timeout_s=300,
+        )
+        try:
+            step, version = 0, 0
+
+            def train() -> None:
+                nonlocal step, version
+                version = train_one_step(trainer.address, step, version)
+                step += 1
+
+            print("trainer: 1 rank (FSDP2 over gloo)")
+            baselines = {
+                "stream": ("raw TCP copy", lambda: tcp_baseline(sd)),
+                "disk": ("safetensors save+load", lambda: disk_baseline(sd, base)),
+                "distributed": ("bare gloo broadcast", lambda: broadcast_baseline(model_dir)),
+            }
+            for method in methods:
+                label, baseline_fn = baselines[method]
+                # One rollout server per method, updated repeatedly as in a training run.
+                rollout = start_child(
+                    f"rollout-{method}",
+                    [
+                        sys.executable,
+                        __file__,
+                        "--serve-rollout",
+                        str(model_dir),
+                        str(weights_root),
+                    ],
+                    log_dir=base / "logs",
+                    ready_timeout_s=300,
+                )
+                try:
+                    syncs, bases = [], []
+                    # One unmeasured round first: the first update of a process pays one-off
+                    # costs (page faults of fresh buffers, connection set-up) once per run.
+                    train()
+                    time_sync(trainer.address, rollout.address, method)
+                    baseline_fn()
+                    for _ in range(args.reps):
+                        train()  # not timed: only makes the next version
+                        syncs.append(time_sync(trainer.address, rollout.address, method))
+                        bases.append(baseline_fn())
+                finally:
+                    stop_children([rollout])
+                value = statistics.median(syncs)
+                baseline = statistics.median(bases)
+                print(
+                    f"{method}: syncs {[round(s, 3) for s in syncs]} s; {label} "
+                    f"{[round(b, 3) for b in bases]} s",
+                    flush=True,
+                )
+                print(
+                    f"RESULT bench=weight_sync_{method} value={value:.3f} unit=s "
+                    f"baseline={baseline:.3f} ratio={value / baseline:.2f} target={TARGET}",
+                    flush=True,
+                )
+        finally:
+            stop_children([trainer])
+    return 0
+
+
+def _port() -> int:
+    from areal_grpc.weight_transfer import free_port
+
+    return free_port()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

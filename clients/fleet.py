@@ -1,0 +1,243 @@
+"""The fleet weight update, as one operation for the coordinator.
+
+``update_fleet_weights`` runs the protocol of DESIGN.md §3 step 5:
+
+1. pause every rollout server (``PauseGeneration``; in-flight requests end interrupted and
+   resume later from their partial output);
+2. ``PublishWeights`` on every trainer rank at once (the full-parameter gather is collective;
+   rank 0 sends, by the method each server negotiated);
+3. confirm: each server must report the published version (``GetRolloutStatus``);
+4. resume the servers that took the update.
+
+A rollout server that fails any step is reported in ``failed_servers`` (with the reason) and
+left paused, serving its old weights, for the coordinator to take out of rotation; the others
+go on. A trainer failure (a rank unreachable or refusing) fails the whole update with
+:class:`FleetUpdateError` after resuming every paused server on its old weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+from areal.v1 import (
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+    weight_sync_pb2,
+)
+
+from areal_grpc.server import aio_channel
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+METHODS: dict[str, int] = {
+    "distributed": weight_sync_pb2.TRANSFER_METHOD_DISTRIBUTED,
+    "stream": weight_sync_pb2.TRANSFER_METHOD_STREAM,
+    "disk": weight_sync_pb2.TRANSFER_METHOD_DISK,
+}
+
+
+class FleetUpdateError(RuntimeError):
+    """The trainer side of a fleet update failed; no server changed version."""
+
+
+@dataclass
+class ServerUpdate:
+    """What happened to one rollout server."""
+
+    address: str
+    ok: bool = False
+    # "distributed", "stream", "disk" or "" when no transfer happened.
+    method: str = ""
+    error: str = ""
+    policy_version: int = 0
+    sent_bytes: int = 0
+
+
+@dataclass
+class FleetUpdateResult:
+    """Outcome of one fleet update."""
+
+    # The version published (the trainer's version after its last step).
+    version: int
+    # Servers now serving ``version`` and resumed.
+    updated_servers: list[str] = field(default_factory=list)
+    # Servers that failed (left paused on their old weights): take them out of rotation.
+    failed_servers: list[str] = field(default_factory=list)
+    # Per server, in the order given.
+    servers: list[ServerUpdate] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    # Bytes of tensor data in the published state dict.
+    total_bytes: int = 0
+    # Seconds PublishWeights took on trainer rank 0 (gather + transfer + server swap).
+    publish_elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when every server took the update."""
+        return not self.failed_servers
+
+
+def _method_name(value: int) -> str:
+    for name, v in METHODS.items():
+        if v == value:
+            return name
+    return ""
+
+
+def _error(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def _each(
+    addresses: Sequence[str], fn: Callable[[str], Awaitable[T]]
+) -> list[T | BaseException]:
+    return list(await asyncio.gather(*(fn(a) for a in addresses), return_exceptions=True))
+
+
+async def update_fleet_weights(
+    trainer_addresses: Sequence[str],
+    rollout_addresses: Sequence[str],
+    *,
+    methods: Sequence[str] = ("distributed", "stream", "disk"),
+    timeout_s: float = 600.0,
+    bucket_bytes: int = 0,
+    control_timeout_s: float = 30.0,
+) -> FleetUpdateResult:
+    """Pause all rollout servers, publish from every trainer rank, confirm, resume.
+
+    ``methods`` is the preference order offered to each server; ``bucket_bytes`` 0 uses the
+    trainer's default. Pause, status and resume calls each get ``control_timeout_s``.
+    Raises ValueError for bad arguments and :class:`FleetUpdateError` when a trainer rank
+    fails (after resuming the paused servers on their old weights).
+    """
+    start = time.monotonic()
+    if not trainer_addresses:
+        raise ValueError("trainer_addresses must not be empty")
+    if len(set(rollout_addresses)) != len(rollout_addresses):
+        raise ValueError("rollout_addresses lists a server twice")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"methods must be a non-empty subset of {sorted(METHODS)}: {unknown}")
+    servers = {a: ServerUpdate(a) for a in rollout_addresses}
+    channels = {a: aio_channel(a) for a in [*rollout_addresses, *trainer_addresses]}
+    try:
+        rollout = {a: rollout_pb2_grpc.RolloutServiceStub(channels[a]) for a in rollout_addresses}
+
+        # 1. pause
+        async def pause(a: str) -> rollout_pb2.PauseGenerationResponse:
+            return await rollout[a].PauseGeneration(
+                rollout_pb2.PauseGenerationRequest(), timeout=control_timeout_s
+            )
+
+        paused: list[str] = []
+        for a, reply in zip(rollout_addresses, await _each(rollout_addresses, pause), strict=True):
+            if isinstance(reply, BaseException):
+                servers[a].error = f"pause: {_error(reply)}"
+            else:
+                servers[a].policy_version = reply.policy_version
+                paused.append(a)
+
+        # 2. publish on every rank at once, to the servers that paused
+        request = trainer_pb2.PublishWeightsRequest(
+            rollout_addresses=paused,
+            methods=[METHODS[m] for m in methods],
+            bucket_bytes=bucket_bytes,
+            timeout_seconds=timeout_s,
+        )
+
+        async def publish(a: str) -> trainer_pb2.PublishWeightsResponse:
+            stub = trainer_pb2_grpc.TrainerServiceStub(channels[a])
+            return await stub.PublishWeights(request, timeout=timeout_s + control_timeout_s)
+
+        replies = await _each(trainer_addresses, publish)
+        bad = [
+            f"{a}: {_error(r)}"
+            for a, r in zip(trainer_addresses, replies, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if bad:
+            await _each(paused, lambda a: _resume(rollout[a], control_timeout_s))
+            raise FleetUpdateError(f"PublishWeights failed on trainer rank(s): {'; '.join(bad)}")
+        ranks = [r for r in replies if not isinstance(r, BaseException)]
+        version = ranks[0].policy_version
+        lead = next((r for r in ranks if r.results), ranks[0])
+        for res in lead.results:
+            s = servers.get(res.address)
+            if s is None:
+                continue
+            s.method = _method_name(res.method)
+            s.sent_bytes = res.sent_bytes
+            s.policy_version = res.policy_version
+            if not res.ok:
+                s.error = res.error or "not updated"
+        for a in paused:
+            if not any(res.address == a for res in lead.results) and not servers[a].error:
+                servers[a].error = "no result from the trainer"
+
+        # 3. confirm the version each server now serves
+        candidates = [a for a in paused if not servers[a].error]
+
+        async def confirm(a: str) -> rollout_pb2.GetRolloutStatusResponse:
+            return await rollout[a].GetRolloutStatus(
+                rollout_pb2.GetRolloutStatusRequest(), timeout=control_timeout_s
+            )
+
+        for a, st in zip(candidates, await _each(candidates, confirm), strict=True):
+            if isinstance(st, BaseException):
+                servers[a].error = f"confirm: {_error(st)}"
+            elif st.policy_version != version:
+                servers[
+                    a
+                ].error = f"confirm: serves version {st.policy_version}, expected {version}"
+            else:
+                servers[a].policy_version = st.policy_version
+
+        # 4. resume the servers that took the update
+        good = [a for a in candidates if not servers[a].error]
+        for a, r in zip(
+            good, await _each(good, lambda a: _resume(rollout[a], control_timeout_s)), strict=True
+        ):
+            if isinstance(r, BaseException):
+                servers[a].error = f"resume: {_error(r)}"
+            else:
+                servers[a].ok = True
+        result = FleetUpdateResult(
+            version=version,
+            updated_servers=[a for a in rollout_addresses if servers[a].ok],
+            failed_servers=[a for a in rollout_addresses if not servers[a].ok],
+            servers=[servers[a] for a in rollout_addresses],
+            elapsed_s=time.monotonic() - start,
+            total_bytes=ranks[0].total_bytes,
+            publish_elapsed_s=lead.elapsed_seconds,
+        )
+        for s in result.servers:
+            if not s.ok:
+                log.warning("weight update of %s failed: %s", s.address, s.error)
+        return result
+    finally:
+        await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
+
+
+async def _resume(stub: rollout_pb2_grpc.RolloutServiceStub, timeout_s: float) -> None:
+    await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), timeout=timeout_s)
+
+
+__all__ = [
+    "METHODS",
+    "FleetUpdateError",
+    "FleetUpdateResult",
+    "ServerUpdate",
+    "update_fleet_weights",
+]

@@ -1,0 +1,105 @@
+"""The fleet update when not every server can take it: failures are reported, the rest go on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from areal.v1 import rollout_pb2, trainer_pb2
+from areal_clients.fleet import update_fleet_weights
+
+from areal_grpc.errors import field_violations
+
+from .conftest import RPC_TIMEOUT, MakeRollout, Trainers, free_port
+from .test_receiver import push, push_messages, shifted
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+def paused(r) -> bool:
+    return bool(
+        r.rollout.GetRolloutStatus(
+            rollout_pb2.GetRolloutStatusRequest(), timeout=RPC_TIMEOUT
+        ).paused
+    )
+
+
+def test_failed_servers_are_reported_and_left_out_while_the_rest_update(
+    trainers: Trainers, make_rollout: MakeRollout
+) -> None:
+    version = trainers.train_step()
+    good, stale = make_rollout(), make_rollout()
+    # This server already serves a newer version than the trainer publishes.
+    push(stale, push_messages(shifted(stale, 0.1), version=10_000))
+    stale_digests = stale.digests()
+    dead = f"127.0.0.1:{free_port()}"
+
+    result = asyncio.run(
+        update_fleet_weights(
+            trainers.addresses,
+            [good.address, stale.address, dead],
+            methods=("stream",),
+            timeout_s=60,
+            control_timeout_s=5,
+        )
+    )
+
+    assert result.version == version
+    assert result.updated_servers == [good.address]
+    assert result.failed_servers == [stale.address, dead]
+    errors = {s.address: s.error for s in result.servers}
+    assert "FAILED_PRECONDITION" in errors[stale.address]
+    assert "UNAVAILABLE" in errors[dead]
+    assert good.version() == version and not paused(good)
+    assert len(good.greedy(PROMPT)) == 12
+    # The refusing server keeps its weights and stays paused, out of rotation.
+    assert stale.version() == 10_000 and stale.digests() == stale_digests and paused(stale)
+
+
+def test_mixed_fleet_negotiates_each_server_its_own_method(
+    trainers: Trainers, make_rollout: MakeRollout
+) -> None:
+    version = trainers.train_step()
+    stream_only = make_rollout(methods=("stream",))
+    full = make_rollout()
+    result = asyncio.run(
+        update_fleet_weights(
+            trainers.addresses,
+            [stream_only.address, full.address],
+            methods=("distributed", "stream"),
+            timeout_s=120,
+        )
+    )
+    assert result.failed_servers == [], [s.error for s in result.servers]
+    # The distributed group is formed with the one server that took it (ranks renumbered).
+    assert [s.method for s in result.servers] == ["stream", "distributed"]
+    assert stream_only.digests() == full.digests()
+    assert stream_only.version() == full.version() == version
+
+
+def test_publish_weights_bad_request_names_the_field_on_every_rank(trainers: Trainers) -> None:
+    request = trainer_pb2.PublishWeightsRequest(rollout_addresses=["127.0.0.1:1", "nonsense"])
+    for stub in trainers.stubs:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PublishWeights(request, timeout=RPC_TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in field_violations(err.value)] == ["rollout_addresses[1]"]
+    # The ranks are still in lock-step: a publication to nobody completes on both.
+    empty = trainer_pb2.PublishWeightsRequest()
+
+    async def both() -> list[trainer_pb2.PublishWeightsResponse]:
+        from areal.v1 import trainer_pb2_grpc
+
+        from areal_grpc.server import aio_channel
+
+        async def one(address: str) -> trainer_pb2.PublishWeightsResponse:
+            async with aio_channel(address) as ch:
+                stub = trainer_pb2_grpc.TrainerServiceStub(ch)
+                return await stub.PublishWeights(empty, timeout=RPC_TIMEOUT)
+
+        return list(await asyncio.gather(*(one(a) for a in trainers.addresses)))
+
+    replies = asyncio.run(both())
+    assert [r.policy_version for r in replies] == [trainers.version()] * 2
+    assert replies[0].results == [] and replies[0].tensor_count > 0
