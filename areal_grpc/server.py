@@ -45,6 +45,8 @@ class ServerOptions:
     keepalive_timeout_s: float = 10.0
     # Concurrent RPCs; further calls wait (bounded memory under load).
     max_concurrent_rpcs: int | None = 256
+    # Further core channel arguments, e.g. tensor_codec.stream_channel_options().
+    extra: list[tuple[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +87,7 @@ def server_options(opts: ServerOptions) -> list[tuple[str, Any]]:
         ("grpc.http2.max_pings_without_data", 0),
         # Two servers must never share a port by accident (tests bind many on loopback).
         ("grpc.so_reuseport", 0),
+        *opts.extra,
     ]
 
 
