@@ -30,6 +30,7 @@ from areal_servers.rollout.workflows import (
 from google.protobuf import json_format, struct_pb2
 from transformers import PreTrainedTokenizerBase
 
+from areal_grpc import tracing
 from areal_grpc.errors import FieldError, abort_with, status_for_exception
 from areal_grpc.trajectory import validate_group
 
@@ -126,6 +127,22 @@ class EpisodeRunner:
     async def run(self, prepared: PreparedTask) -> rollout_pb2.RunEpisodesResponse:
         """Runs a prepared task; never raises (failures and cancellation become outcomes)."""
         task = prepared.task
+        # One span per task, parented by the context the task carries: the RunEpisodes stream
+        # is one RPC for many tasks, so the call's own span cannot stand for each of them.
+        with tracing.span(
+            "rollout.episode",
+            parent=task.trace_context,
+            attributes={tracing.TASK_ID: task.task_id, tracing.POLICY_VERSION: self.engine.version},
+        ) as span:
+            response = await self._run(prepared)
+            span.set_attribute("areal.outcome", rollout_pb2.EpisodeOutcome.Name(response.outcome))
+            span.set_attribute(
+                tracing.TOKENS, sum(len(t.token_ids) for t in response.group.trajectories)
+            )
+        return response
+
+    async def _run(self, prepared: PreparedTask) -> rollout_pb2.RunEpisodesResponse:
+        task = prepared.task
         start_version = self.engine.version
         started = time.monotonic()
         self.running_episodes += 1
@@ -137,7 +154,9 @@ class EpisodeRunner:
                 group_size=prepared.group_size,
                 sampling=prepared.sampling,
                 is_eval=task.is_eval,
-                trace_context=task.trace_context,
+                # Trajectories carry the episode span's context when traced, so the trainer's
+                # spans for them join the same trace.
+                trace_context=tracing.to_proto() if tracing.enabled() else task.trace_context,
             )
             group = await prepared.workflow.run_episode(ctx, prepared.item)
             response = rollout_pb2.RunEpisodesResponse(
