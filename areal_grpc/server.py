@@ -23,6 +23,14 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from areal_grpc import tracing
+from areal_grpc.security import (
+    BearerTokenInterceptor,
+    ClientTls,
+    ServerTls,
+    aio_token_interceptors,
+    check_plaintext_bind,
+    with_sync_token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,12 @@ class ServerOptions:
     max_concurrent_rpcs: int | None = 256
     # Further core channel arguments, e.g. tensor_codec.stream_channel_options().
     extra: list[tuple[str, Any]] = field(default_factory=list)
+    # TLS (mutual when it names a client CA); None serves plaintext, loopback only unless
+    # allow_plaintext is set.
+    tls: ServerTls | None = None
+    allow_plaintext: bool = False
+    # Calls must carry "authorization: Bearer <auth_token>" (health checks excepted).
+    auth_token: str | None = None
 
 
 @dataclass
@@ -57,6 +71,10 @@ class ChannelOptions:
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     extra: list[tuple[str, Any]] = field(default_factory=list)
+    # Verify the server with TLS (and present a client certificate for mTLS).
+    tls: ClientTls | None = None
+    # Sent as "authorization: Bearer <auth_token>" on every call.
+    auth_token: str | None = None
 
 
 @dataclass
@@ -94,7 +112,13 @@ def server_options(opts: ServerOptions) -> list[tuple[str, Any]]:
 def channel_options(opts: ChannelOptions | None = None) -> list[tuple[str, Any]]:
     """Core channel arguments for a client channel."""
     opts = opts or ChannelOptions()
+    name = (
+        [("grpc.ssl_target_name_override", opts.tls.server_name)]
+        if opts.tls and opts.tls.server_name
+        else []
+    )
     return [
+        *name,
         ("grpc.max_receive_message_length", opts.max_message_bytes),
         ("grpc.max_send_message_length", opts.max_message_bytes),
         ("grpc.keepalive_time_ms", int(opts.keepalive_time_s * 1000)),
@@ -107,16 +131,25 @@ def channel_options(opts: ChannelOptions | None = None) -> list[tuple[str, Any]]
 
 def aio_channel(address: str, opts: ChannelOptions | None = None) -> grpc.aio.Channel:
     """An asyncio channel to ``address`` (host:port)."""
+    opts = opts or ChannelOptions()
+    interceptors = [*aio_token_interceptors(opts.auth_token), *tracing.aio_client_interceptors()]
+    if opts.tls is not None:
+        return grpc.aio.secure_channel(
+            address, opts.tls.credentials(), channel_options(opts), interceptors=interceptors
+        )
     return grpc.aio.insecure_channel(
-        address, options=channel_options(opts), interceptors=tracing.aio_client_interceptors()
+        address, options=channel_options(opts), interceptors=interceptors
     )
 
 
 def sync_channel(address: str, opts: ChannelOptions | None = None) -> grpc.Channel:
     """A blocking channel to ``address`` (host:port)."""
-    return tracing.traced_sync_channel(
-        grpc.insecure_channel(address, options=channel_options(opts))
-    )
+    opts = opts or ChannelOptions()
+    if opts.tls is not None:
+        channel = grpc.secure_channel(address, opts.tls.credentials(), channel_options(opts))
+    else:
+        channel = grpc.insecure_channel(address, options=channel_options(opts))
+    return tracing.traced_sync_channel(with_sync_token(channel, opts.auth_token))
 
 
 class RunningServer:
@@ -169,10 +202,14 @@ async def start_server(
 ) -> RunningServer:
     """Starts a server with ``services`` plus health and reflection, all SERVING."""
     opts = opts or ServerOptions()
+    check_plaintext_bind(opts.host, opts.tls, opts.allow_plaintext)
+    interceptors = tracing.server_interceptors()
+    if opts.auth_token:
+        interceptors.append(BearerTokenInterceptor(opts.auth_token))
     server = grpc.aio.server(
         options=server_options(opts),
         maximum_concurrent_rpcs=opts.max_concurrent_rpcs,
-        interceptors=tracing.server_interceptors(),
+        interceptors=interceptors,
     )
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -189,7 +226,10 @@ async def start_server(
     )
     host = opts.host
     bind_host = f"[{host}]" if ":" in host else host
-    port = server.add_insecure_port(f"{bind_host}:{opts.port}")
+    if opts.tls is not None:
+        port = server.add_secure_port(f"{bind_host}:{opts.port}", opts.tls.credentials())
+    else:
+        port = server.add_insecure_port(f"{bind_host}:{opts.port}")
     if port == 0:
         raise OSError(f"could not bind {bind_host}:{opts.port}")
     await server.start()

@@ -1,0 +1,196 @@
+"""TLS, mutual TLS, bearer-token auth, plaintext binding rules, and no unpickling anywhere."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+from areal.v1 import rollout_pb2, rollout_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from areal_grpc.launch import health_status, python_module_argv, start_child, stop_children
+from areal_grpc.security import ClientTls, ServerTls, is_loopback
+from areal_grpc.server import (
+    BackgroundServer,
+    ChannelOptions,
+    ServerOptions,
+    aio_channel,
+    service,
+    start_server,
+    sync_channel,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Echo(rollout_pb2_grpc.RolloutServiceServicer):
+    async def Generate(self, request, context):
+        return rollout_pb2.GenerateResponse(policy_version=len(request.input_ids))
+
+    async def GenerateStream(self, request, context):
+        yield rollout_pb2.GenerateStreamResponse(output_ids=list(request.input_ids))
+
+
+def echo_service():
+    return service(Echo(), rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A throwaway CA, a server certificate for localhost, and a client certificate."""
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    server = ca.issue_cert("localhost", "127.0.0.1")
+    client = ca.issue_cert("areal-client")
+    other_ca = trustme.CA()
+    stranger = other_ca.issue_cert("stranger")
+    files = {
+        "ca": d / "ca.pem",
+        "server_cert": d / "server.pem",
+        "server_key": d / "server.key",
+        "client_cert": d / "client.pem",
+        "client_key": d / "client.key",
+        "stranger_cert": d / "stranger.pem",
+        "stranger_key": d / "stranger.key",
+    }
+    ca.cert_pem.write_to_path(files["ca"])
+    server.private_key_pem.write_to_path(files["server_key"])
+    server.cert_chain_pems[0].write_to_path(files["server_cert"])
+    client.private_key_pem.write_to_path(files["client_key"])
+    client.cert_chain_pems[0].write_to_path(files["client_cert"])
+    stranger.private_key_pem.write_to_path(files["stranger_key"])
+    stranger.cert_chain_pems[0].write_to_path(files["stranger_cert"])
+    return {k: str(v) for k, v in files.items()}
+
+
+def call(address, opts=None, payload=(1, 2, 3)):
+    with sync_channel(address, opts) as ch:
+        return rollout_pb2_grpc.RolloutServiceStub(ch).Generate(
+            rollout_pb2.GenerateRequest(input_ids=list(payload)), timeout=10
+        )
+
+
+def test_tls_server_talks_to_verifying_clients_only(pki):
+    tls = ServerTls(pki["server_cert"], pki["server_key"])
+    with BackgroundServer([echo_service()], ServerOptions(tls=tls)) as server:
+        ok = call(server.address, ChannelOptions(tls=ClientTls(pki["ca"], server_name="localhost")))
+        assert ok.policy_version == 3
+        with pytest.raises(grpc.RpcError) as err:
+            call(server.address)  # plaintext client
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(pki):
+    tls = ServerTls(pki["server_cert"], pki["server_key"], client_ca_file=pki["ca"])
+    with BackgroundServer([echo_service()], ServerOptions(tls=tls)) as server:
+        good = ClientTls(pki["ca"], pki["client_cert"], pki["client_key"], "localhost")
+        assert call(server.address, ChannelOptions(tls=good)).policy_version == 3
+        for bad in (
+            ClientTls(pki["ca"], server_name="localhost"),
+            ClientTls(pki["ca"], pki["stranger_cert"], pki["stranger_key"], "localhost"),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call(server.address, ChannelOptions(tls=bad))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_bearer_token_missing_wrong_and_right():
+    with BackgroundServer([echo_service()], ServerOptions(auth_token="s3cret")) as server:
+        with pytest.raises(grpc.RpcError) as err:
+            call(server.address)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            call(server.address, ChannelOptions(auth_token="s3cre"))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert call(server.address, ChannelOptions(auth_token="s3cret")).policy_version == 3
+        # Streaming methods are guarded too.
+        with sync_channel(server.address) as ch, pytest.raises(grpc.RpcError) as err:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            list(stub.GenerateStream(rollout_pb2.GenerateStreamRequest(input_ids=[1]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Health stays open for probes.
+        with sync_channel(server.address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_aio_channel_sends_the_token():
+    import asyncio
+
+    async def body():
+        running = await start_server([echo_service()], ServerOptions(auth_token="tok"))
+        try:
+            async with aio_channel(running.address, ChannelOptions(auth_token="tok")) as ch:
+                stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+                reply = await stub.Generate(rollout_pb2.GenerateRequest(input_ids=[4, 5]))
+                assert reply.policy_version == 2
+                got = [
+                    m
+                    async for m in stub.GenerateStream(
+                        rollout_pb2.GenerateStreamRequest(input_ids=[7])
+                    )
+                ]
+                assert list(got[0].output_ids) == [7]
+        finally:
+            await running.stop(0)
+
+    asyncio.run(body())
+
+
+def test_plaintext_is_loopback_only_unless_allowed():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    import asyncio
+
+    with pytest.raises(ValueError, match="plaintext"):
+        asyncio.run(start_server([echo_service()], ServerOptions(host="0.0.0.0")))
+
+
+def test_entry_point_serves_tls_with_token(pki, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("tok-123\n")
+    child = start_child(
+        "coordinator",
+        python_module_argv(
+            "areal_grpc.coordinator.serve",
+            "--port",
+            "0",
+            "--tls-cert",
+            pki["server_cert"],
+            "--tls-key",
+            pki["server_key"],
+            "--auth-token-file",
+            str(token_file),
+        ),
+        log_dir=tmp_path,
+    )
+    try:
+        assert health_status(child.address) == "UNREACHABLE"  # plaintext probe fails
+        opts = ChannelOptions(tls=ClientTls(pki["ca"], server_name="localhost"))
+        with sync_channel(child.address, opts) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        assert stop_children([child])["coordinator"] == 0
+
+
+def test_no_unpickling_or_torch_load_of_received_bytes_in_our_source():
+    pattern = re.compile(
+        r"\b(pickle|cloudpickle|dill|marshal)\.loads?\(|torch\.load\(|allow_pickle\s*=\s*True"
+    )
+    offenders = []
+    for top in ("areal_grpc", "servers", "clients"):
+        for path in (ROOT / top).rglob("*.py"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert offenders == []
+    # The check itself must be able to fail.
+    assert pattern.search("x = pickle.loads(data)") and pattern.search("torch.load(buf)")
