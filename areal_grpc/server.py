@@ -10,6 +10,7 @@ in-flight calls get ``grace_s`` to finish). Clients use :func:`aio_channel` or
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import threading
@@ -109,6 +110,38 @@ def server_options(opts: ServerOptions) -> list[tuple[str, Any]]:
     ]
 
 
+# Calls that are safe to repeat: gRPC retries them on UNAVAILABLE (a peer restarting or not
+# yet listening). Everything else fails fast and is handled by the caller, who knows whether
+# the work was done.
+IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
+    "grpc.health.v1.Health": ("Check",),
+    "areal.v1.RolloutService": ("GetRolloutStatus", "PauseGeneration", "ResumeGeneration"),
+    "areal.v1.TrainerService": ("GetTrainerStatus",),
+    "areal.v1.CoordinatorService": ("GetCoordinatorStatus", "ReleaseRollout", "WatchVersion"),
+}
+
+RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": svc, "method": m}
+                    for svc, methods in IDEMPOTENT_METHODS.items()
+                    for m in methods
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
 def channel_options(opts: ChannelOptions | None = None) -> list[tuple[str, Any]]:
     """Core channel arguments for a client channel."""
     opts = opts or ChannelOptions()
@@ -125,6 +158,8 @@ def channel_options(opts: ChannelOptions | None = None) -> list[tuple[str, Any]]
         ("grpc.keepalive_timeout_ms", int(opts.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", RETRY_SERVICE_CONFIG),
         *opts.extra,
     ]
 
