@@ -168,8 +168,13 @@ class StalenessConfig:
 class WeightSyncConfig:
     """How new weights reach the rollout servers."""
 
+    # False: rollout servers keep their initial weights (only for debugging the loop: the run
+    # cannot learn, and versions advance on the trainers alone).
+    enabled: bool = True
     # Offered in this order; each server accepts the first it supports.
     methods: list[str] = field(default_factory=lambda: list(WEIGHT_SYNC_METHODS))
+    # Seconds one fleet update may take before the step fails.
+    timeout_s: float = 600.0
     # Root for the disk method; None: <output.dir>/weights.
     disk_root: str | None = None
     # Bytes per streamed chunk (the contract allows at most 1 MiB).
@@ -414,6 +419,7 @@ def validate_config(cfg: RunConfig) -> None:
         _choice(f"weight_sync.methods[{i}]", m, WEIGHT_SYNC_METHODS)
     if len(set(w.methods)) != len(w.methods):
         raise FieldError("weight_sync.methods", f"lists a method twice: {w.methods}")
+    _positive("weight_sync.timeout_s", w.timeout_s)
     if not 0 < w.chunk_bytes <= 1 << 20:
         raise FieldError("weight_sync.chunk_bytes", f"must be in 1..1048576, got {w.chunk_bytes}")
 

@@ -130,6 +130,7 @@ def test_bad_override_names_the_key(override, field, words):
         ("weight_sync.methods=[stream,stream]", "weight_sync.methods"),
         ("weight_sync.methods=[stream,nfs]", "weight_sync.methods[1]"),
         ("weight_sync.chunk_bytes=2000000", "weight_sync.chunk_bytes"),
+        ("weight_sync.timeout_s=0", "weight_sync.timeout_s"),
         ("eval.every_steps=-1", "eval.every_steps"),
         ("launcher.mode=remote", "launcher.mode"),
         ("launcher.rollout_addresses=[localhost]", "launcher.rollout_addresses[0]"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -176,13 +177,62 @@ def test_entry_point_serves_and_drains_on_sigterm(tmp_path):
 
 
 def test_main_command_brings_the_mesh_up_and_down(tmp_path):
+    # A two-step run of the real command on the local mesh (the full default run takes
+    # minutes; tests/coordinator/ covers the loop in depth).
     out = subprocess.run(
-        [sys.executable, "-m", "areal_grpc.coordinator", "--log-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "areal_grpc.coordinator",
+            f"output.dir={tmp_path}",
+            "total_steps=2",
+            "staleness.batch_size=2",
+            "staleness.group_size=2",
+            "eval.every_steps=0",
+            "checkpoint.export_hf=false",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    for svc in ("RolloutService", "WeightSyncService", "TrainerService", "CoordinatorService"):
-        assert f"areal.v1.{svc} SERVING" in out.stdout
-    assert "mesh stopped (cleanly)" in out.stdout
+    assert "COORDINATOR 127.0.0.1:" in out.stdout
+    assert "done: 2 steps, version 2" in out.stdout
+    assert "mesh stopped cleanly" in out.stdout
+    mesh = json.loads((tmp_path / "mesh.json").read_text())
+    assert [c["name"] for c in mesh["children"]] == ["rollout-0", "trainer-0", "trainer-1"]
+
+
+class Flaky(rollout_pb2_grpc.RolloutServiceServicer):
+    """Answers UNAVAILABLE to the first ``failures`` calls of each method."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls: dict[str, int] = {}
+
+    async def _maybe_fail(self, name, context):
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if self.calls[name] <= self.failures:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
+
+    async def GetRolloutStatus(self, request, context):
+        await self._maybe_fail("status", context)
+        return rollout_pb2.GetRolloutStatusResponse(engine="flaky")
+
+    async def Generate(self, request, context):
+        await self._maybe_fail("generate", context)
+        return rollout_pb2.GenerateResponse()
+
+
+def test_idempotent_calls_are_retried_on_unavailable_others_fail_fast():
+    flaky = Flaky(failures=2)
+    svc = service(flaky, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2)
+    with BackgroundServer([svc]) as server, sync_channel(server.address) as ch:
+        stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+        reply = stub.GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=30)
+        assert reply.engine == "flaky"
+        assert flaky.calls["status"] == 3
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(rollout_pb2.GenerateRequest(input_ids=[1]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert flaky.calls["generate"] == 1

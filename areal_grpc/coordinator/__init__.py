@@ -1,1 +1,10 @@
-"""The coordinator: entry point of a run (``python -m areal_grpc.coordinator``)."""
+"""The coordinator: entry point of a run (``python -m areal_grpc.coordinator``).
+
+Modules: ``loop`` (the training loop), ``pool`` (queue, leases, buffer and the staleness
+rule), ``dataloader`` (exact-position prompt loader), ``service`` (CoordinatorService),
+``mesh`` (local launcher / attach mode), ``metrics`` (JSONL, TensorBoard, PNG),
+``checkpoint`` (recovery checkpoints), ``serve`` (``areal-coordinator``, the service alone).
+
+This is the entry-point layer: it may import ``areal_clients`` and launch servers; the core
+modules (``areal_grpc/*.py``) never import it.
+"""

@@ -1,75 +1,272 @@
-"""``python -m areal_grpc.coordinator``: start the local mesh and run.
+"""``python -m areal_grpc.coordinator``: run asynchronous RL on the mesh.
 
-The training loop arrives with the coordinator issue. Today this brings up the local mesh
-(rollout server, two trainer ranks, coordinator service) as separate processes on free
-loopback ports, checks every service's health over gRPC, prints the mesh and stops it.
+With no arguments: starts the local mesh (rollout server(s) and two trainer ranks as
+subprocesses on free loopback ports), trains the built-in task, writes metrics, a plot and
+the final model under ``output.dir``, stops the mesh and exits 0. Examples::
+
+    python -m areal_grpc.coordinator
+    python -m areal_grpc.coordinator --config run.yaml trainer.lr=5e-4 staleness.max_staleness=0
+    python -m areal_grpc.coordinator launcher.mode=attach \\
+        'launcher.rollout_addresses=[10.0.0.5:50061]' \\
+        'launcher.trainer_addresses=[10.0.0.6:50071,10.0.0.7:50071]'
+    python -m areal_grpc.coordinator --resume output.dir=outputs/run   # after a stop or crash
+
+Ctrl-C (SIGINT) or SIGTERM stops the run and every child process cleanly (exit code 130 /
+143); checkpoints already committed stay usable with ``--resume``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
-import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from areal_grpc.launch import (
-    Child,
-    health_status,
-    python_module_argv,
-    start_child,
-    stop_children,
-)
+from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-SERVICES = {
-    "rollout-0": (
-        "areal_servers.rollout",
-        ["areal.v1.RolloutService", "areal.v1.WeightSyncService"],
-    ),
-    "trainer-0": ("areal_servers.trainer", ["areal.v1.TrainerService"]),
-    "trainer-1": ("areal_servers.trainer", ["areal.v1.TrainerService"]),
-    "coordinator": ("areal_grpc.coordinator.serve", ["areal.v1.CoordinatorService"]),
-}
+from areal_grpc.config import RunConfig, load_config, to_yaml
+from areal_grpc.coordinator.loop import Coordinator, fleet_available, fleet_weight_sync
+from areal_grpc.coordinator.mesh import Mesh, check_supported, start_mesh
+from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
+from areal_grpc.errors import FieldError
+from areal_grpc.server import ServerOptions, service, start_server
+
+__all__ = ["main", "parse_args", "run"]
+
+log = logging.getLogger("areal_grpc.coordinator")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options of a run."""
     parser = argparse.ArgumentParser(
         prog="python -m areal_grpc.coordinator",
-        description="Run asynchronous RL on the local mesh (built-in tiny model and task).",
+        description="Run asynchronous RL (GRPO) on a mesh of gRPC services. With no "
+        "arguments: the built-in tiny model and task on a local mesh.",
     )
-    parser.add_argument("--log-dir", type=Path, default=None, help="where child logs go")
+    parser.add_argument("--config", default=None, help="YAML file of settings (areal_grpc.config)")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output.dir"
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as YAML and exit"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=5e-4"
+    )
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Brings up the local mesh, checks it, and stops it."""
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="areal-run-"))
-    children: list[Child] = []
-    healthy = True
-    try:
-        for name, (module, _) in SERVICES.items():
-            children.append(
-                start_child(name, python_module_argv(module, "--port", "0"), log_dir=log_dir)
+class Progress:
+    """A rich progress bar with reward, eval and step time (plain lines when not a TTY)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._bar: Any = None
+        self._task: Any = None
+        self._eval: float | None = None
+
+    def start(self, done: int, total: int) -> None:
+        """Shows the bar at ``done`` of ``total`` steps."""
+        if not self.enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
+
+        self._bar = RichProgress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("reward {task.fields[reward]}"),
+            TextColumn("eval {task.fields[eval]}"),
+            TextColumn("{task.fields[step_s]} s/step"),
+            TimeElapsedColumn(),
+        )
+        self._bar.start()
+        self._task = self._bar.add_task(
+            "train", total=total, completed=done, reward="-", eval="-", step_s="-"
+        )
+
+    def update(self, record: dict[str, Any]) -> None:
+        """Advances to the step in ``record`` (a metrics record)."""
+        if record.get("eval_accuracy") is not None:
+            self._eval = record["eval_accuracy"]
+        ev = "-" if self._eval is None else f"{self._eval:.3f}"
+        if self._bar is None:
+            print(
+                f"step {record['step']}: reward {record['reward_mean']:.3f} eval {ev} "
+                f"version {record['version']} {record['step_s']:.2f} s/step",
+                flush=True,
             )
-        print(f"{'process':<12} {'address':<22} service health")
-        for child in children:
-            for svc in SERVICES[child.name][1]:
-                state = health_status(child.address, svc)
-                healthy &= state == "SERVING"
-                print(f"{child.name:<12} {child.address:<22} {svc} {state}")
+            return
+        self._bar.update(
+            self._task,
+            completed=record["step"],
+            reward=f"{record['reward_mean']:.3f}",
+            eval=ev,
+            step_s=f"{record['step_s']:.2f}",
+        )
+
+    def stop(self) -> None:
+        """Removes the live display."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+async def run(cfg: RunConfig, resume: bool = False) -> int:
+    """Brings the mesh up, serves CoordinatorService, runs the loop, stops everything."""
+    out_dir = Path(cfg.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    log_dir = out_dir / "logs"
+    mesh = Mesh([], [], log_dir=log_dir)
+    coordinator: Coordinator | None = None
+    servicer: CoordinatorServicer | None = None
+    server = None
+    try:
+        # Children start in a thread so the event loop keeps handling signals meanwhile; on
+        # Ctrl-C the thread stops between children and the finally below stops the rest.
+        cancelled = threading.Event()
+        starter = asyncio.ensure_future(
+            asyncio.to_thread(start_mesh, cfg, log_dir, mesh, cancelled)
+        )
+        try:
+            await asyncio.shield(starter)
+        except asyncio.CancelledError:
+            cancelled.set()
+            await asyncio.wait([starter])
+            raise
+        mesh.write(out_dir / "mesh.json")
+        print(
+            f"mesh: rollout {mesh.rollout_addresses} trainer {mesh.trainer_addresses}", flush=True
+        )
+        sync = cfg.weight_sync.enabled
+        if sync and not fleet_available():
+            log.warning("areal_clients.fleet is not installed: weight sync is off")
+            sync = False
+        coordinator = Coordinator(
+            cfg,
+            mesh.rollout_addresses,
+            mesh.trainer_addresses,
+            out_dir,
+            weight_sync=fleet_weight_sync if sync else None,
+        )
+
+        async def add(worker: Worker) -> None:
+            assert coordinator is not None
+            if worker.role != coordinator_pb2.WORKER_ROLE_ROLLOUT:
+                raise FieldError(
+                    "role", "trainer ranks form a fixed SPMD group; start the run with them"
+                )
+            await coordinator.add_rollout_server(worker.address)
+
+        async def remove(worker: Worker) -> int:
+            assert coordinator is not None
+            return await coordinator.remove_rollout_server(worker.address)
+
+        def refresh(worker: Worker) -> None:
+            assert coordinator is not None
+            if worker.role == coordinator_pb2.WORKER_ROLE_ROLLOUT:
+                state = coordinator.rollout_state(worker.address)
+                worker.healthy = state is not None and state[0]
+                if state is not None and state[0]:
+                    worker.policy_version = state[1]
+            else:
+                worker.policy_version = coordinator.trainer_version
+
+        servicer = CoordinatorServicer(coordinator.pool, hooks=WorkerHooks(add, remove, refresh))
+        for i, a in enumerate(mesh.rollout_addresses):
+            servicer.add_local_worker(coordinator_pb2.WORKER_ROLE_ROLLOUT, a, f"rollout-{i}")
+        for i, a in enumerate(mesh.trainer_addresses):
+            servicer.add_local_worker(coordinator_pb2.WORKER_ROLE_TRAINER, a, f"trainer-{i}")
+        server = await start_server(
+            [
+                service(
+                    servicer,
+                    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
+                    coordinator_pb2,
+                )
+            ],
+            ServerOptions(host=cfg.launcher.host, port=cfg.launcher.coordinator_port),
+        )
+        servicer.start()
+        print(f"COORDINATOR {server.address}", flush=True)
+        progress = Progress(cfg.output.progress_bar and sys.stdout.isatty())
+        result = await coordinator.run(resume=resume, progress=progress)
+        print(
+            f"done: {result.steps} steps, version {result.version}, "
+            f"reward {_fmt(result.first_reward)} -> {_fmt(result.last_reward)}, "
+            f"eval {_fmt(result.first_eval)} -> {_fmt(result.last_eval)}, "
+            f"{result.wall_s:.0f} s",
+            flush=True,
+        )
+        print(f"metrics: {out_dir / 'metrics.jsonl'}", flush=True)
+        if result.plot_path:
+            print(f"plot: {result.plot_path}", flush=True)
+        if result.export_path:
+            print(f"model: {result.export_path}", flush=True)
+        return 0
     finally:
-        codes = stop_children(children)
-    clean = all(code == 0 for code in codes.values())
-    print(f"mesh stopped ({'cleanly' if clean else f'exit codes {codes}'}); logs in {log_dir}")
-    print(
-        "The training loop is not built yet (issue: coordinator): this command only brings "
-        "the mesh up, checks its health and stops it."
+        if servicer is not None:
+            await servicer.stop()
+        if server is not None:
+            await server.stop(0)
+        if coordinator is not None:
+            await coordinator.close()
+        if mesh.children:
+            codes = await asyncio.to_thread(mesh.stop)
+            bad = {k: v for k, v in codes.items() if v != 0}
+            print("mesh stopped" + (f" (exit codes {bad})" if bad else " cleanly"), flush=True)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse, configure, run; 130 on SIGINT, 143 on SIGTERM."""
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if cfg.launcher.mode == "local":
+            check_supported(cfg)
+    except FieldError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    logging.basicConfig(
+        level=cfg.output.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return 0 if healthy and clean else 1
+
+    async def guarded() -> int:
+        loop = asyncio.get_running_loop()
+        main_task = asyncio.current_task()
+        assert main_task is not None
+        received: list[int] = []
+
+        def on_signal(sig: int) -> None:
+            if not received:
+                log.warning("%s: stopping the run and the mesh", signal.Signals(sig).name)
+                received.append(sig)
+                main_task.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            return await run(cfg, resume=args.resume)
+        except asyncio.CancelledError:
+            if received:
+                return 128 + received[0]
+            raise
+
+    return asyncio.run(guarded())
 
 
 if __name__ == "__main__":

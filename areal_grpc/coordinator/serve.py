@@ -1,4 +1,11 @@
-"""``areal-coordinator``: serves CoordinatorService on its own (attach mode)."""
+"""``areal-coordinator``: CoordinatorService on its own, without a training loop.
+
+It admits external producers under the staleness rule (leases with deadlines), validates
+and buffers their submissions, reports status and versions, and keeps the worker registry.
+Nothing trains what it buffers: a full run is ``python -m areal_grpc.coordinator``, which
+serves the same service in-process (``launcher.coordinator_port``). Useful to develop and
+test a producer in any language against the real contract.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +15,41 @@ from collections.abc import Sequence
 from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from areal_grpc.cli import base_parser, serve_main
+from areal_grpc.coordinator.pool import WorkPool
+from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.server import Service, service
 
 DEFAULT_PORT = 50051
 
 
+def add_coordinator_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The standalone coordinator's options."""
+    parser.add_argument("--batch-size", type=int, default=32, help="groups per step (B)")
+    parser.add_argument("--max-staleness", type=int, default=2, help="eta")
+    parser.add_argument(
+        "--max-concurrent-rollouts", type=int, default=None, help="default: --batch-size"
+    )
+    parser.add_argument("--lease-ttl-s", type=float, default=60.0, help="lease lifetime")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="reject token ids at or above this"
+    )
+    return parser
+
+
 async def build(args: argparse.Namespace) -> Sequence[Service]:
-    """The coordinator's services (handlers arrive with the coordinator issue)."""
+    """The coordinator's services over a fresh work pool (no dataset, no loop)."""
+    pool = WorkPool(
+        args.batch_size,
+        args.max_staleness,
+        args.max_concurrent_rollouts,
+        lease_ttl_s=args.lease_ttl_s,
+        vocab_size=args.vocab_size,
+    )
+    servicer = CoordinatorServicer(pool)
+    servicer.start()
     return [
         service(
-            coordinator_pb2_grpc.CoordinatorServiceServicer(),
-            coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
-            coordinator_pb2,
+            servicer, coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, coordinator_pb2
         )
     ]
 
@@ -27,7 +57,7 @@ async def build(args: argparse.Namespace) -> Sequence[Service]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``areal-coordinator``."""
     parser = base_parser("areal-coordinator", "Serve the CoordinatorService.", DEFAULT_PORT)
-    return serve_main(parser, build, argv)
+    return serve_main(add_coordinator_args(parser), build, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,283 @@
+"""The mesh of a run: rollout servers and trainer ranks, started here (local) or attached.
+
+Local mode starts every server as a subprocess (our entry points with ``--port 0``) on
+loopback and learns its address from its ``LISTENING`` line. Trainer ranks rendezvous over a
+free loopback port. Children get one torch thread each, so a small machine is not
+oversubscribed by every process assuming it owns all cores. Attach mode uses the addresses in
+``launcher.rollout_addresses`` / ``launcher.trainer_addresses`` and starts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_grpc.config import RunConfig
+from areal_grpc.errors import FieldError
+from areal_grpc.launch import Child, health_status, python_module_argv, start_child, stop_children
+from areal_grpc.tasks import TASKS
+
+__all__ = [
+    "Mesh",
+    "MeshStartCancelled",
+    "free_port",
+    "rollout_argv",
+    "start_mesh",
+    "trainer_argv",
+    "wait_healthy",
+]
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_SERVICE = "areal.v1.RolloutService"
+TRAINER_SERVICE = "areal.v1.TrainerService"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for the trainers' rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def max_new_tokens(cfg: RunConfig) -> int:
+    """Configured max_new_tokens, else the built-in task's answer length, else 16."""
+    if cfg.rollout.sampling.max_new_tokens is not None:
+        return cfg.rollout.sampling.max_new_tokens
+    task = TASKS.get(cfg.data.task)
+    return task.max_new_tokens if task is not None else 16
+
+
+def check_supported(cfg: RunConfig) -> None:
+    """Raises FieldError for settings the servers have no option for (not silently ignored)."""
+    p = cfg.trainer.ppo
+    if p.ppo_epochs != 1:
+        raise FieldError("trainer.ppo.ppo_epochs", "the trainer runs one PPO epoch per step")
+    if p.norm_eps != 1e-5:
+        raise FieldError("trainer.ppo.norm_eps", "the trainer's normalisation eps is fixed: 1e-5")
+
+
+def weights_root(cfg: RunConfig) -> str:
+    """Directory of DISK weight updates (shared by trainer rank 0 and the rollout servers)."""
+    root = cfg.weight_sync.disk_root or str(Path(cfg.output.dir) / "weights")
+    return str(Path(root).resolve())
+
+
+def rollout_argv(cfg: RunConfig, index: int) -> list[str]:
+    """Command line of rollout server ``index``."""
+    r = cfg.rollout
+    argv = [
+        "--host",
+        cfg.launcher.host,
+        "--port",
+        "0",
+        "--log-level",
+        cfg.output.log_level,
+        "--model",
+        cfg.model.source,
+        # The same seed everywhere: it also seeds the built-in model's init, which must equal
+        # the trainers' (version 0 is never transferred).
+        "--seed",
+        str(cfg.model.seed),
+        "--engine",
+        r.engine,
+        "--device",
+        r.device,
+        "--default-workflow",
+        r.workflow,
+        "--max-new-tokens",
+        str(max_new_tokens(cfg)),
+    ]
+    argv += ["--weight-methods", ",".join(cfg.weight_sync.methods)]
+    if "disk" in cfg.weight_sync.methods:
+        argv += ["--weights-root", weights_root(cfg)]
+    if r.engine == "sglang":
+        argv += ["--sglang-url", r.sglang_urls[index]]
+    return python_module_argv("areal_servers.rollout", *argv)
+
+
+def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
+    """Command line of trainer rank ``rank``."""
+    check_supported(cfg)
+    t = cfg.trainer
+    p = t.ppo
+    argv = [
+        "--host",
+        cfg.launcher.host,
+        "--port",
+        "0",
+        "--log-level",
+        cfg.output.log_level,
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(t.ranks),
+        "--master-addr",
+        cfg.launcher.host,
+        "--master-port",
+        str(master_port),
+        "--backend",
+        t.backend,
+        "--model",
+        cfg.model.source,
+        "--seed",
+        str(cfg.model.seed),
+        "--torch-threads",
+        "1",
+        "--lr",
+        repr(t.lr),
+        "--weight-decay",
+        repr(t.weight_decay),
+        "--warmup-steps",
+        str(t.warmup_steps),
+        "--lr-schedule",
+        t.lr_schedule,
+        "--total-steps",
+        str(cfg.total_steps),
+        "--max-grad-norm",
+        repr(t.grad_clip),
+        "--max-tokens-per-mb",
+        str(t.max_tokens_per_mb),
+        "--eps-clip",
+        repr(p.eps_clip),
+        "--behav-imp-weight-cap",
+        repr(p.behav_imp_weight_cap if p.behav_imp_weight_cap is not None else 0.0),
+        "--behav-imp-weight-mode",
+        p.behav_imp_weight_mode,
+        "--reward-norm",
+        p.reward_norm,
+        "--adv-norm",
+        p.adv_norm,
+        "--kl-ctl",
+        repr(p.kl_ctl),
+        # Log-probs are recomputed under the same temperature the rollouts sampled with.
+        "--temperature",
+        repr(cfg.rollout.sampling.temperature or 1.0),
+    ]
+    argv += ["--weights-timeout-s", repr(cfg.weight_sync.timeout_s)]
+    if "disk" in cfg.weight_sync.methods:
+        argv += ["--weights-root", weights_root(cfg)]
+    if t.device != "auto":
+        argv += ["--device", t.device]
+    if p.eps_clip_higher is not None:
+        argv += ["--eps-clip-higher", repr(p.eps_clip_higher)]
+    if p.c_clip is not None:
+        argv += ["--c-clip", repr(p.c_clip)]
+    return python_module_argv("areal_servers.trainer", *argv)
+
+
+@dataclass
+class Mesh:
+    """Addresses of the mesh, and the children this process started (local mode)."""
+
+    rollout_addresses: list[str]
+    trainer_addresses: list[str]
+    children: list[Child] = field(default_factory=list)
+    log_dir: Path | None = None
+
+    def describe(self) -> dict[str, object]:
+        """Addresses and pids, for ``mesh.json`` (lets tools find and stop the children)."""
+        return {
+            "rollout": self.rollout_addresses,
+            "trainer": self.trainer_addresses,
+            "children": [
+                {"name": c.name, "address": c.address, "pid": c.process.pid} for c in self.children
+            ],
+        }
+
+    def write(self, path: Path) -> None:
+        """Writes :meth:`describe` as JSON."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.describe(), indent=2))
+
+    def stop(self) -> dict[str, int]:
+        """Stops the children (SIGTERM, then SIGKILL after a grace period)."""
+        codes = stop_children(self.children)
+        self.children = []
+        return codes
+
+
+def wait_healthy(addresses: Sequence[tuple[str, str]], timeout_s: float = 300.0) -> None:
+    """Waits until every ``(address, service)`` reports SERVING."""
+    deadline = time.monotonic() + timeout_s
+    for address, svc in addresses:
+        while True:
+            state = health_status(address, svc, timeout_s=5.0)
+            if state == "SERVING":
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{svc} at {address} is not serving (health {state})")
+            time.sleep(0.2)
+
+
+class MeshStartCancelled(RuntimeError):
+    """Starting the mesh was cancelled (e.g. Ctrl-C); the caller stops what was started."""
+
+
+def start_mesh(
+    cfg: RunConfig,
+    log_dir: Path,
+    mesh: Mesh | None = None,
+    cancelled: threading.Event | None = None,
+) -> Mesh:
+    """Starts (local) or attaches to (attach) the mesh and waits until it is healthy.
+
+    Children are appended to ``mesh`` as they start, so a caller that passes its own
+    :class:`Mesh` can stop them whatever happens; ``cancelled`` aborts before children start. On
+    an error the children started so far are stopped here.
+    """
+    mesh = mesh if mesh is not None else Mesh([], [], log_dir=log_dir)
+
+    def check() -> None:
+        if cancelled is not None and cancelled.is_set():
+            raise MeshStartCancelled("mesh start cancelled")
+
+    try:
+        if cfg.launcher.mode == "attach":
+            mesh.rollout_addresses[:] = cfg.launcher.rollout_addresses
+            mesh.trainer_addresses[:] = cfg.launcher.trainer_addresses
+        else:
+            env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            port = free_port(cfg.launcher.host)
+            specs = [
+                (f"rollout-{i}", rollout_argv(cfg, i)) for i in range(cfg.rollout.num_servers)
+            ] + [(f"trainer-{r}", trainer_argv(cfg, r, port)) for r in range(cfg.trainer.ranks)]
+            check()
+            # All children start at once (each takes seconds to import torch); they are
+            # recorded as they come up, so a failure of one still stops the others.
+            with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+                futures = [
+                    pool.submit(start_child, name, argv, log_dir=log_dir, env=env)
+                    for name, argv in specs
+                ]
+                errors: list[BaseException] = []
+                for fut in futures:
+                    try:
+                        child = fut.result()
+                    except BaseException as exc:
+                        errors.append(exc)
+                        continue
+                    mesh.children.append(child)
+                    if child.name.startswith("rollout-"):
+                        mesh.rollout_addresses.append(child.address)
+                    else:
+                        mesh.trainer_addresses.append(child.address)
+                if errors:
+                    raise errors[0]
+        check()
+        wait_healthy(
+            [(a, ROLLOUT_SERVICE) for a in mesh.rollout_addresses]
+            + [(a, TRAINER_SERVICE) for a in mesh.trainer_addresses]
+        )
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh

@@ -1,0 +1,288 @@
+"""``CoordinatorService``: leases, external submissions, version watch, status, workers.
+
+Served in-process by ``python -m areal_grpc.coordinator`` (sharing the run's
+:class:`~areal_grpc.coordinator.pool.WorkPool`, so external groups are trained like any
+other) and on its own by ``areal-coordinator``.
+
+Errors: a malformed request is INVALID_ARGUMENT naming the field (``google.rpc.BadRequest``);
+no capacity is RESOURCE_EXHAUSTED with ``google.rpc.RetryInfo``; an unknown lease or worker is
+NOT_FOUND. A submission under an expired lease, or whose first generated token is more than
+eta versions behind, is not an error of the call: it is listed in the reply's rejections with
+the reason, and the other groups of the stream are still taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from google.protobuf import timestamp_pb2
+
+from areal_grpc.coordinator.pool import NoCapacity, WorkPool
+from areal_grpc.errors import (
+    FieldError,
+    PreconditionError,
+    abort_with,
+    resource_exhausted,
+    status,
+    status_for_exception,
+)
+
+__all__ = ["CoordinatorServicer", "Worker", "WorkerHooks"]
+
+log = logging.getLogger(__name__)
+
+# How long a producer refused for capacity should wait: capacity comes back when groups
+# finish or a step bumps the version, both on the scale of a second here.
+RETRY_AFTER_S = 0.5
+
+
+@dataclass
+class Worker:
+    """A worker in the mesh."""
+
+    worker_id: str
+    role: int
+    address: str
+    healthy: bool = True
+    policy_version: int = 0
+
+    def to_proto(self) -> coordinator_pb2.WorkerInfo:
+        """As ``areal.v1.WorkerInfo``."""
+        return coordinator_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,  # type: ignore[arg-type]
+            address=self.address,
+            healthy=self.healthy,
+            policy_version=self.policy_version,
+        )
+
+
+@dataclass
+class WorkerHooks:
+    """What the run does when workers join or leave (absent on a standalone coordinator)."""
+
+    # Called before a worker is listed; raise FieldError/PreconditionError to refuse it.
+    add: Callable[[Worker], Awaitable[None]] | None = None
+    # Called when a worker leaves; returns how many of its tasks were re-queued.
+    remove: Callable[[Worker], Awaitable[int]] | None = None
+    # Updates a worker's health and version from what the run knows (before status replies).
+    refresh: Callable[[Worker], None] | None = None
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """The handlers of ``areal.v1.CoordinatorService`` over a work pool."""
+
+    def __init__(
+        self,
+        pool: WorkPool,
+        *,
+        hooks: WorkerHooks | None = None,
+        sweep_interval_s: float = 0.2,
+    ) -> None:
+        self.pool = pool
+        self.hooks = hooks or WorkerHooks()
+        self.workers: dict[str, Worker] = {}
+        self._ids = itertools.count()
+        self._sweep_interval_s = sweep_interval_s
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # -- background --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the lease sweeper (expired leases free capacity without waiting for a call)."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def stop(self) -> None:
+        """Stops the sweeper."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_interval_s)
+            self.pool.expire_leases()
+
+    # -- workers -----------------------------------------------------------------------------
+
+    def add_local_worker(self, role: int, address: str, worker_id: str) -> Worker:
+        """Lists a worker the run started itself (no hooks)."""
+        worker = Worker(worker_id, role, address)
+        self.workers[worker_id] = worker
+        return worker
+
+    def _rollout_address(self) -> str:
+        rollouts = [
+            w
+            for w in self.workers.values()
+            if w.role == coordinator_pb2.WORKER_ROLE_ROLLOUT and w.healthy
+        ]
+        if not rollouts:
+            return ""
+        # Least leased first, so external producers spread over the servers.
+        load = Counter(lease.rollout_address for lease in self.pool.leases.values())
+        return min(rollouts, key=lambda w: (load[w.address], w.worker_id)).address
+
+    # -- RPCs --------------------------------------------------------------------------------
+
+    async def AcquireRollout(
+        self, request: coordinator_pb2.AcquireRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.AcquireRolloutResponse:
+        """A lease, or RESOURCE_EXHAUSTED with RetryInfo."""
+        try:
+            if request.group_size < 1:
+                raise FieldError("group_size", f"must be >= 1, got {request.group_size}")
+            address = self._rollout_address()
+            lease = self.pool.acquire(request.producer_id, request.group_size)
+            lease.rollout_address = address
+        except NoCapacity as exc:
+            await abort_with(context, resource_exhausted(str(exc), RETRY_AFTER_S))
+            raise AssertionError("unreachable") from exc
+        except Exception as exc:
+            await abort_with(context, status_for_exception(exc))
+            raise AssertionError("unreachable") from exc
+        deadline = timestamp_pb2.Timestamp()
+        deadline.FromNanoseconds(int(lease.wall_deadline * 1e9))
+        return coordinator_pb2.AcquireRolloutResponse(
+            lease=coordinator_pb2.RolloutLease(
+                lease_id=lease.work.task_id,
+                policy_version=lease.version,
+                deadline=deadline,
+                group_size=lease.group_size,
+                rollout_address=address,
+            )
+        )
+
+    async def ReleaseRollout(
+        self, request: coordinator_pb2.ReleaseRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ReleaseRolloutResponse:
+        """Gives a lease back; NOT_FOUND when unknown or expired."""
+        try:
+            self.pool.release(request.lease_id)
+        except FieldError as exc:
+            await abort_with(context, status(grpc.StatusCode.NOT_FOUND, str(exc)))
+        return coordinator_pb2.ReleaseRolloutResponse()
+
+    async def SubmitTrajectories(
+        self,
+        request_iterator: AsyncIterator[coordinator_pb2.SubmitTrajectoriesRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> coordinator_pb2.SubmitTrajectoriesResponse:
+        """Takes each group under its lease; a malformed one ends the call with INVALID_ARGUMENT.
+
+        Groups taken before a malformed one stay taken (they are in the training buffer),
+        and the malformed group's lease stays valid for a corrected submission.
+        """
+        reply = coordinator_pb2.SubmitTrajectoriesResponse()
+        index = 0
+        try:
+            async for req in request_iterator:
+                where = f"requests[{index}]"
+                index += 1
+                if not req.lease_id:
+                    raise FieldError(f"{where}.lease_id", "must not be empty")
+                reason = self.pool.submit(req.lease_id, req.group, where)
+                if reason is None:
+                    reply.accepted_groups += 1
+                else:
+                    reply.rejections.add(lease_id=req.lease_id, reason=reason)
+        except FieldError as exc:
+            taken = f" ({reply.accepted_groups} earlier group(s) of this call were accepted)"
+            err = FieldError(exc.field, exc.description + taken)
+            await abort_with(context, status_for_exception(err))
+        return reply
+
+    async def WatchVersion(
+        self, request: coordinator_pb2.WatchVersionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.WatchVersionResponse]:
+        """The current version now, then every change, until the caller cancels."""
+        last = None
+        while True:
+            current = (self.pool.version, self.pool.global_step)
+            if current != last:
+                last = current
+                yield coordinator_pb2.WatchVersionResponse(
+                    policy_version=current[0], global_step=current[1]
+                )
+            await self.pool.wait_change(5.0)
+
+    async def GetCoordinatorStatus(
+        self,
+        request: coordinator_pb2.GetCoordinatorStatusRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> coordinator_pb2.GetCoordinatorStatusResponse:
+        """Version, step, counters, capacity and workers."""
+        self.pool.expire_leases()
+        if self.hooks.refresh is not None:
+            for worker in self.workers.values():
+                self.hooks.refresh(worker)
+        st = self.pool.staleness.stats()
+        return coordinator_pb2.GetCoordinatorStatusResponse(
+            policy_version=self.pool.version,
+            global_step=self.pool.global_step,
+            running=st.running,
+            accepted=st.accepted,
+            rejected=st.rejected,
+            capacity=self.pool.capacity(),
+            max_staleness=self.pool.staleness.max_staleness,
+            batch_size=self.pool.staleness.consumer_batch_size,
+            workers=[w.to_proto() for w in self.workers.values()],
+        )
+
+    async def RegisterWorker(
+        self, request: coordinator_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.RegisterWorkerResponse:
+        """Adds a worker (the run brings a rollout server to the current version first)."""
+        try:
+            if request.role == coordinator_pb2.WORKER_ROLE_UNSPECIFIED:
+                raise FieldError("role", "must be WORKER_ROLE_ROLLOUT or WORKER_ROLE_TRAINER")
+            host, sep, port = request.address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise FieldError("address", f"must be host:port, got {request.address!r}")
+            if any(w.address == request.address for w in self.workers.values()):
+                raise PreconditionError(f"a worker at {request.address} is already registered")
+            worker_id = request.worker_id or f"worker-{next(self._ids)}"
+            if worker_id in self.workers:
+                raise PreconditionError(f"worker_id {worker_id!r} is taken")
+            worker = Worker(worker_id, request.role, request.address)
+            if self.hooks.add is not None:
+                await self.hooks.add(worker)
+            worker.policy_version = self.pool.version
+            self.workers[worker_id] = worker
+        except Exception as exc:
+            await abort_with(context, status_for_exception(exc))
+            raise AssertionError("unreachable") from exc
+        return coordinator_pb2.RegisterWorkerResponse(
+            worker_id=worker_id, policy_version=self.pool.version
+        )
+
+    async def DeregisterWorker(
+        self, request: coordinator_pb2.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.DeregisterWorkerResponse:
+        """Removes a worker; its in-flight tasks are re-queued."""
+        worker = self.workers.get(request.worker_id)
+        if worker is None:
+            await abort_with(
+                context,
+                status(grpc.StatusCode.NOT_FOUND, f"worker_id: unknown {request.worker_id!r}"),
+            )
+            raise AssertionError("unreachable")
+        requeued = 0
+        try:
+            if self.hooks.remove is not None:
+                requeued = await self.hooks.remove(worker)
+        except Exception as exc:
+            await abort_with(context, status_for_exception(exc))
+        del self.workers[request.worker_id]
+        return coordinator_pb2.DeregisterWorkerResponse(requeued_tasks=requeued)

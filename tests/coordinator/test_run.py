@@ -1,0 +1,392 @@
+"""End to end: ``python -m areal_grpc.coordinator`` on a real mesh of subprocesses.
+
+Rollout servers and trainer ranks are our real servers (builtin:micro, FSDP2 over gloo),
+weights move through the real fleet weight sync, and the coordinator runs as its own process
+exactly as a user starts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from areal.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+)
+from areal_clients.coordinator import CoordinatorClient
+from areal_clients.rollout import RolloutClient
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from areal_grpc.config import load_config
+from areal_grpc.coordinator.mesh import Mesh, start_mesh
+from areal_grpc.coordinator.metrics import read_jsonl
+from areal_grpc.model import load_tokenizer
+from areal_grpc.server import sync_channel
+
+pytestmark = pytest.mark.slow
+
+ECHO_PROMPTS = 36  # the built-in "echo" task: one epoch is 36 prompts
+
+
+def coordinator(out: Path, *overrides: str, resume: bool = False) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "areal_grpc.coordinator"]
+    if resume:
+        argv.append("--resume")
+    argv += [f"output.dir={out}", "output.progress_bar=false", *overrides]
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    # Shown by pytest when a later assertion fails: the coordinator's own account of the run.
+    print(out)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie whose parent is gone is reaped by init soon; treat "exists" as alive.
+    return True
+
+
+def wait_for(predicate, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.2)
+
+
+def rollout_version(address: str) -> int:
+    with sync_channel(address) as ch:
+        stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+        return stub.GetRolloutStatus(
+            rollout_pb2.GetRolloutStatusRequest(), timeout=10
+        ).policy_version
+
+
+def trained_items(out: Path) -> dict[int, list[str]]:
+    """Step -> item ids trained, the last record of each step winning (a resumed run
+    re-trains the steps after its checkpoint)."""
+    steps: dict[int, list[str]] = {}
+    for rec in read_jsonl(out / "batches.jsonl"):
+        steps[rec["step"]] = [g["item_id"] for g in rec["groups"]]
+    return steps
+
+
+def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(tmp_path):
+    eta, batch, steps = 1, 4, 9
+    overrides = [
+        "data.task=echo",
+        f"total_steps={steps}",
+        f"staleness.batch_size={batch}",
+        "staleness.group_size=2",
+        f"staleness.max_staleness={eta}",
+        "rollout.num_servers=2",
+        "eval.every_steps=4",
+        f"weight_sync.disk_root={tmp_path / 'weights'}",
+        "checkpoint.every_steps=0",
+    ]
+    cfg = load_config(None, overrides)
+    mesh: Mesh = start_mesh(cfg, tmp_path / "mesh-logs")
+    try:
+        out = tmp_path / "run"
+        proc = coordinator(
+            out,
+            *overrides,
+            "launcher.mode=attach",
+            f"launcher.rollout_addresses=[{','.join(mesh.rollout_addresses)}]",
+            f"launcher.trainer_addresses=[{','.join(mesh.trainer_addresses)}]",
+        )
+        log = finish(proc)
+        assert proc.returncode == 0, log
+        # Every rollout server was brought to the final version by the fleet weight sync.
+        assert [rollout_version(a) for a in mesh.rollout_addresses] == [steps, steps]
+    finally:
+        mesh.stop()
+
+    records = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert [r["version"] for r in train] == list(range(1, steps + 1))
+    assert all(r["sequences"] == batch * 2 for r in train)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4, 8, 9]
+    # Greedy eval over the whole eval split, spread over both servers.
+    assert all(r["eval_prompts"] == ECHO_PROMPTS for r in evals)
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in evals)
+
+    batches = read_jsonl(out / "batches.jsonl")
+    task_ids = [g["task_id"] for b in batches for g in b["groups"]]
+    assert len(task_ids) == len(set(task_ids)) == steps * batch  # nothing trained twice
+    # 9 x 4 = 36 = one epoch: every prompt of the split exactly once.
+    items = [g["item_id"] for b in batches for g in b["groups"]]
+    assert sorted(items) == sorted(f"echo-train-{i}" for i in range(ECHO_PROMPTS))
+    for b in batches:
+        # b["version"] is the trainer's version at the step: no trained token is older
+        # than eta versions behind it.
+        assert all(g["min_version"] >= b["version"] - eta for g in b["groups"]), b
+    assert (out / "curves.png").stat().st_size > 0
+    assert (out / "model" / "config.json").is_file()
+    assert "done: 9 steps, version 9" in log
+
+
+def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path):
+    # 40 steps x 2 prompts cross the 36-prompt epoch; the kill comes soon after the first
+    # checkpoint (step 2), long before the end.
+    steps = 40
+    overrides = [
+        "data.task=echo",
+        f"total_steps={steps}",
+        "staleness.batch_size=2",
+        "staleness.group_size=2",
+        "staleness.max_staleness=0",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=2",
+        "checkpoint.export_hf=false",
+        "output.plot=false",
+    ]
+    reference = tmp_path / "uninterrupted"
+    proc = coordinator(reference, *overrides)
+    log = finish(proc)
+    assert proc.returncode == 0, log
+    # eta = 0 is synchronous: every step trains samples of exactly the weights it updates.
+    for b in read_jsonl(reference / "batches.jsonl"):
+        assert all(g["min_version"] == g["head_version"] == b["version"] for g in b["groups"])
+
+    out = tmp_path / "killed"
+    proc = coordinator(out, *overrides)
+    # Kill the coordinator (no clean-up of any kind) once a checkpoint is committed.
+    wait_for(lambda: (out / "checkpoints" / "latest").is_file())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for child in json.loads((out / "mesh.json").read_text())["children"]:
+        with_pid = child["pid"]
+        if alive(with_pid):
+            os.kill(with_pid, signal.SIGKILL)
+    killed_at = max(trained_items(out))
+    assert killed_at < steps - 1
+
+    proc = coordinator(out, *overrides, resume=True)
+    log = finish(proc)
+    assert proc.returncode == 0, log
+    assert "resumed from step " in log
+    assert trained_items(out) == trained_items(reference)
+    assert len(trained_items(out)) == steps
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    # The records of the redone steps were replaced, not duplicated.
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert (train[-1]["step"], train[-1]["version"]) == (steps, steps)
+
+
+def test_ctrl_c_stops_the_run_and_every_child(tmp_path):
+    out = tmp_path / "run"
+    proc = coordinator(out, "total_steps=100000", "eval.every_steps=0")
+    wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size)
+    children = json.loads((out / "mesh.json").read_text())["children"]
+    assert len(children) == 3
+    proc.send_signal(signal.SIGINT)
+    log = finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, log
+    assert "mesh stopped cleanly" in log
+    for child in children:
+        wait_for(lambda pid=child["pid"]: not alive(pid), timeout=30)
+
+
+def test_bad_config_names_the_key(tmp_path):
+    for override, key in [
+        ("trainer.lr=-1", "trainer.lr"),
+        ("trainer.ppo.ppo_epochs=2", "trainer.ppo.ppo_epochs"),
+        ("no_such.key=1", "no_such"),
+    ]:
+        proc = coordinator(tmp_path, override)
+        log = finish(proc, timeout=60)
+        assert proc.returncode == 2, log
+        assert f"config error: {key}:" in log, log
+
+
+def test_a_dead_rollout_server_loses_no_work_and_a_registered_one_joins(tmp_path):
+    eta, batch, steps, group_size = 1, 2, 40, 2
+    overrides = [
+        "data.task=echo",
+        f"total_steps={steps}",
+        f"staleness.batch_size={batch}",
+        f"staleness.group_size={group_size}",
+        f"staleness.max_staleness={eta}",
+        "rollout.num_servers=3",
+        "eval.every_steps=0",
+        f"weight_sync.disk_root={tmp_path / 'weights'}",
+        "checkpoint.every_steps=0",
+        "checkpoint.export_hf=false",
+        "output.plot=false",
+    ]
+    cfg = load_config(None, overrides)
+    mesh = start_mesh(cfg, tmp_path / "mesh-logs")
+    doomed, newcomer = mesh.children[1], mesh.children[2]
+    try:
+        out = tmp_path / "run"
+        proc = coordinator(
+            out,
+            *overrides,
+            "rollout.num_servers=2",
+            "launcher.mode=attach",
+            "launcher.coordinator_port=0",
+            f"launcher.rollout_addresses=[{','.join(mesh.rollout_addresses[:2])}]",
+            f"launcher.trainer_addresses=[{','.join(mesh.trainer_addresses)}]",
+        )
+        assert proc.stdout is not None
+        address = ""
+        for line in proc.stdout:
+            if line.startswith("COORDINATOR "):
+                address = line.split()[1]
+                break
+        metrics = out / "metrics.jsonl"
+        wait_for(lambda: metrics.is_file() and metrics.read_text().count('"train"') >= 2)
+        doomed.process.kill()
+        with sync_channel(address) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+
+            def health() -> dict[str, bool]:
+                status = stub.GetCoordinatorStatus(
+                    coordinator_pb2.GetCoordinatorStatusRequest(), timeout=30
+                )
+                return {w.address: w.healthy for w in status.workers}
+
+            # The coordinator notices the dead server and takes it out of rotation.
+            wait_for(lambda: health()[doomed.address] is False)
+            # The live server stays (or, if the failed update took it out too, comes back).
+            wait_for(lambda: health()[mesh.rollout_addresses[0]] is True)
+            reply = stub.RegisterWorker(
+                coordinator_pb2.RegisterWorkerRequest(
+                    role=coordinator_pb2.WORKER_ROLE_ROLLOUT, address=newcomer.address
+                ),
+                timeout=30,
+            )
+            assert reply.worker_id
+        log = finish(proc)
+        assert proc.returncode == 0, log
+        # The newcomer was brought level by the weight syncs and served the run.
+        assert rollout_version(newcomer.address) == steps
+    finally:
+        mesh.stop()
+
+    batches = read_jsonl(out / "batches.jsonl")
+    seqs = [g["seq"] for b in batches for g in b["groups"]]
+    assert len(seqs) == len(set(seqs)) == steps * batch  # nothing trained twice
+    # Nothing lost: every prompt up to the last few handed out was trained (work that was
+    # running on the dead server went back to the queue and was trained later).
+    outstanding = (eta + 1) * batch
+    assert set(range(steps * batch - outstanding)) <= set(seqs)
+    for b in batches:
+        assert all(g["min_version"] >= b["version"] - eta for g in b["groups"]), b
+
+
+def test_config_file_and_overrides_reach_the_run(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("total_steps: 7\nstaleness:\n  batch_size: 5\n")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_grpc.coordinator",
+            "--config",
+            str(path),
+            "--print-config",
+            "staleness.batch_size=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    cfg = load_config(None, [])
+    printed = out.stdout
+    assert "total_steps: 7" in printed and "batch_size: 3" in printed
+    assert f"max_staleness: {cfg.staleness.max_staleness}" in printed
+
+
+def test_an_external_producer_trains_through_a_lease_in_a_running_loop(tmp_path):
+    out = tmp_path / "run"
+    proc = coordinator(
+        out,
+        "data.task=echo",
+        "total_steps=60",
+        "staleness.batch_size=2",
+        "staleness.group_size=2",
+        "staleness.max_staleness=1",
+        "eval.every_steps=0",
+        "checkpoint.export_hf=false",
+        "output.plot=false",
+    )
+    assert proc.stdout is not None
+    address = ""
+    for line in proc.stdout:
+        if line.startswith("COORDINATOR "):
+            address = line.split()[1]
+            break
+    tokenizer = load_tokenizer("builtin:micro")
+
+    async def agent() -> str:
+        client = CoordinatorClient(address)
+        while True:
+            try:
+                lease = await client.acquire("agent-1", group_size=2)
+                break
+            except grpc.aio.AioRpcError as exc:
+                # A busy run says when to come back.
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                retry = error_details_pb2.RetryInfo()
+                rpc_status.from_call(exc).details[0].Unpack(retry)
+                await asyncio.sleep(retry.retry_delay.ToNanoseconds() / 1e9)
+        rollout = RolloutClient(lease.rollout_address)
+        ids = tokenizer.encode("q=", add_special_tokens=False)
+        reply = await rollout.generate(
+            ids, common_pb2.SamplingParams(n_samples=2, max_new_tokens=2, temperature=1.0)
+        )
+        group = common_pb2.TrajectoryGroup(task_id=lease.lease_id, group_id=lease.lease_id)
+        for c in reply.completions:
+            n = len(c.output_ids)
+            text = tokenizer.decode(c.output_ids, skip_special_tokens=True)
+            group.trajectories.add(
+                token_ids=[*ids, *c.output_ids],
+                logprobs=[0.0] * len(ids) + list(c.output_logprobs),
+                versions=[-1] * len(ids) + list(c.output_versions),
+                loss_mask=[False] * len(ids) + [True] * n,
+                reward=1.0 if text.startswith("q") else 0.0,
+                prompt_length=len(ids),
+                task_id=lease.lease_id,
+            )
+        submitted = await client.submit([(lease.lease_id, group)])
+        assert submitted.accepted_groups == 1, submitted
+        await rollout.close()
+        await client.close()
+        return lease.lease_id
+
+    lease_id = asyncio.run(agent())
+    log = finish(proc)
+    assert proc.returncode == 0, log
+    groups = [g for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
+    trained = [g for g in groups if g["task_id"] == lease_id]
+    # Trained exactly once, like a dataset prompt (it has no dataset position).
+    assert len(trained) == 1 and trained[0]["seq"] == -1
