@@ -14,7 +14,7 @@ untraced runs pay nothing. Sampling follows the standard ``OTEL_TRACES_SAMPLER``
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -79,10 +79,21 @@ def tracer(name: str = "areal_grpc") -> trace.Tracer:
     return _provider.get_tracer(name)
 
 
-def _not_health_check() -> Any:
+# Not traced per call: health probes (noise), and PushWeights, whose sender writes chunks with
+# call.write(): OpenTelemetry's aio client interceptor awaits a stream-unary call's response
+# inside the interceptor, before the caller can write, which deadlocks that style of call. The
+# transfer is covered by the PublishWeights and coordinator.weight_sync spans.
+UNTRACED_METHODS = ("/areal.v1.WeightSyncService/PushWeights",)
+
+
+def _traced_calls() -> Any:
     from opentelemetry.instrumentation.grpc import filters
 
-    return filters.negate(filters.health_check())
+    return filters.negate(
+        filters.any_of(
+            filters.health_check(), *(filters.full_method_name(m) for m in UNTRACED_METHODS)
+        )
+    )
 
 
 def server_interceptors() -> list[Any]:
@@ -91,7 +102,7 @@ def server_interceptors() -> list[Any]:
         return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor(tracer_provider=_provider, filter_=_not_health_check())]
+    return [aio_server_interceptor(tracer_provider=_provider, filter_=_traced_calls())]
 
 
 def aio_client_interceptors() -> list[Any]:
@@ -100,7 +111,7 @@ def aio_client_interceptors() -> list[Any]:
         return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors as make
 
-    return list(make(tracer_provider=_provider, filter_=_not_health_check()))
+    return list(make(tracer_provider=_provider, filter_=_traced_calls()))
 
 
 def traced_sync_channel(channel: grpc.Channel) -> grpc.Channel:
@@ -110,7 +121,7 @@ def traced_sync_channel(channel: grpc.Channel) -> grpc.Channel:
     from opentelemetry.instrumentation.grpc import client_interceptor
     from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
-    interceptor = client_interceptor(tracer_provider=_provider, filter_=_not_health_check())
+    interceptor = client_interceptor(tracer_provider=_provider, filter_=_traced_calls())
     return intercept_channel(channel, interceptor)
 
 
@@ -138,10 +149,22 @@ def span(
     name: str,
     parent: common_pb2.TraceContext | otel_context.Context | None = None,
     attributes: Mapping[str, Any] | None = None,
+    links: Sequence[common_pb2.TraceContext] = (),
 ) -> Iterator[trace.Span]:
-    """A span named ``name``, child of ``parent`` (a message's context) or of the current span."""
+    """A span named ``name``, child of ``parent`` (a message's context) or of the current span.
+
+    ``links`` point at other traces this span works on: a training step consumes groups that
+    each carry their own task's trace, so the step span links to all of them.
+    """
     ctx = from_proto(parent) if isinstance(parent, common_pb2.TraceContext) else parent
+    span_links = []
+    for tc in links:
+        linked = from_proto(tc)
+        if linked is not None:
+            span_context = trace.get_current_span(linked).get_span_context()
+            if span_context.is_valid:
+                span_links.append(trace.Link(span_context))
     with tracer().start_as_current_span(
-        name, context=ctx, attributes=dict(attributes or {})
+        name, context=ctx, attributes=dict(attributes or {}), links=span_links
     ) as current:
         yield current

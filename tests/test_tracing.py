@@ -139,3 +139,93 @@ def test_server_process_exports_spans_over_otlp(tmp_path):
     assert "/areal.v1.CoordinatorService/GetCoordinatorStatus" in spans_by_service.get(
         "areal-coordinator", []
     ), spans_by_service
+
+
+def _collect(collector: Collector) -> list[tuple[str, object]]:
+    """(service.name, span) for every span the receiver got."""
+    out = []
+    for req in collector.requests:
+        for rs in req.resource_spans:
+            attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                out.extend((attrs["service.name"], s) for s in ss.spans)
+    return out
+
+
+def test_one_training_run_is_one_connected_trace_across_the_mesh(tmp_path):
+    import subprocess
+    import sys
+
+    collector = Collector()
+    svc = service(
+        collector, trace_service_pb2_grpc.add_TraceServiceServicer_to_server, trace_service_pb2
+    )
+    with BackgroundServer([svc]) as receiver:
+        env = {
+            **__import__("os").environ,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.address}",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        }
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "areal_grpc.coordinator",
+                f"output.dir={tmp_path}",
+                "total_steps=2",
+                "staleness.batch_size=2",
+                "staleness.group_size=2",
+                "eval.every_steps=0",
+                "checkpoint.export_hf=false",
+                "weight_sync.methods=[stream]",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(
+            name == "areal-trainer" for name, _ in _collect(collector)
+        ):
+            time.sleep(0.2)
+    spans = _collect(collector)
+    services = {name for name, _ in spans}
+    assert {"areal-coordinator", "areal-rollout", "areal-trainer"} <= services, services
+    by_id = {s.span_id: (name, s) for name, s in spans}
+
+    def attr(span, key):
+        for a in span.attributes:
+            if a.key == key:
+                return a.value.int_value or a.value.string_value
+        return None
+
+    # A task's trace: coordinator.submit -> rollout.episode (another process), same trace.
+    episodes = [s for name, s in spans if s.name == "rollout.episode" and name == "areal-rollout"]
+    assert episodes
+    for ep in episodes:
+        parent_service, parent = by_id[ep.parent_span_id]
+        assert (parent_service, parent.name) == ("areal-coordinator", "coordinator.submit")
+        assert parent.trace_id == ep.trace_id
+        assert attr(ep, "areal.task_id") == attr(parent, "areal.task_id")
+    # A training step links to the episodes it trained, and its TrainStep calls reach both
+    # ranks as children of it.
+    steps = [s for _, s in spans if s.name == "coordinator.train_step"]
+    assert len(steps) == 2
+    episode_ids = {(e.trace_id, e.span_id) for e in episodes}
+    for step in steps:
+        assert step.links and all((ln.trace_id, ln.span_id) in episode_ids for ln in step.links)
+    trainer_calls = [
+        s
+        for name, s in spans
+        if name == "areal-trainer" and s.name == "/areal.v1.TrainerService/TrainStep"
+    ]
+    assert len(trainer_calls) == 4  # 2 steps x 2 ranks
+    step_ids = {s.span_id for s in steps}
+    for call in trainer_calls:
+        client_service, client = by_id[call.parent_span_id]
+        assert client_service == "areal-coordinator"
+        assert client.parent_span_id in step_ids
+    assert any(s.name == "coordinator.weight_sync" for _, s in spans)

@@ -29,6 +29,7 @@ from typing import Any
 
 from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
 
+from areal_grpc import tracing
 from areal_grpc.config import RunConfig, load_config, to_yaml
 from areal_grpc.coordinator.loop import Coordinator, fleet_available, fleet_weight_sync
 from areal_grpc.coordinator.mesh import Mesh, check_supported, start_mesh
@@ -266,7 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 128 + received[0]
             raise
 
-    return asyncio.run(guarded())
+    # service.name areal-coordinator; children started by the mesh trace themselves from the
+    # same OTEL_* environment.
+    tracing.init_tracing("areal-coordinator")
+    try:
+        return asyncio.run(guarded())
+    finally:
+        tracing.shutdown_tracing()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from areal_clients.rollout import EpisodeStream, RolloutClient, item_struct
 from areal_clients.trainer import TrainerClient, on_all_ranks
 from google.protobuf import struct_pb2
 
+from areal_grpc import tracing
 from areal_grpc.config import RunConfig
 from areal_grpc.coordinator.checkpoint import CheckpointStore
 from areal_grpc.coordinator.dataloader import PromptLoader
@@ -284,6 +285,13 @@ class Coordinator:
 
     def _episode_task(self, work: Work) -> rollout_pb2.EpisodeTask:
         assert work.item is not None
+        # The root of the task's trace: the rollout server's episode span and, through the
+        # trajectories, the training step's link all hang off it.
+        with tracing.span(
+            "coordinator.submit",
+            attributes={tracing.TASK_ID: work.task_id, tracing.POLICY_VERSION: self.pool.version},
+        ):
+            trace_context = tracing.to_proto()
         return rollout_pb2.EpisodeTask(
             task_id=work.task_id,
             data=item_struct(work.item),
@@ -291,6 +299,7 @@ class Coordinator:
             workflow_params=self.workflow_params,
             group_size=self.cfg.staleness.group_size,
             sampling=self.sampling,
+            trace_context=trace_context,
         )
 
     def _open_stream(self, ep: _Endpoint) -> None:
@@ -517,7 +526,10 @@ class Coordinator:
         path = self.checkpoints.step_dir(step)
         trainer_dir = str(path / "trainer")
         async with self._trainer_lock:
-            await on_all_ranks(self.trainers, lambda rank, c: c.save_checkpoint(trainer_dir, step))
+            with tracing.span("coordinator.checkpoint", attributes={"areal.step": step}):
+                await on_all_ranks(
+                    self.trainers, lambda rank, c: c.save_checkpoint(trainer_dir, step)
+                )
         self.checkpoints.commit(step, self.pool.state_dict())
 
     async def _resume(self) -> bool:
@@ -604,11 +616,22 @@ class Coordinator:
         batch = await self.pool.wait_batch(cfg.staleness.batch_size, train_version)
         t_wait = time.monotonic() - t0
         version_before = self.pool.version
+        trained = [t.trace_context for f in batch for t in f.group.trajectories[:1]]
         async with self._trainer_lock:
-            stats = await self.train_step(step, batch)
+            with tracing.span(
+                "coordinator.train_step",
+                attributes={"areal.step": step, tracing.POLICY_VERSION: version_before},
+                links=trained,
+            ) as span:
+                stats = await self.train_step(step, batch)
+                span.set_attribute(tracing.TOKENS, stats.trained_tokens)
             t_train = time.monotonic() - t0 - t_wait
             self.trainer_version = stats.policy_version
-            version = await self.sync_weights()
+            with tracing.span(
+                "coordinator.weight_sync",
+                attributes={"areal.step": step, tracing.POLICY_VERSION: stats.policy_version},
+            ):
+                version = await self.sync_weights()
         t_sync = time.monotonic() - t0 - t_wait - t_train
         self.pool.global_step = step + 1
         rewards = [t.reward for f in batch for t in f.group.trajectories]
