@@ -229,3 +229,13 @@ def test_one_training_run_is_one_connected_trace_across_the_mesh(tmp_path):
         assert client_service == "areal-coordinator"
         assert client.parent_span_id in step_ids
     assert any(s.name == "coordinator.weight_sync" for _, s in spans)
+    # Attributes and finer spans: where each task ran, rewards under their episode, staleness
+    # of each step, micro-batches as events on the ranks' step spans.
+    submits = [s for _, s in spans if s.name == "coordinator.submit"]
+    assert all(str(attr(s, "areal.rollout_server")).startswith("127.0.0.1:") for s in submits)
+    episode_span_ids = {e.span_id for e in episodes}
+    rewards = [s for _, s in spans if s.name == "rollout.reward"]
+    assert rewards and all(r.parent_span_id in episode_span_ids for r in rewards)
+    assert all(attr(s, "areal.staleness") is not None for s in steps)
+    for call in trainer_calls:
+        assert any(ev.name == "microbatch" for ev in call.events)

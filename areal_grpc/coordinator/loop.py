@@ -283,13 +283,17 @@ class Coordinator:
 
     # -- rollouts ----------------------------------------------------------------------------
 
-    def _episode_task(self, work: Work) -> rollout_pb2.EpisodeTask:
+    def _episode_task(self, work: Work, server: str) -> rollout_pb2.EpisodeTask:
         assert work.item is not None
         # The root of the task's trace: the rollout server's episode span and, through the
         # trajectories, the training step's link all hang off it.
         with tracing.span(
             "coordinator.submit",
-            attributes={tracing.TASK_ID: work.task_id, tracing.POLICY_VERSION: self.pool.version},
+            attributes={
+                tracing.TASK_ID: work.task_id,
+                tracing.POLICY_VERSION: self.pool.version,
+                tracing.ROLLOUT_SERVER: server,
+            },
         ):
             trace_context = tracing.to_proto()
         return rollout_pb2.EpisodeTask(
@@ -401,7 +405,7 @@ class Coordinator:
                 await self.pool.wait_change(1.0)
                 continue
             assert target.stream is not None
-            target.stream.submit(self._episode_task(work))
+            target.stream.submit(self._episode_task(work, target.address))
 
     # -- evaluation --------------------------------------------------------------------------
 
@@ -617,10 +621,22 @@ class Coordinator:
         t_wait = time.monotonic() - t0
         version_before = self.pool.version
         trained = [t.trace_context for f in batch for t in f.group.trajectories[:1]]
+        # Staleness of trained tokens: the weights trained were version_before.
+        lags = [
+            version_before - v
+            for f in batch
+            for t in f.group.trajectories
+            for v, m in zip(t.versions, t.loss_mask, strict=False)
+            if m
+        ]
         async with self._trainer_lock:
             with tracing.span(
                 "coordinator.train_step",
-                attributes={"areal.step": step, tracing.POLICY_VERSION: version_before},
+                attributes={
+                    "areal.step": step,
+                    tracing.POLICY_VERSION: version_before,
+                    tracing.STALENESS: max(lags, default=0),
+                },
                 links=trained,
             ) as span:
                 stats = await self.train_step(step, batch)
@@ -636,14 +652,6 @@ class Coordinator:
         self.pool.global_step = step + 1
         rewards = [t.reward for f in batch for t in f.group.trajectories]
         reward = sum(rewards) / len(rewards)
-        # Staleness of trained tokens: the weights trained were version_before.
-        lags = [
-            version_before - v
-            for f in batch
-            for t in f.group.trajectories
-            for v, m in zip(t.versions, t.loss_mask, strict=False)
-            if m
-        ]
         st = self.pool.staleness.stats()
         record = {
             "version": version,

@@ -245,10 +245,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> coordinator_pb2.RegisterWorkerResponse:
         """Adds a worker (the run brings a rollout server to the current version first)."""
         try:
-            if request.role == coordinator_pb2.WORKER_ROLE_UNSPECIFIED:
+            if request.role not in (
+                coordinator_pb2.WORKER_ROLE_ROLLOUT,
+                coordinator_pb2.WORKER_ROLE_TRAINER,
+            ):
                 raise FieldError("role", "must be WORKER_ROLE_ROLLOUT or WORKER_ROLE_TRAINER")
             host, sep, port = request.address.rpartition(":")
-            if not sep or not host or not port.isdigit():
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise FieldError("address", f"must be host:port, got {request.address!r}")
             if any(w.address == request.address for w in self.workers.values()):
                 raise PreconditionError(f"a worker at {request.address} is already registered")

@@ -34,6 +34,10 @@ class FinishReason(enum.IntEnum):
     CANCELLED = common_pb2.FINISH_REASON_CANCELLED
 
 
+# Smallest positive sampling temperature accepted (0 means greedy).
+MIN_TEMPERATURE = 1e-3
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Sampling parameters of one request (one sample; ``n_samples`` is for callers)."""
@@ -50,8 +54,14 @@ class SamplingConfig:
 
     def validate(self, where: str = "sampling") -> None:
         """Raises :class:`FieldError` naming the first bad field."""
-        if not self.temperature >= 0.0:
+        if not self.temperature >= 0.0 or self.temperature == float("inf"):
             raise FieldError(f"{where}.temperature", f"must be >= 0, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            # logits / T overflows to inf for tiny T, and the log-probs become NaN.
+            raise FieldError(
+                f"{where}.temperature",
+                f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}",
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise FieldError(f"{where}.top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

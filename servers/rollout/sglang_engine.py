@@ -54,6 +54,7 @@ from tenacity import (
 )
 from transformers import ByT5Tokenizer
 
+from areal_grpc import tracing
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import builtin_spec, is_builtin, qwen2_config
 
@@ -115,9 +116,16 @@ async def http_request(
     host = parts.hostname or "127.0.0.1"
     port = parts.port or 80
     body = b"" if payload is None else json.dumps(payload).encode("utf-8")
+    # W3C trace context of the current span, so SGLang's own spans (--enable-trace) join the
+    # episode's trace.
+    ctx = tracing.to_proto()
+    trace_headers = f"traceparent: {ctx.traceparent}\r\n" if ctx.traceparent else ""
+    if ctx.tracestate:
+        trace_headers += f"tracestate: {ctx.tracestate}\r\n"
     head = (
         f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
         "Content-Type: application/json\r\nAccept: application/json\r\n"
+        f"{trace_headers}"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
 

@@ -28,6 +28,7 @@ from areal_servers.rollout.engine import (
 )
 from transformers import PreTrainedTokenizerBase
 
+from areal_grpc import tracing
 from areal_grpc.errors import FieldError
 from areal_grpc.rewards import RewardFn, get_reward_fn, resolve
 from areal_grpc.trajectory import validate_group
@@ -103,11 +104,14 @@ async def call_reward(
     completion_ids: Sequence[int],
     item: Mapping[str, Any],
 ) -> float:
-    """Calls a reward function, awaiting it when it is async; the result must be finite."""
-    value = fn(prompt, completion, prompt_ids, completion_ids, item)
-    if inspect.isawaitable(value):
-        value = await value  # type: ignore[assignment]
-    return float(value)  # type: ignore[arg-type]
+    """Calls a reward function (awaiting it when it is async) inside a ``rollout.reward`` span."""
+    with tracing.span("rollout.reward", attributes={tracing.TOKENS: len(completion_ids)}) as span:
+        value = fn(prompt, completion, prompt_ids, completion_ids, item)
+        if inspect.isawaitable(value):
+            value = await value  # type: ignore[assignment]
+        reward = float(value)  # type: ignore[arg-type]
+        span.set_attribute("areal.reward", reward)
+    return reward
 
 
 def episode_sampling(ctx: EpisodeContext) -> SamplingConfig:

@@ -21,6 +21,7 @@ Pieces, in step order:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -299,15 +300,17 @@ def ppo_loss(
     if cfg.behav_imp_weight_cap is not None:
         log_w = (prox - behave_logp.float()) * maskf
         # A non-finite log-ratio gets weight 0 rather than poisoning the loss.
-        w = torch.where(torch.isfinite(log_w), torch.exp(log_w), 0.0)
+        log_w = torch.where(torch.isfinite(log_w), log_w, float("-inf"))
         cap = cfg.behav_imp_weight_cap
+        log_cap = math.log(cap)
         if cfg.behav_imp_weight_mode == "mask":
-            capped = mask & (w > cap)
+            capped = mask & (log_w > log_cap)
             final_mask = mask & ~capped
-        elif cfg.behav_imp_weight_mode == "clamp":
-            w = w.clamp(max=cap)
-        else:
+        elif cfg.behav_imp_weight_mode != "clamp":
             raise ValueError(f"unknown behav_imp_weight_mode {cfg.behav_imp_weight_mode!r}")
+        # Capped in log space: exp of a large gap (behaviour log-prob -100 against a proximal
+        # -1) overflows float32 to inf, and inf * 0 on a masked token is NaN in the gradient.
+        w = torch.exp(log_w.clamp(max=log_cap))
         w = w * final_mask
         pg = pg * w
     else:

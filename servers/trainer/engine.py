@@ -520,6 +520,15 @@ class TrainerEngine:
         if not meta_file.is_file():
             raise FileNotFoundError(f"{path} is not a trainer checkpoint (no {CHECKPOINT_META})")
         meta = json.loads(meta_file.read_text())
+        # Everything the restore needs is checked before any state changes, so a bad
+        # checkpoint leaves the rank exactly as it was.
+        missing = [
+            k
+            for k in ("scheduler", "policy_version", "steps_completed", "global_step")
+            if k not in meta
+        ]
+        if missing:
+            raise ValueError(f"{meta_file} lacks {missing}")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path, no_dist=not self.distributed)

@@ -15,6 +15,7 @@ global batch has no trajectories is INVALID_ARGUMENT on every rank.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +43,7 @@ from areal_servers.trainer.weight_publisher import (
     WeightPublisher,
     run_publication,
 )
+from opentelemetry import trace
 
 from areal_grpc.errors import (
     FieldError,
@@ -179,6 +181,10 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             resolved = Path(path).resolve()
             if not resolved.is_relative_to(root):
                 raise FieldError(where, f"{path!r} is outside the allowed root {str(root)!r}")
+            if resolved == root:
+                # Writers replace their target directory whole: the root itself would lose
+                # everything else under it.
+                raise FieldError(where, f"{path!r} is the root itself; name a directory in it")
         return path
 
     # -- TrainStep ----------------------------------------------------------------------------
@@ -304,9 +310,16 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[trainer_pb2.StepProgress] = asyncio.Queue()
 
+        # The RPC's server span (current here, not in the worker thread) records each
+        # micro-batch as an event.
+        span = trace.get_current_span()
+
         def progress(phase: str, done: int, total: int) -> None:
             msg = trainer_pb2.StepProgress(
                 microbatches_done=done, microbatches_total=total, phase=phase
+            )
+            span.add_event(
+                "microbatch", {"areal.phase": phase, "areal.done": done, "areal.total": total}
             )
             loop.call_soon_threadsafe(queue.put_nowait, msg)
 
@@ -353,9 +366,21 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
     async def _unary(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
         try:
             return await self._run(fn)
-        except Exception as exc:
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+            raise
+        # torch.distributed.checkpoint's CheckpointException derives from BaseException: without
+        # catching it the call would never be answered.
+        except BaseException as exc:
             if isinstance(exc, FileNotFoundError):
                 st = status(grpc.StatusCode.NOT_FOUND, str(exc))
+            elif isinstance(exc, (NotADirectoryError, IsADirectoryError, PermissionError)) or (
+                isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG
+            ):
+                st = status(grpc.StatusCode.INVALID_ARGUMENT, f"path: {exc}")
+            elif type(exc).__name__ == "CheckpointException" or isinstance(exc, KeyError):
+                st = status(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"path: unreadable checkpoint: {exc!r}"
+                )
             else:
                 if not isinstance(exc, (FieldError, PreconditionError)):
                     log.exception("trainer call failed")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -223,3 +224,314 @@ async def test_bad_requests_name_the_field(engine, ids, cfg, field):
         await engine.generate(ids, cfg)
     assert info.value.field == field
     assert (await engine.generate([5], SamplingConfig(max_new_tokens=1))).output_ids
+
+
+# --------------------------------------------------------------------- decode-loop races
+
+
+def _hook_prefill(eng, before):
+    """Runs ``before(admitted)`` in the decode thread when requests leave the queue for their
+    prefill, i.e. after admission and before their first token is sampled."""
+    orig = eng._prefill
+
+    def prefill(admitted, version):
+        before(admitted)
+        return orig(admitted, version)
+
+    eng._prefill = prefill
+
+
+async def test_request_cancelled_during_its_prefill_does_not_break_the_decode_loop():
+    """Regression: a request cancelled after admission but before its first token was sampled
+    kept ``pending_token == -1`` and still joined the batch; the decode step of the same round
+    fed -1 to the embedding (IndexError: index out of range in self) and killed the loop."""
+    eng = HFEngine(HFEngineConfig(model="builtin:micro", max_running_requests=8))
+    loop = asyncio.get_running_loop()
+    try:
+        hog = asyncio.create_task(
+            eng.generate([5, 6], SamplingConfig(max_new_tokens=60, ignore_eos=True))
+        )
+        await wait_for_tokens(eng, 3)
+        victim: asyncio.Task | None = None
+
+        def cancel_victim(admitted):
+            for req in admitted:
+                if len(req.prompt) == 4:
+                    # What the stream's ``finally`` does when its consumer goes away.
+                    eng._cancel(req)
+                    loop.call_soon_threadsafe(victim.cancel)
+
+        _hook_prefill(eng, cancel_victim)
+        victim = asyncio.create_task(
+            eng.generate([1, 2, 3, 4], SamplingConfig(max_new_tokens=5, ignore_eos=True))
+        )
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(victim, 30)
+        hog_res = await asyncio.wait_for(hog, 60)
+        assert hog_res.finish_reason == FinishReason.LENGTH and len(hog_res.output_ids) == 60
+        # The loop is alive: new requests are served.
+        again = await asyncio.wait_for(
+            eng.generate([7], SamplingConfig(max_new_tokens=3, ignore_eos=True)), 30
+        )
+        assert len(again.output_ids) == 3
+    finally:
+        await eng.close()
+
+
+async def _stress(eng, caplog, *, n_clients: int, seconds: float, seed: int) -> None:
+    """Concurrent generate/stream calls (random budgets, stop tokens, sampling params), random
+    cancels, pause/load_weights/resume cycles every few ms, then close() with work in flight."""
+    import logging
+    import random
+
+    caplog.set_level(logging.ERROR, logger="areal_servers.rollout.hf_engine")
+    rng = random.Random(seed)
+    weights = [
+        {k: v.clone() for k, v in load_model("builtin:micro", seed=s).state_dict().items()}
+        for s in (1, 2)
+    ]
+    stop = asyncio.Event()
+    seen = {"finished": 0, "cancelled": 0, "tokens": 0}
+
+    def check(ids):
+        assert all(0 <= t < eng.vocab_size for t in ids), ids
+        seen["tokens"] += len(ids)
+
+    async def client(i: int) -> None:
+        r = random.Random(seed * 1000 + i)
+        while not stop.is_set():
+            prompt = [r.randrange(eng.vocab_size) for _ in range(r.randint(1, 6))]
+            cfg = SamplingConfig(
+                temperature=r.choice([0.0, 0.7, 1.0, 1.5]),
+                top_p=r.choice([1.0, 0.9, 0.3]),
+                top_k=r.choice([0, 1, 5]),
+                max_new_tokens=r.randint(1, 24),
+                stop_token_ids=tuple(r.randrange(eng.vocab_size) for _ in range(r.randint(0, 20))),
+                ignore_eos=r.random() < 0.5,
+            )
+            mode = r.random()
+            try:
+                if mode < 0.3:
+                    task = asyncio.create_task(eng.generate(prompt, cfg))
+                    # Mostly soon after submission: while queued, admitted or prefilling.
+                    await asyncio.sleep(r.choice([0.0, 0.0005, 0.001, 0.002, 0.01]) * r.random())
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        res = await task
+                        check(res.output_ids)
+                    seen["cancelled"] += 1
+                elif mode < 0.6:
+                    stream = eng.stream(prompt, cfg)
+                    async for ev in stream:
+                        check(ev.token_ids)
+                        if r.random() < 0.2:
+                            break  # leaves mid-stream
+                    await stream.aclose()
+                    seen["finished"] += 1
+                elif mode < 0.8:
+                    res = await generate_resumable(eng, prompt, cfg)
+                    check(res.output_ids)
+                    assert res.finish_reason in (
+                        FinishReason.STOP,
+                        FinishReason.LENGTH,
+                        FinishReason.CANCELLED,
+                    )
+                    seen["finished"] += 1
+                else:
+                    res = await eng.generate(prompt, cfg)
+                    check(res.output_ids)
+                    seen["finished"] += 1
+            except RuntimeError as exc:
+                assert "closed" in str(exc), exc
+                return
+
+    async def trainer() -> None:
+        version = 0
+        while not stop.is_set():
+            await asyncio.sleep(rng.random() * 0.005)
+            await eng.pause()
+            version += 1
+            await eng.load_weights(weights[version % 2], version)
+            await asyncio.sleep(rng.random() * 0.003)
+            await eng.resume()
+
+    clients = [asyncio.create_task(client(i)) for i in range(n_clients)]
+    train = asyncio.create_task(trainer())
+    await asyncio.sleep(seconds)
+    stop.set()
+    await asyncio.wait_for(train, 30)
+    await asyncio.sleep(0.05)
+    # close() with requests in flight: every caller returns (CANCELLED), nobody hangs.
+    await asyncio.wait_for(eng.close(), 30)
+    done, pending = await asyncio.wait(clients, timeout=30)
+    assert not pending
+    for t in done:
+        t.result()
+    failures = [r for r in caplog.records if "decode loop failed" in r.getMessage()]
+    assert not failures, failures[0].exc_text
+    assert seen["tokens"] > 0 and seen["finished"] > 0 and seen["cancelled"] > 0, seen
+
+
+def _slow_prefill(eng, seconds: float = 0.003):
+    """Makes every prefill forward (no cache yet) slower, widening the window in which a
+    request has left the queue but has no token yet."""
+    import time
+
+    def hook(module, args, kwargs):
+        if kwargs.get("past_key_values") is None:
+            time.sleep(seconds)
+
+    return eng.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("slow_prefill", [False, True])
+@pytest.mark.parametrize("max_running", [2, 64])
+async def test_stress_cancel_pause_weights_close(caplog, max_running, slow_prefill):
+    eng = HFEngine(HFEngineConfig(model="builtin:micro", max_running_requests=max_running))
+    handle = _slow_prefill(eng) if slow_prefill else None
+    try:
+        await _stress(eng, caplog, n_clients=24, seconds=5.0, seed=max_running)
+    finally:
+        if handle is not None:
+            handle.remove()
+        await eng.close()
+
+
+async def test_a_cancelled_pause_does_not_kill_the_decode_loop():
+    """Regression: pause() whose caller is cancelled before the decode thread handles it left
+    a cancelled future among the pause waiters; set_result on it raised InvalidStateError in
+    the decode thread and ended the loop."""
+    eng = HFEngine(HFEngineConfig(model="builtin:micro"))
+    try:
+        hog = asyncio.create_task(
+            eng.generate([5, 6], SamplingConfig(max_new_tokens=400, ignore_eos=True))
+        )
+        await wait_for_tokens(eng, 3)
+        # Hold the decode thread between two steps while the pause is requested and dropped.
+        await asyncio.to_thread(eng._model_lock.acquire)
+        try:
+            pause = asyncio.create_task(eng.pause())
+            await asyncio.sleep(0.01)
+            pause.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pause
+        finally:
+            eng._model_lock.release()
+        res = await asyncio.wait_for(hog, 30)
+        assert res.finish_reason == FinishReason.INTERRUPTED
+        await eng.resume()
+        again = await asyncio.wait_for(
+            eng.generate([7], SamplingConfig(max_new_tokens=3, ignore_eos=True)), 30
+        )
+        assert len(again.output_ids) == 3
+    finally:
+        await asyncio.wait_for(eng.close(), 30)
+
+
+async def test_a_decode_loop_failure_reaches_every_caller_and_is_logged(caplog):
+    """Whatever kills the decode loop, requests in flight raise EngineFailedError (not a
+    silent CANCELLED), later requests are refused, pause() and close() return, and the
+    failure is logged with its traceback."""
+    import logging
+
+    from areal_servers.rollout.hf_engine import EngineFailedError
+
+    caplog.set_level(logging.ERROR, logger="areal_servers.rollout.hf_engine")
+    eng = HFEngine(HFEngineConfig(model="builtin:micro"))
+    try:
+        running = asyncio.create_task(
+            eng.generate([5, 6], SamplingConfig(max_new_tokens=400, ignore_eos=True))
+        )
+        await wait_for_tokens(eng, 3)
+
+        def boom(module, args, kwargs):
+            raise RuntimeError("simulated kernel failure")
+
+        eng.model.register_forward_pre_hook(boom, with_kwargs=True)
+        with pytest.raises(EngineFailedError, match="simulated kernel failure"):
+            await asyncio.wait_for(running, 30)
+        with pytest.raises(EngineFailedError):
+            await eng.generate([5], SamplingConfig(max_new_tokens=2))
+        assert await asyncio.wait_for(eng.pause(), 10) == 0
+        failures = [r for r in caplog.records if "decode loop failed" in r.getMessage()]
+        assert failures and failures[0].exc_info is not None
+        assert "simulated kernel failure" in failures[0].exc_text
+    finally:
+        await asyncio.wait_for(eng.close(), 30)
+
+
+async def test_sampling_stays_in_the_vocabulary_with_non_finite_or_oversized_logits(engine):
+    """NaN / inf logits (weights blown up by an update) and an lm_head with more rows than the
+    embedding never yield an id the embedding cannot look up; the loop keeps serving."""
+    sd = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    sd["model.norm.weight"] = torch.full_like(sd["model.norm.weight"], float("nan"))
+    await engine.load_weights(sd, version=1)
+    cfgs = [
+        SamplingConfig(temperature=1.0, max_new_tokens=4, ignore_eos=True),
+        SamplingConfig(temperature=0.7, top_p=0.5, top_k=3, max_new_tokens=4, ignore_eos=True),
+        SamplingConfig(temperature=0.0, max_new_tokens=4, ignore_eos=True),
+    ]
+    for res in await asyncio.gather(*(engine.generate([3, 4], c) for c in cfgs)):
+        assert len(res.output_ids) == 4
+        assert all(0 <= t < engine.vocab_size for t in res.output_ids)
+    sd["model.norm.weight"] = torch.full_like(sd["model.norm.weight"], 1e30)
+    await engine.load_weights(sd, version=2)
+    for res in await asyncio.gather(*(engine.generate([3, 4], c) for c in cfgs)):
+        assert all(0 <= t < engine.vocab_size for t in res.output_ids)
+    # The sampler only ever sees the ids the embedding has, whatever width the logits have.
+    wide = torch.zeros(2, engine.vocab_size + 50)
+    wide[:, engine.vocab_size :] = 100.0  # all the mass on rows past the embedding
+    from areal_servers.rollout.hf_engine import _Request
+
+    reqs = [
+        _Request(
+            rid=-1 - i,
+            prompt=[1],
+            params=cfgs[i],
+            loop=asyncio.get_running_loop(),
+            queue=asyncio.Queue(),
+            stop_ids=frozenset(),
+        )
+        for i in (0, 2)
+    ]
+    engine._sample_and_emit(reqs, wide, version=2)
+    for r in reqs:
+        assert 0 <= r.pending_token < engine.vocab_size
+
+
+_EXIT_WITH_WORK_IN_FLIGHT = """
+import asyncio, threading, time
+from areal_servers.rollout.engine import SamplingConfig
+from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+
+eng = HFEngine(HFEngineConfig(model="builtin:micro", max_running_requests=32))
+
+def client():
+    async def main():
+        cfg = SamplingConfig(max_new_tokens=400, ignore_eos=True)
+        await asyncio.gather(*(eng.generate([5 + i, 6, 7], cfg) for i in range(32)))
+    asyncio.run(main())
+
+threading.Thread(target=client, daemon=True).start()
+while eng.status().generated_tokens < 100:
+    time.sleep(0.01)
+print("exiting", flush=True)
+"""
+
+
+def test_the_process_exits_cleanly_with_requests_in_flight_and_no_close():
+    """A server stopped by a signal exits without calling close(): the decode thread must be
+    stopped before interpreter finalization (a daemon thread inside a torch op then dies by a
+    forced unwind through C++ code: 'terminate called without an active exception')."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITH_WORK_IN_FLIGHT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "exiting" in proc.stdout
+    assert "terminate called" not in proc.stderr

@@ -87,7 +87,7 @@ export interface TraceContext {
  * defaults, which are the values named below.
  */
 export interface SamplingParams {
-  /** Softmax temperature; 0 means greedy decoding. Default 1.0. */
+  /** Softmax temperature: 0 means greedy decoding, otherwise at least 0.001. Default 1.0. */
   temperature?:
     | number
     | undefined;
