@@ -14,11 +14,13 @@ same logits that were sampled from, so a full forward of prompt + output reprodu
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import itertools
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +44,10 @@ log = logging.getLogger(__name__)
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+class EngineFailedError(RuntimeError):
+    """The decode loop died; every request in flight (and any later one) gets this."""
+
+
 @dataclass
 class HFEngineConfig:
     """Settings of the ``hf`` engine."""
@@ -62,7 +68,8 @@ class _Request:
     prompt: list[int]
     params: SamplingConfig
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[TokenEvent]
+    # TokenEvents, or the exception that ended the request (raised to the caller).
+    queue: asyncio.Queue[TokenEvent | BaseException]
     stop_ids: frozenset[int]
     generated: int = 0
     # Sampled but not yet fed through the model.
@@ -82,6 +89,13 @@ class _Batch:
     cache: DynamicCache | None = None
     # [B, T] 1 where the cache holds a real token (left padding is 0).
     mask: torch.Tensor | None = None
+
+
+def _resolve(fut: concurrent.futures.Future, value: object) -> None:
+    """Sets a waiter's result unless it is already done (its awaiting task was cancelled)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if not fut.done():
+            fut.set_result(value)
 
 
 def _pad_left(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -129,7 +143,11 @@ class HFEngine(InferenceEngine):
         # Held for every forward step and for a weight swap, so a swap lands between steps.
         self._model_lock = threading.Lock()
         self._pending: deque[_Request] = deque()
+        # Taken off the queue and being prefilled (in neither _pending nor the batch yet).
+        self._admitting: list[_Request] = []
         self._batch = _Batch()
+        # Set when the decode loop died: why, for every later request.
+        self._failure: BaseException | None = None
         self._paused = False
         self._closed = False
         self._version = 0
@@ -137,8 +155,20 @@ class HFEngine(InferenceEngine):
         self._pause_waiters: list[concurrent.futures.Future[int]] = []
         self._resume_waiters: list[concurrent.futures.Future[None]] = []
         self._ids = itertools.count()
+        # Rows the embedding can look up and the sampler may return (the lm_head can have
+        # more rows than the embedding, e.g. padded vocabularies).
+        emb = self._model.get_input_embeddings()
+        self._token_limit = min(
+            n for n in (self.vocab_size, int(getattr(emb, "num_embeddings", 0) or 0)) if n > 0
+        )
+        self._warned_nonfinite = False
         self._thread = threading.Thread(target=self._run, name="hf-engine-decode", daemon=True)
         self._thread.start()
+        # A daemon thread still inside a torch op when the interpreter finalizes is killed by
+        # a forced unwind through C++ frames, which aborts the process ("terminate called
+        # without an active exception", SIGABRT). Stop the loop before that point even when
+        # nobody calls close() (e.g. a server stopped by SIGTERM).
+        atexit.register(_stop_at_exit, weakref.ref(self))
 
     # ----------------------------------------------------------------------------- public
 
@@ -182,6 +212,8 @@ class HFEngine(InferenceEngine):
             stop_ids=frozenset(stops),
         )
         with self._cond:
+            if self._failure is not None:
+                raise EngineFailedError(f"hf engine decode loop failed: {self._failure!r}")
             if self._closed:
                 raise RuntimeError("engine is closed")
             self._pending.append(req)
@@ -189,6 +221,8 @@ class HFEngine(InferenceEngine):
         try:
             while True:
                 event = await req.queue.get()
+                if isinstance(event, BaseException):
+                    raise event
                 yield event
                 if event.finish is not None:
                     return
@@ -201,8 +235,12 @@ class HFEngine(InferenceEngine):
         fut: concurrent.futures.Future[int] = concurrent.futures.Future()
         with self._cond:
             self._paused = True
-            self._pause_waiters.append(fut)
-            self._cond.notify_all()
+            if self._closed:
+                # No decode loop left to interrupt anything (closed, or it failed).
+                fut.set_result(0)
+            else:
+                self._pause_waiters.append(fut)
+                self._cond.notify_all()
         return await asyncio.wrap_future(fut)
 
     async def resume(self) -> None:
@@ -212,8 +250,7 @@ class HFEngine(InferenceEngine):
             waiters, self._resume_waiters = self._resume_waiters, []
             self._cond.notify_all()
         for w in waiters:
-            if not w.done():
-                w.set_result(None)
+            _resolve(w, None)
 
     async def wait_until_resumed(self) -> None:
         """Returns when generation is not paused."""
@@ -224,15 +261,30 @@ class HFEngine(InferenceEngine):
             self._resume_waiters.append(fut)
         await asyncio.wrap_future(fut)
 
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Validates ``state_dict`` against the model, then swaps it in between two steps."""
+    async def load_weights(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, *, owned: bool = False
+    ) -> None:
+        """Validates ``state_dict`` against the model, then swaps it in between two steps.
+
+        ``owned``: the caller hands the tensors over (freshly received, referenced by nobody
+        else, never changed afterwards). Those already of the model's dtype and device and
+        contiguous then become the parameters as they are, with no copy at all. By default the
+        engine takes private copies and the caller's tensors stay the caller's.
+        """
         if version <= self._version:
             raise PreconditionError(
                 f"weights version {version} is not newer than the served version {self._version}"
             )
         # Both the copy and the swap run off the event loop: for a large model they take long
         # enough to stall every stream the server is serving.
-        await asyncio.to_thread(self._load_blocking, state_dict, version)
+        if not owned:
+            await asyncio.to_thread(self._load_blocking, state_dict, version)
+            return
+
+        def install() -> None:
+            self._swap_weights(self._prepare_state_dict(state_dict, owned=True), version, True)
+
+        await asyncio.to_thread(install)
 
     def _load_blocking(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self._swap_weights(self._prepare_state_dict(state_dict), version)
@@ -244,22 +296,23 @@ class HFEngine(InferenceEngine):
             self._cond.notify_all()
         await asyncio.to_thread(self._thread.join)
         with self._cond:
-            leftovers = list(self._pending) + list(self._batch.requests)
+            leftovers = list(self._pending) + self._admitting + list(self._batch.requests)
             self._pending.clear()
+            self._admitting = []
             self._batch = _Batch()
             pause_waiters, self._pause_waiters = self._pause_waiters, []
             resume_waiters, self._resume_waiters = self._resume_waiters, []
         for req in leftovers:
             self._finish(req, FinishReason.CANCELLED)
         for w in pause_waiters:
-            w.set_result(0)
+            _resolve(w, 0)
         for w2 in resume_waiters:
-            w2.set_result(None)
+            _resolve(w2, None)
 
     # --------------------------------------------------------------------------- weights
 
     def _prepare_state_dict(
-        self, state_dict: Mapping[str, torch.Tensor]
+        self, state_dict: Mapping[str, torch.Tensor], owned: bool = False
     ) -> dict[str, torch.Tensor]:
         current = self._model.state_dict()
         unexpected = sorted(set(state_dict) - set(current))
@@ -279,12 +332,22 @@ class HFEngine(InferenceEngine):
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, the model needs "
                     f"{tuple(target.shape)}"
                 )
+            t = tensor.detach()
+            same = t.device == self.device and t.dtype == target.dtype
+            if owned and same and t.is_contiguous():
+                prepared[name] = t  # handed over: installed as it is
+                continue
             # Private copies made before taking the lock: the swap itself is short and cannot
             # fail, and the caller may go on changing its tensors meanwhile.
-            prepared[name] = tensor.detach().to(device=self.device, dtype=target.dtype, copy=True)
+            prepared[name] = t.to(device=self.device, dtype=target.dtype, copy=True)
         return prepared
 
-    def _swap_weights(self, prepared: dict[str, torch.Tensor], version: int) -> None:
+    def _swap_weights(
+        self, prepared: dict[str, torch.Tensor], version: int, install: bool = False
+    ) -> None:
+        # install: ``prepared`` is private to the engine; parameters take its tensors as their
+        # data (no copy; a tied parameter is one object, so its ties hold). Buffers are copied.
+        params = dict(self._model.named_parameters(remove_duplicate=False)) if install else {}
         with self._model_lock:
             if version <= self._version:
                 raise PreconditionError(
@@ -294,7 +357,11 @@ class HFEngine(InferenceEngine):
             current = self._model.state_dict()
             with torch.no_grad():
                 for name, tensor in prepared.items():
-                    current[name].copy_(tensor)
+                    param = params.get(name)
+                    if param is not None:
+                        param.data = tensor
+                    else:
+                        current[name].copy_(tensor)
             with self._cond:
                 self._version = version
         log.info("hf engine now serves policy version %d", version)
@@ -308,7 +375,7 @@ class HFEngine(InferenceEngine):
                 self._pending.remove(req)
             self._cond.notify_all()
 
-    def _emit(self, req: _Request, event: TokenEvent) -> None:
+    def _emit(self, req: _Request, event: TokenEvent | BaseException) -> None:
         try:
             req.loop.call_soon_threadsafe(req.queue.put_nowait, event)
         except RuntimeError:
@@ -321,20 +388,36 @@ class HFEngine(InferenceEngine):
         req.done = True
         self._emit(req, TokenEvent(finish=reason))
 
+    def _fail(self, req: _Request, error: BaseException) -> None:
+        if req.done:
+            return
+        req.done = True
+        self._emit(req, error)
+
     def _run(self) -> None:
         try:
             with torch.no_grad():
                 while self._step():
                     pass
-        except Exception:
-            log.exception("hf engine decode loop failed")
+        except BaseException as exc:
+            log.exception("hf engine decode loop failed; failing every request in flight")
+            error = EngineFailedError(f"hf engine decode loop failed: {exc!r}")
+            error.__cause__ = exc
             with self._cond:
                 self._closed = True
-                leftovers = list(self._pending) + list(self._batch.requests)
+                self._failure = exc
+                leftovers = list(self._pending) + self._admitting + list(self._batch.requests)
                 self._pending.clear()
+                self._admitting = []
                 self._batch = _Batch()
-            for req in leftovers:
-                self._finish(req, FinishReason.CANCELLED)
+                pause_waiters, self._pause_waiters = self._pause_waiters, []
+                resume_waiters, self._resume_waiters = self._resume_waiters, []
+                for req in leftovers:
+                    self._fail(req, error)
+            for w in pause_waiters:
+                _resolve(w, 0)
+            for w2 in resume_waiters:
+                _resolve(w2, None)
 
     def _step(self) -> bool:
         """One scheduling round: pause handling, admission, prefill, one decode step."""
@@ -354,10 +437,16 @@ class HFEngine(InferenceEngine):
             while self._pending and room > 0:
                 admitted.append(self._pending.popleft())
                 room -= 1
+            self._admitting = admitted
         with self._model_lock:
             version = self._version
             if admitted:
                 self._prefill(admitted, version)
+            with self._cond:
+                self._admitting = []
+                # Rows cancelled or finished meanwhile (during the prefill, or since the round
+                # began) leave before the step, so no stale row is ever fed to the model.
+                self._drop_finished_locked()
             if self._batch.requests:
                 self._decode(version)
         return True
@@ -371,7 +460,9 @@ class HFEngine(InferenceEngine):
         self._batch = _Batch()
         waiters, self._pause_waiters = self._pause_waiters, []
         for w in waiters:
-            w.set_result(interrupted)
+            # A pause() whose caller was cancelled (deadline, shutdown) has a cancelled
+            # future: set_result would raise InvalidStateError and kill the decode loop.
+            _resolve(w, interrupted)
 
     def _drop_finished_locked(self) -> None:
         keep = [i for i, r in enumerate(self._batch.requests) if not r.cancelled and not r.done]
@@ -410,7 +501,10 @@ class HFEngine(InferenceEngine):
             self._sample_and_emit(reqs, logits, version)
             kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
             mask = torch.ones(len(reqs), length, dtype=torch.long, device=self.device)
-            keep = [i for i, r in enumerate(reqs) if not r.done]
+            # A request cancelled before its first token was sampled has no pending token
+            # (-1): it must not join the batch, or the next decode step would feed -1 to the
+            # embedding ("IndexError: index out of range in self").
+            keep = [i for i, r in enumerate(reqs) if not r.done and not r.cancelled]
             if not keep:
                 continue
             if len(keep) < len(reqs):
@@ -445,9 +539,22 @@ class HFEngine(InferenceEngine):
         assert batch.mask is not None
         # Cancelled rows still ride along this step (their tokens are discarded); they are
         # removed at the next scheduling round.
-        ids = torch.tensor(
-            [[r.pending_token] for r in batch.requests], dtype=torch.long, device=self.device
-        )
+        toks = [r.pending_token for r in batch.requests]
+        bad = [i for i, t in enumerate(toks) if not 0 <= t < self._token_limit]
+        if bad:
+            # Cannot happen for a live row; a dead one rides along with a harmless id.
+            with self._cond:
+                for i in bad:
+                    r = batch.requests[i]
+                    if not (r.cancelled or r.done):
+                        log.error(
+                            "hf engine: request %d has no valid next token %d", r.rid, toks[i]
+                        )
+                        self._fail(
+                            r, EngineFailedError(f"invalid next token {toks[i]} (internal error)")
+                        )
+                    toks[i] = 0
+        ids = torch.tensor([[t] for t in toks], dtype=torch.long, device=self.device)
         positions = batch.mask.sum(dim=1, keepdim=True)
         mask = torch.cat([batch.mask, torch.ones_like(positions)], dim=1)
         cache = batch.cache
@@ -469,6 +576,8 @@ class HFEngine(InferenceEngine):
         self._sample_and_emit(batch.requests, out.logits[:, -1, :].float(), version)
 
     def _sample_and_emit(self, reqs: list[_Request], logits: torch.Tensor, version: int) -> None:
+        # Only ids the embedding (and the tokenizer) know may be sampled.
+        logits = logits[:, : self._token_limit]
         temps = torch.tensor(
             [r.params.temperature if r.params.temperature > 0 else 1.0 for r in reqs],
             device=logits.device,
@@ -478,8 +587,18 @@ class HFEngine(InferenceEngine):
         for i, r in enumerate(reqs):
             if r.params.top_k > 0 or r.params.top_p < 1.0:
                 probs[i] = _truncate(probs[i], r.params.top_k, r.params.top_p)
+        # Non-finite logits (e.g. weights that overflowed) give NaN rows, on which multinomial
+        # raises (CPU) or returns garbage (CUDA): such a row falls back to the argmax of its
+        # finite logits, so the sampled id is always in range.
+        safe_logits = torch.nan_to_num(logits, nan=float("-inf"))
+        greedy = safe_logits.argmax(dim=-1)
+        broken = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
+        if bool(broken.any()):
+            if not self._warned_nonfinite:
+                self._warned_nonfinite = True
+                log.warning("hf engine: non-finite logits at version %d; using argmax", version)
+            probs[broken] = F.one_hot(greedy[broken], probs.shape[-1]).to(probs.dtype)
         sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
-        greedy = logits.argmax(dim=-1)
         is_greedy = torch.tensor([r.params.temperature == 0 for r in reqs], device=logits.device)
         tokens = torch.where(is_greedy, greedy, sampled)
         token_logp = logp.gather(1, tokens[:, None]).squeeze(1)
@@ -502,6 +621,16 @@ class HFEngine(InferenceEngine):
             self._generated_tokens += produced
 
 
+def _stop_at_exit(ref: weakref.ref[HFEngine]) -> None:
+    engine = ref()
+    if engine is None:
+        return
+    with engine._cond:
+        engine._closed = True
+        engine._cond.notify_all()
+    engine._thread.join(timeout=30)
+
+
 def _truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """``probs`` restricted to the top-k tokens and the top-p nucleus (renormalised)."""
     sorted_p, order = probs.sort(descending=True)
@@ -518,4 +647,4 @@ def _truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return out / out.sum()
 
 
-__all__ = ["HFEngine", "HFEngineConfig"]
+__all__ = ["EngineFailedError", "HFEngine", "HFEngineConfig"]

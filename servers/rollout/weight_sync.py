@@ -21,6 +21,7 @@ FAILED_PRECONDITION and changes nothing. Updates run one at a time.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import uuid
 from collections import OrderedDict
@@ -123,6 +124,13 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         if self.config.max_chunk_bytes > MAX_CHUNK_BYTES or self.config.max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes must be in 1..{MAX_CHUNK_BYTES}")
         self._sglang = _is_sglang(engine)
+        # Engines whose load_weights takes ``owned``: the tensors every data plane here builds
+        # (reassembled chunks, loaded safetensors, broadcast buffers) are fresh and private, so
+        # they are handed over instead of copied again.
+        try:
+            self._handover = "owned" in inspect.signature(engine.load_weights).parameters
+        except (TypeError, ValueError):
+            self._handover = False
         if self.config.backends is not None:
             self.backends = tuple(self.config.backends)
         elif self._sglang:
@@ -135,6 +143,13 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         # For the sglang engine: the group SGLang was told to join.
         self._sglang_group: GroupParams | None = None
         self.counters = _Counters()
+
+    async def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Swaps a freshly received state dict in (handed over where the engine allows)."""
+        if self._handover:
+            await self.engine.load_weights(state_dict, version, owned=True)  # type: ignore[call-arg]
+        else:
+            await self.engine.load_weights(state_dict, version)
 
     # ------------------------------------------------------------------------ negotiation
 
@@ -314,7 +329,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         try:
             async with self._update_lock:
                 self._check_version(header.policy_version, "header.policy_version")
-                await self.engine.load_weights(state_dict, header.policy_version)
+                await self._load(state_dict, header.policy_version)
         except Exception as exc:
             await self._fail(context, exc)
         self._count("stream", ok=True)
@@ -403,7 +418,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     count = 0
                 else:
                     state_dict = await asyncio.to_thread(load_version, root, str(directory))
-                    await self.engine.load_weights(state_dict, request.policy_version)
+                    await self._load(state_dict, request.policy_version)
                     count = len(state_dict)
         except Exception as exc:
             await self._fail(context, exc)
@@ -498,7 +513,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     # so the collective never hangs on a refusal; a stale update is dropped.
                     state_dict = await asyncio.to_thread(self._receive, plan.group, specs)
                     self._check_version(request.policy_version)
-                    await self.engine.load_weights(state_dict, request.policy_version)
+                    await self._load(state_dict, request.policy_version)
                     count = len(state_dict)
         except Exception as exc:
             await self._fail(context, exc)

@@ -1,0 +1,90 @@
+"""HFEngine.load_weights(owned=True): received tensors become the parameters without copies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from areal_servers.rollout.engine import SamplingConfig
+from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.weight_sync import WeightSyncServicer
+
+from areal_grpc.errors import PreconditionError
+from areal_grpc.model import load_model
+
+
+@pytest.fixture
+def engine():
+    eng = HFEngine(HFEngineConfig(model="builtin:micro", seed=0))
+    yield eng
+    asyncio.run(eng.close())
+
+
+def _fresh(seed: int) -> dict[str, torch.Tensor]:
+    sd = load_model("builtin:micro", seed=seed).state_dict()
+    return {k: v.clone() for k, v in sd.items() if k != "lm_head.weight"}
+
+
+def test_owned_tensors_are_installed_without_a_copy(engine):
+    sd = _fresh(3)
+    expected = {k: v.clone() for k, v in sd.items()}
+    asyncio.run(engine.load_weights(sd, version=1, owned=True))
+    assert engine.version == 1
+    params = dict(engine.model.named_parameters(remove_duplicate=False))
+    for name, t in sd.items():
+        if name in params:
+            assert params[name].data_ptr() == t.data_ptr(), name
+    current = engine.model.state_dict()
+    for name, t in expected.items():
+        assert torch.equal(current[name], t), name
+    if getattr(engine.model.config, "tie_word_embeddings", False):
+        tied = current["lm_head.weight"], current["model.embed_tokens.weight"]
+        assert tied[0].data_ptr() == tied[1].data_ptr()
+    res = asyncio.run(engine.generate([4, 5], SamplingConfig(max_new_tokens=2, ignore_eos=True)))
+    assert res.output_versions == [1, 1]
+
+
+def test_owned_tensors_of_another_dtype_are_converted(engine):
+    sd = {k: v.to(torch.float64) for k, v in _fresh(4).items()}
+    asyncio.run(engine.load_weights(sd, version=1, owned=True))
+    for name, t in engine.model.state_dict().items():
+        if name in sd:
+            assert t.dtype == torch.float32
+            assert torch.equal(t, sd[name].to(torch.float32)), name
+
+
+def test_default_load_keeps_private_copies(engine):
+    sd = _fresh(5)
+    expected = {k: v.clone() for k, v in sd.items()}
+    asyncio.run(engine.load_weights(sd, version=1))
+    for t in sd.values():
+        t.zero_()
+    current = engine.model.state_dict()
+    for name, t in expected.items():
+        assert torch.equal(current[name], t), name
+
+
+def test_owned_load_refuses_stale_versions_and_bad_shapes(engine):
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with pytest.raises(PreconditionError):
+        asyncio.run(engine.load_weights(_fresh(6), version=0, owned=True))
+    bad = _fresh(6)
+    bad["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        asyncio.run(engine.load_weights(bad, version=2, owned=True))
+    assert engine.version == 0
+    for k, v in engine.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_receiver_hands_over_to_engines_that_take_ownership(engine):
+    assert WeightSyncServicer(engine)._handover
+
+    class Legacy:
+        kind = "fake"
+
+        async def load_weights(self, state_dict, version):  # the abstract signature
+            pass
+
+    assert not WeightSyncServicer(Legacy())._handover  # type: ignore[arg-type]
