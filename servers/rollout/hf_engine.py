@@ -296,18 +296,28 @@ class HFEngine(InferenceEngine):
             self._cond.notify_all()
         await asyncio.to_thread(self._thread.join)
         with self._cond:
-            leftovers = list(self._pending) + self._admitting + list(self._batch.requests)
-            self._pending.clear()
-            self._admitting = []
-            self._batch = _Batch()
-            pause_waiters, self._pause_waiters = self._pause_waiters, []
-            resume_waiters, self._resume_waiters = self._resume_waiters, []
+            leftovers, waiters = self._take_everything()
         for req in leftovers:
             self._finish(req, FinishReason.CANCELLED)
-        for w in pause_waiters:
-            _resolve(w, 0)
-        for w2 in resume_waiters:
-            _resolve(w2, None)
+        for fut, value in waiters:
+            _resolve(fut, value)
+
+    def _take_everything(
+        self,
+    ) -> tuple[list[_Request], list[tuple[concurrent.futures.Future, object]]]:
+        """Empties the queue and the batch; call under ``_cond``.
+
+        Returns the requests in flight (for the caller to end) and the pause/resume waiters
+        with the value each is released with (0 interrupted, None), for the caller to resolve.
+        """
+        leftovers = list(self._pending) + self._admitting + list(self._batch.requests)
+        self._pending.clear()
+        self._admitting = []
+        self._batch = _Batch()
+        waiters = [(w, 0) for w in self._pause_waiters] + [(w, None) for w in self._resume_waiters]
+        self._pause_waiters = []
+        self._resume_waiters = []
+        return leftovers, waiters
 
     # --------------------------------------------------------------------------- weights
 
@@ -406,18 +416,11 @@ class HFEngine(InferenceEngine):
             with self._cond:
                 self._closed = True
                 self._failure = exc
-                leftovers = list(self._pending) + self._admitting + list(self._batch.requests)
-                self._pending.clear()
-                self._admitting = []
-                self._batch = _Batch()
-                pause_waiters, self._pause_waiters = self._pause_waiters, []
-                resume_waiters, self._resume_waiters = self._resume_waiters, []
+                leftovers, waiters = self._take_everything()
                 for req in leftovers:
                     self._fail(req, error)
-            for w in pause_waiters:
-                _resolve(w, 0)
-            for w2 in resume_waiters:
-                _resolve(w2, None)
+            for fut, value in waiters:
+                _resolve(fut, value)
 
     def _step(self) -> bool:
         """One scheduling round: pause handling, admission, prefill, one decode step."""
