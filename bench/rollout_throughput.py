@@ -43,6 +43,7 @@ from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_servers.rollout.engine import SamplingConfig
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import EpisodeRunner, RolloutServiceConfig, item_to_struct
+from teardown import exit_on_sigterm
 
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
 from areal_grpc.model import load_tokenizer
@@ -247,16 +248,6 @@ async def bench(args: argparse.Namespace, server: Child) -> None:
         f"RESULT bench=continuous_batching value={batched_rate:.1f} unit=tok/s "
         f"baseline={sequential_rate:.1f} ratio={batched_rate / sequential_rate:.4f} target=1.0"
     )
-
-
-def exit_on_sigterm(signum: int, frame: object) -> None:
-    """Unwinds like Ctrl-C, so ``finally`` stops the subprocesses.
-
-    Later SIGTERMs are ignored so they cannot cut the clean-up short (coreutils ``timeout``
-    signals the process and then its process group).
-    """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(128 + signum)
 
 
 def main() -> None:

@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from teardown import exit_on_sigterm
 
 from areal_grpc.dispatch import dispatch_groups
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
@@ -470,16 +471,6 @@ def driver_main(args: argparse.Namespace) -> None:
         f"RESULT bench=microbatch_padding value={ffd_waste:.4f} unit=fraction "
         f"baseline={fixed_waste:.4f} ratio={ffd_waste / fixed_waste:.4f} target=1.0"
     )
-
-
-def exit_on_sigterm(signum: int, frame: object) -> None:
-    """Unwinds like Ctrl-C, so ``finally`` stops the subprocesses.
-
-    Later SIGTERMs are ignored so they cannot cut the clean-up short (coreutils ``timeout``
-    signals the process and then its process group).
-    """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(128 + signum)
 
 
 def main() -> None:
