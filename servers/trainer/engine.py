@@ -43,6 +43,7 @@ from areal_servers.trainer.algorithm import (
     trainable_mask,
 )
 from areal_servers.trainer.microbatch import Batch, MicroBatchSpec, split_microbatches
+from areal_servers.trainer.safe_checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -531,7 +532,12 @@ class TrainerEngine:
             raise ValueError(f"{meta_file} lacks {missing}")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path, no_dist=not self.distributed)
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(),
+            no_dist=not self.distributed,
+        )
         set_state_dict(
             self.model,
             self.optimizer,
