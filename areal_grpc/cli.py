@@ -1,17 +1,30 @@
-"""The command line shared by the server entry points (areal-rollout, areal-trainer, ...)."""
+"""The command line shared by the server entry points (areal-rollout, areal-trainer, ...).
+
+Also the bridge from a run's ``security`` config to those flags (:func:`security_argv`, for
+the children a launcher starts) and to the options of the launcher's own server and channels
+(:func:`run_server_options`, :func:`run_channel_options`), so that one config secures every
+process of a run the same way.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from areal_grpc import tracing
-from areal_grpc.security import ServerTls
-from areal_grpc.server import ServerOptions, Service, serve_until_signal, start_server
+from areal_grpc.config import SecurityConfig
+from areal_grpc.security import ClientTls, ServerTls, load_auth_token
+from areal_grpc.server import (
+    ChannelOptions,
+    ServerOptions,
+    Service,
+    serve_until_signal,
+    set_default_channel_options,
+    start_server,
+)
 
 BuildServices = Callable[[argparse.Namespace], Awaitable[Sequence[Service]]]
 
@@ -39,6 +52,14 @@ def base_parser(prog: str, description: str, default_port: int) -> argparse.Argu
         action="store_true",
         help="allow serving without TLS on a non-loopback address",
     )
+    sec.add_argument(
+        "--tls-ca",
+        help="CA (PEM) verifying the servers this process calls; its channels use TLS",
+    )
+    sec.add_argument(
+        "--tls-client-cert", help="certificate (PEM) this process presents as a client (mTLS)"
+    )
+    sec.add_argument("--tls-client-key", help="private key (PEM) of --tls-client-cert")
     return parser
 
 
@@ -51,16 +72,80 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
         tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca)
     elif args.tls_client_ca:
         raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
-    token = os.environ.get("AREAL_AUTH_TOKEN") or None
-    if args.auth_token_file:
-        token = Path(args.auth_token_file).read_text().strip()
     return ServerOptions(
         host=args.host,
         port=args.port,
         tls=tls,
         allow_plaintext=args.allow_plaintext,
-        auth_token=token,
+        auth_token=_token(args),
     )
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    try:
+        return load_auth_token(args.auth_token_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--auth-token-file: {exc}") from exc
+
+
+def channel_options_from_args(args: argparse.Namespace) -> ChannelOptions:
+    """Options of the channels this process opens, from --tls-ca and --tls-client-cert/key.
+
+    The bearer token is the one the process's own server expects: a run has one token.
+    """
+    if (args.tls_client_cert is None) != (args.tls_client_key is None):
+        raise SystemExit("--tls-client-cert and --tls-client-key go together")
+    tls = None
+    if args.tls_ca:
+        tls = ClientTls(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    elif args.tls_client_cert:
+        raise SystemExit("--tls-client-cert needs --tls-ca")
+    return ChannelOptions(tls=tls, auth_token=_token(args))
+
+
+def _abs(path: str) -> str:
+    # Children may not share the launcher's working directory (remote launchers).
+    return str(Path(path).resolve())
+
+
+def security_argv(sec: SecurityConfig) -> list[str]:
+    """The security flags of a server child of a run configured with ``sec``."""
+    argv: list[str] = []
+    if sec.tls_cert and sec.tls_key and sec.tls_ca:
+        cert, key, ca = _abs(sec.tls_cert), _abs(sec.tls_key), _abs(sec.tls_ca)
+        argv += ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
+        if sec.mutual_tls:
+            argv += ["--tls-client-ca", ca, "--tls-client-cert", cert, "--tls-client-key", key]
+    if sec.auth_token_file:
+        argv += ["--auth-token-file", _abs(sec.auth_token_file)]
+    if sec.allow_plaintext:
+        argv.append("--allow-plaintext")
+    return argv
+
+
+def run_server_options(sec: SecurityConfig, host: str, port: int) -> ServerOptions:
+    """Options of a launcher's own server (e.g. CoordinatorService) under ``sec``."""
+    tls = None
+    if sec.tls_cert and sec.tls_key:
+        tls = ServerTls(sec.tls_cert, sec.tls_key, sec.tls_ca if sec.mutual_tls else None)
+    return ServerOptions(
+        host=host,
+        port=port,
+        tls=tls,
+        allow_plaintext=sec.allow_plaintext,
+        auth_token=load_auth_token(sec.auth_token_file),
+    )
+
+
+def run_channel_options(sec: SecurityConfig) -> ChannelOptions:
+    """Options of every channel a launcher opens to the servers of a run under ``sec``."""
+    tls = None
+    if sec.tls_cert and sec.tls_ca:
+        if sec.mutual_tls:
+            tls = ClientTls(sec.tls_ca, sec.tls_cert, sec.tls_key)
+        else:
+            tls = ClientTls(sec.tls_ca)
+    return ChannelOptions(tls=tls, auth_token=load_auth_token(sec.auth_token_file))
 
 
 def serve_main(
@@ -73,6 +158,9 @@ def serve_main(
     )
 
     options = server_options_from_args(args)
+    # Every client this process builds (e.g. trainer rank 0 pushing weights to rollout
+    # servers) speaks the run's TLS and token without each call site passing options.
+    set_default_channel_options(channel_options_from_args(args))
     # service.name in traces: areal-rollout, areal-trainer, areal-coordinator.
     tracing.init_tracing(parser.prog)
 

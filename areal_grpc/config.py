@@ -41,6 +41,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SamplingSettings",
+    "SecurityConfig",
     "StalenessConfig",
     "TrainerConfig",
     "WeightSyncConfig",
@@ -56,7 +57,8 @@ ADV_NORM_LEVELS = ("group", "batch", "none")
 IMP_WEIGHT_MODES = ("mask", "clamp")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 WEIGHT_SYNC_METHODS = ("distributed", "stream", "disk")
-LAUNCH_MODES = ("local", "attach")
+LAUNCH_MODES = ("local", "attach", "ray")
+RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -111,6 +113,13 @@ class RolloutConfig:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     # Prompts generating at once over all servers; None: staleness.batch_size (AReaL's default).
     max_concurrent_rollouts: int | None = None
+    # A server holding a task longer than this is taken as stalled: out of rotation, its work
+    # re-queued elsewhere. Generous: one episode of a long workflow may take minutes.
+    episode_timeout_s: float = 1800.0
+    # Liveness check of every server in rotation: a server whose health check fails (or does
+    # not answer within health_timeout_s) is treated like a stalled one.
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 5.0
 
 
 @dataclass
@@ -150,6 +159,19 @@ class TrainerConfig:
     grad_clip: float = 1.0
     max_tokens_per_mb: int = 16384
     ppo: PPOSettings = field(default_factory=PPOSettings)
+    # Deadline of each collective call to the ranks (TrainStep, checkpoints, export): a rank
+    # that hangs (rather than dies) fails the call instead of stopping the run for good.
+    call_timeout_s: float = 3600.0
+    # Restarts of a failed trainer group (from the latest checkpoint) before the run fails.
+    max_restarts: int = 3
+    # How long a restarted group may take to come back (attach mode: restarted by its own
+    # supervisor, e.g. torchrun) before the run fails.
+    restart_timeout_s: float = 300.0
+    # During a collective call the ranks' health is checked this often (0: never): a rank
+    # that hangs (frozen, not dead) fails the call within about interval + timeout instead
+    # of call_timeout_s, and the group is restarted.
+    health_interval_s: float = 10.0
+    health_timeout_s: float = 10.0
 
 
 @dataclass
@@ -217,7 +239,7 @@ class OutputConfig:
 
 @dataclass
 class LauncherConfig:
-    """Start the mesh here (local) or use servers already running (attach)."""
+    """Start the mesh here (local), on a Ray cluster (ray), or use running servers (attach)."""
 
     mode: str = "local"
     host: str = "127.0.0.1"
@@ -226,6 +248,43 @@ class LauncherConfig:
     # attach mode: one host:port per rollout server / trainer rank.
     rollout_addresses: list[str] = field(default_factory=list)
     trainer_addresses: list[str] = field(default_factory=list)
+    # ray mode: the cluster (host:port of the head's GCS, "auto" for the one `ray start` made
+    # on this machine, or ray://host:port); None starts a private Ray instance on this machine
+    # (stopped with the run).
+    ray_address: str | None = None
+    # ray mode: one placement-group bundle per node; the servers (trainer ranks first, then
+    # rollout servers) are dealt to the bundles in contiguous blocks.
+    ray_nodes: int = 1
+    ray_strategy: str = "PACK"
+    # ray mode: logical resources each server reserves (Ray schedules by these; a server may
+    # use more or less).
+    rollout_cpus: float = 1.0
+    rollout_gpus: float = 0.0
+    trainer_cpus: float = 1.0
+    trainer_gpus: float = 0.0
+    # ray mode: how long placement and the servers' start may take before the run fails.
+    ray_start_timeout_s: float = 300.0
+
+
+@dataclass
+class SecurityConfig:
+    """TLS, mutual TLS and the bearer token of every process of the run (servers and clients).
+
+    All None/False (the default) is plaintext, which the servers accept only on loopback.
+    """
+
+    # This process's certificate chain and key (PEM): every server of the run serves with them
+    # and, with mutual_tls, every client presents them.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # CA (PEM) that signed the servers' certificates; clients verify servers against it, and
+    # with mutual_tls servers verify clients against it.
+    tls_ca: str | None = None
+    mutual_tls: bool = False
+    # File holding the bearer token every call must carry; None: $AREAL_AUTH_TOKEN if set.
+    auth_token_file: str | None = None
+    # Serve without TLS on a non-loopback launcher.host.
+    allow_plaintext: bool = False
 
 
 @dataclass
@@ -244,6 +303,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -352,6 +412,25 @@ def _address(key: str, value: str) -> None:
         raise FieldError(key, f"must be host:port with a port in 1-65535, got {value!r}")
 
 
+def _validate_security(sec: SecurityConfig) -> None:
+    for key in ("tls_cert", "tls_key", "tls_ca", "auth_token_file"):
+        value = getattr(sec, key)
+        if value is not None and not Path(value).is_file():
+            raise FieldError(f"security.{key}", f"no such file: {value!r}")
+    if (sec.tls_cert is None) != (sec.tls_key is None):
+        missing = "tls_key" if sec.tls_key is None else "tls_cert"
+        raise FieldError(f"security.{missing}", "tls_cert and tls_key go together")
+    if sec.tls_cert is not None and sec.tls_ca is None:
+        # Every process is also a client of the others and must verify their certificates.
+        raise FieldError("security.tls_ca", "TLS needs the CA that signed the servers' certs")
+    if sec.tls_ca is not None and sec.tls_cert is None:
+        raise FieldError("security.tls_cert", "security.tls_ca is set but TLS is not (no cert)")
+    if sec.mutual_tls and sec.tls_cert is None:
+        raise FieldError("security.mutual_tls", "needs security.tls_cert, tls_key and tls_ca")
+    if sec.auth_token_file is not None and not Path(sec.auth_token_file).read_text().strip():
+        raise FieldError("security.auth_token_file", f"{sec.auth_token_file!r} is empty")
+
+
 def validate_config(cfg: RunConfig) -> None:
     """Checks ranges, choices and cross-field rules; raises FieldError naming the first bad key."""
     if not cfg.name:
@@ -378,6 +457,9 @@ def validate_config(cfg: RunConfig) -> None:
         _at_least("rollout.sampling.max_new_tokens", r.sampling.max_new_tokens, 1)
     if r.max_concurrent_rollouts is not None:
         _at_least("rollout.max_concurrent_rollouts", r.max_concurrent_rollouts, 1)
+    _positive("rollout.episode_timeout_s", r.episode_timeout_s)
+    _at_least("rollout.health_interval_s", r.health_interval_s, 0.0)
+    _positive("rollout.health_timeout_s", r.health_timeout_s)
 
     t = cfg.trainer
     _at_least("trainer.ranks", t.ranks, 1)
@@ -406,6 +488,11 @@ def validate_config(cfg: RunConfig) -> None:
     _positive("trainer.ppo.norm_eps", p.norm_eps)
     _at_least("trainer.ppo.kl_ctl", p.kl_ctl, 0.0)
     _at_least("trainer.ppo.ppo_epochs", p.ppo_epochs, 1)
+    _positive("trainer.call_timeout_s", t.call_timeout_s)
+    _at_least("trainer.max_restarts", t.max_restarts, 0)
+    _positive("trainer.restart_timeout_s", t.restart_timeout_s)
+    _at_least("trainer.health_interval_s", t.health_interval_s, 0.0)
+    _positive("trainer.health_timeout_s", t.health_timeout_s)
 
     s = cfg.staleness
     _at_least("staleness.max_staleness", s.max_staleness, 0)
@@ -430,6 +517,7 @@ def validate_config(cfg: RunConfig) -> None:
     if not cfg.output.dir:
         raise FieldError("output.dir", "must not be empty")
     _choice("output.log_level", cfg.output.log_level, LOG_LEVELS)
+    _validate_security(cfg.security)
 
     la = cfg.launcher
     _choice("launcher.mode", la.mode, LAUNCH_MODES)
@@ -442,6 +530,19 @@ def validate_config(cfg: RunConfig) -> None:
     for key in ("rollout_addresses", "trainer_addresses"):
         for i, addr in enumerate(getattr(la, key)):
             _address(f"launcher.{key}[{i}]", addr)
+    _at_least("launcher.ray_nodes", la.ray_nodes, 1)
+    _choice("launcher.ray_strategy", la.ray_strategy, RAY_STRATEGIES)
+    for key in ("rollout_cpus", "rollout_gpus", "trainer_cpus", "trainer_gpus"):
+        _at_least(f"launcher.{key}", getattr(la, key), 0)
+    _positive("launcher.ray_start_timeout_s", la.ray_start_timeout_s)
+    if la.mode == "ray" and la.ray_nodes > r.num_servers + t.ranks:
+        raise FieldError(
+            "launcher.ray_nodes",
+            f"{la.ray_nodes} bundles for {r.num_servers + t.ranks} servers would leave "
+            "a bundle empty",
+        )
+    if la.ray_address is not None and not la.ray_address:
+        raise FieldError("launcher.ray_address", "must not be empty (leave it unset instead)")
     if la.mode == "attach":
         if len(la.rollout_addresses) != r.num_servers:
             raise FieldError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,19 @@ class ClientTls:
             private_key=Path(self.key_file).read_bytes() if self.key_file else None,
             certificate_chain=Path(self.cert_file).read_bytes() if self.cert_file else None,
         )
+
+
+TOKEN_ENV = "AREAL_AUTH_TOKEN"
+
+
+def load_auth_token(path: str | None) -> str | None:
+    """The bearer token from the file at ``path``, else ``$AREAL_AUTH_TOKEN``, else None."""
+    if path:
+        token = Path(path).read_text().strip()
+        if not token:
+            raise ValueError(f"the auth token file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
 
 
 def is_loopback(host: str) -> bool:

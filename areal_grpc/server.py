@@ -3,22 +3,29 @@
 Every process serves its servicers on a ``grpc.aio`` server together with ``grpc.health.v1``
 health and server reflection, with message-size limits and keepalive, and stops gracefully on
 SIGTERM or SIGINT (health turns NOT_SERVING first, so routers stop sending new work, then
-in-flight calls get ``grace_s`` to finish). Clients use :func:`aio_channel` or
-:func:`sync_channel`, which carry the matching options.
+in-flight calls get ``grace_s`` to finish). Request bytes are parsed by our handlers, so bytes
+that are not the request message get INVALID_ARGUMENT naming the message type (grpc.aio's own
+deserializer path answers UNKNOWN). Clients use :func:`aio_channel` or :func:`sync_channel`,
+which carry the matching options; without explicit options they use the process-wide default
+(:func:`set_default_channel_options`), which is how one run's TLS and token reach every
+channel a process opens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import json
 import logging
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -76,6 +83,30 @@ class ChannelOptions:
     tls: ClientTls | None = None
     # Sent as "authorization: Bearer <auth_token>" on every call.
     auth_token: str | None = None
+
+
+# What aio_channel/sync_channel use when called without options. A process sets it once at
+# start (servers from their flags, the coordinator from its run config) so that every client
+# it builds, wherever it is built, speaks the run's TLS and token.
+_default_channel_options = ChannelOptions()
+
+
+def set_default_channel_options(opts: ChannelOptions) -> ChannelOptions:
+    """Makes ``opts`` this process's default channel options; returns the previous default."""
+    global _default_channel_options
+    previous = _default_channel_options
+    _default_channel_options = opts
+    return previous
+
+
+def default_channel_options(extra: Sequence[tuple[str, Any]] = ()) -> ChannelOptions:
+    """A copy of the process-wide default channel options with ``extra`` arguments appended.
+
+    For call sites that need their own channel arguments (e.g. bulk chunk streams) and must
+    still carry the process's TLS and token.
+    """
+    base = _default_channel_options
+    return dataclasses.replace(base, extra=[*base.extra, *extra])
 
 
 @dataclass
@@ -165,8 +196,8 @@ def channel_options(opts: ChannelOptions | None = None) -> list[tuple[str, Any]]
 
 
 def aio_channel(address: str, opts: ChannelOptions | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to ``address`` (host:port)."""
-    opts = opts or ChannelOptions()
+    """An asyncio channel to ``address`` (host:port); ``opts`` default to the process's."""
+    opts = opts if opts is not None else _default_channel_options
     interceptors = [*aio_token_interceptors(opts.auth_token), *tracing.aio_client_interceptors()]
     if opts.tls is not None:
         return grpc.aio.secure_channel(
@@ -178,13 +209,165 @@ def aio_channel(address: str, opts: ChannelOptions | None = None) -> grpc.aio.Ch
 
 
 def sync_channel(address: str, opts: ChannelOptions | None = None) -> grpc.Channel:
-    """A blocking channel to ``address`` (host:port)."""
-    opts = opts or ChannelOptions()
+    """A blocking channel to ``address`` (host:port); ``opts`` default to the process's."""
+    opts = opts if opts is not None else _default_channel_options
     if opts.tls is not None:
         channel = grpc.secure_channel(address, opts.tls.credentials(), channel_options(opts))
     else:
         channel = grpc.insecure_channel(address, options=channel_options(opts))
     return tracing.traced_sync_channel(with_sync_token(channel, opts.auth_token))
+
+
+# -- request parsing -------------------------------------------------------------------------
+#
+# grpc.aio runs a handler's request_deserializer outside the handler, and an exception there
+# ends the call as UNKNOWN "Unexpected DecodeError". Every handler registered through
+# start_server is therefore rebuilt (whatever built it: generated code or a hand-made table
+# with a fast deserializer) with a deserializer that never raises: bytes that do not parse
+# become an _Undecodable, and a thin wrapper around the behaviour aborts INVALID_ARGUMENT when
+# it sees one. Handlers are rebuilt once per method, not per call.
+
+
+class _Undecodable:
+    """Stands in for request bytes that did not parse; carries the status message."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def request_type_name(method: str) -> str:
+    """Full name of the request message of ``/package.Service/Method`` ("request" if unknown)."""
+    service_name, _, method_name = method.lstrip("/").rpartition("/")
+    try:
+        svc = descriptor_pool.Default().FindServiceByName(service_name)
+        return str(svc.methods_by_name[method_name].input_type.full_name)
+    except KeyError:
+        return "request message"
+
+
+def _never_raising(deserializer: Callable[[bytes], Any], type_name: str) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # any parse failure means the bytes are not the message
+            return _Undecodable(f"request: not a valid {type_name}: {exc}")
+
+    return parse
+
+
+async def _reject(context: grpc.aio.ServicerContext, bad: _Undecodable) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
+
+
+async def _checked_stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            await _reject(context, request)
+        yield request
+
+
+def _checking_behavior(behavior: Callable[..., Any], request_streaming: bool) -> Any:
+    """``behavior`` of the same kind (coroutine or async generator) that rejects bad bytes.
+
+    None for synchronous behaviours, which keep grpc's own parsing.
+    """
+    if inspect.iscoroutinefunction(behavior):
+        if request_streaming:
+
+            async def stream_in(requests: Any, context: Any) -> Any:
+                return await behavior(_checked_stream(requests, context), context)
+
+            return stream_in
+
+        async def unary_in(request: Any, context: Any) -> Any:
+            if isinstance(request, _Undecodable):
+                await _reject(context, request)
+            return await behavior(request, context)
+
+        return unary_in
+    if inspect.isasyncgenfunction(behavior):
+        if request_streaming:
+
+            async def stream_in_out(requests: Any, context: Any) -> Any:
+                async for response in behavior(_checked_stream(requests, context), context):
+                    yield response
+
+            return stream_in_out
+
+        async def unary_in_stream_out(request: Any, context: Any) -> Any:
+            if isinstance(request, _Undecodable):
+                await _reject(context, request)
+            async for response in behavior(request, context):
+                yield response
+
+        return unary_in_stream_out
+    return None
+
+
+def parsing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """``handler`` answering INVALID_ARGUMENT (naming the message type) to unparsable bytes."""
+    if handler.request_deserializer is None:
+        return handler
+    kinds = {
+        (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    }
+    attr, make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    behavior = getattr(handler, attr)
+    checked = _checking_behavior(behavior, bool(handler.request_streaming))
+    if checked is None:
+        return handler
+    return make(
+        checked,
+        request_deserializer=_never_raising(
+            handler.request_deserializer, request_type_name(method)
+        ),
+        response_serializer=handler.response_serializer,
+    )
+
+
+class _ParsingGenericHandler(grpc.GenericRpcHandler):
+    """A generic handler whose method handlers go through :func:`parsing_handler`."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self._inner = inner
+        # method -> (the inner handler, its rebuilt form); rebuilt again if inner changes.
+        self._rebuilt: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        cached = self._rebuilt.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        rebuilt = parsing_handler(handler, method)
+        self._rebuilt[method] = (handler, rebuilt)
+        return rebuilt
+
+
+class _ParsingRegistrar:
+    """What a Service's ``add`` registers into: the server, with every handler rebuilt."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_ParsingGenericHandler(h) for h in handlers))
+
+    def add_registered_method_handlers(
+        self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        rebuilt = {m: parsing_handler(h, f"/{service_name}/{m}") for m, h in handlers.items()}
+        self._server.add_registered_method_handlers(service_name, rebuilt)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
 
 
 class RunningServer:
@@ -248,8 +431,9 @@ async def start_server(
     )
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    registrar = _ParsingRegistrar(server)
     for svc in services:
-        svc.add(svc.servicer, server)
+        svc.add(svc.servicer, registrar)
     names = [s.name for s in services]
     reflection.enable_server_reflection(
         [

@@ -29,7 +29,7 @@ import glob
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -111,6 +111,18 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     # Lazy negation/conjugation bits would not be in the bytes; materialise them.
     t = t.resolve_neg().resolve_conj().contiguous()
     return t.reshape(-1).view(torch.uint8)
+
+
+def fits_buffer(
+    t: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], device: torch.device | str = "cpu"
+) -> bool:
+    """Whether ``t`` can take a tensor of ``dtype`` x ``shape`` on ``device`` in place."""
+    return (
+        t.dtype == dtype
+        and list(t.shape) == list(shape)
+        and t.device == torch.device(device)
+        and t.is_contiguous()
+    )
 
 
 def _check_bool_bytes(raw: torch.Tensor, field: str) -> None:
@@ -405,10 +417,23 @@ class StateDictAssembler:
     """
 
     def __init__(
-        self, *, expected_tensors: int | None = None, max_total_bytes: int = DEFAULT_MAX_BYTES
+        self,
+        *,
+        expected_tensors: int | None = None,
+        max_total_bytes: int = DEFAULT_MAX_BYTES,
+        buffers: MutableMapping[str, torch.Tensor] | None = None,
     ) -> None:
+        """``buffers``: tensors to receive into by name (taken out of the mapping when used).
+
+        A tensor whose buffer is a contiguous CPU tensor of exactly its byte size is written
+        into that memory (whatever the buffer's dtype) instead of a fresh allocation: filling
+        fresh memory costs a page fault per page, reused memory does not.
+        """
         self.expected_tensors = expected_tensors
         self.max_total_bytes = max_total_bytes
+        self.buffers = buffers
+        # The buffers taken out of ``buffers`` so far (a caller gives them back on failure).
+        self.taken: dict[str, torch.Tensor] = {}
         self.total_bytes = 0
         self._tensors: dict[str, torch.Tensor] = {}
         self._pending: _Pending | None = None
@@ -522,12 +547,29 @@ class StateDictAssembler:
                 f"{label}.chunk_count",
                 f"is {count}; a {nbytes}-byte tensor needs 1..{max(1, nbytes)}",
             )
-        buffer = empty_buffer(nbytes)
+        buffer = self._reusable(name, nbytes)
+        if buffer is None:
+            buffer = empty_buffer(nbytes)
         mem = memoryview(buffer.numpy()) if nbytes else memoryview(bytearray())
         self.total_bytes += nbytes
         p = _Pending(name, label, index, dtype, shape, nbytes, count, buffer, mem)
         self._pending = p
         return p
+
+    def _reusable(self, name: str, nbytes: int) -> torch.Tensor | None:
+        """The caller's buffer for ``name`` as flat bytes, if it fits exactly; else None."""
+        if self.buffers is None or not nbytes:
+            return None
+        t = self.buffers.pop(name, None)
+        if (
+            t is None
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+            or t.numel() * t.element_size() != nbytes
+        ):
+            return None
+        self.taken[name] = t
+        return t.detach().reshape(-1).view(torch.uint8)
 
     def _check_continuation(self, p: _Pending, chunk: ChunkLike) -> None:
         k = p.next_chunk
@@ -876,6 +918,7 @@ __all__ = [
     "dtype_to_proto",
     "empty_buffer",
     "encode_chunk",
+    "fits_buffer",
     "iter_chunk_views",
     "iter_chunks",
     "stream_channel_options",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -33,6 +34,7 @@ STALENESS = "areal.staleness"
 TASK_ID = "areal.task_id"
 ROLLOUT_SERVER = "areal.rollout_server"
 TOKENS = "areal.tokens"
+PRODUCER_ID = "areal.producer_id"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None
@@ -135,13 +137,73 @@ def to_proto(ctx: otel_context.Context | None = None) -> common_pb2.TraceContext
 
 
 def from_proto(msg: common_pb2.TraceContext | None) -> otel_context.Context | None:
-    """A parent context from a message's trace context; None when the message carries none."""
+    """A parent context from a message's trace context; None when it carries no valid one.
+
+    A malformed ``traceparent`` (any caller can send one) counts as none, so the span falls
+    back to the current span instead of starting a detached trace.
+    """
     if msg is None or not msg.traceparent:
         return None
     carrier = {"traceparent": msg.traceparent}
     if msg.tracestate:
         carrier["tracestate"] = msg.tracestate
-    return _PROPAGATOR.extract(carrier)
+    ctx = _PROPAGATOR.extract(carrier)
+    if not trace.get_current_span(ctx).get_span_context().is_valid:
+        return None
+    return ctx
+
+
+def is_valid(msg: common_pb2.TraceContext | None) -> bool:
+    """True when ``msg`` carries a well-formed W3C trace context."""
+    return from_proto(msg) is not None
+
+
+def trace_id(msg: common_pb2.TraceContext | None) -> str:
+    """The 32-hex-digit trace id of a message's context ("" when it carries no valid one)."""
+    ctx = from_proto(msg)
+    if ctx is None:
+        return ""
+    return format(trace.get_current_span(ctx).get_span_context().trace_id, "032x")
+
+
+# The trace context (and task id) an external producer works under in this asyncio task: set
+# from a lease by areal_clients.coordinator, read by the clients when they build outgoing
+# messages. A context variable, so that concurrent producer tasks each keep their own lease's.
+_carried: ContextVar[tuple[common_pb2.TraceContext | None, str] | None] = ContextVar(
+    "areal_carried", default=None
+)
+
+
+def carry(msg: common_pb2.TraceContext | None, task_id: str = "") -> None:
+    """Makes ``msg`` (of task ``task_id``) the default of this asyncio task's messages.
+
+    A lease without a valid context still replaces the previous lease's: a new lease's
+    messages must never join an older lease's trace (they fall back to the current span).
+    """
+    _carried.set((msg if msg is not None and is_valid(msg) else None, task_id))
+
+
+def carried_task_id() -> str:
+    """The task id given to the last :func:`carry` of this asyncio task ("" when none)."""
+    carried = _carried.get()
+    return carried[1] if carried is not None else ""
+
+
+def outgoing(
+    explicit: common_pb2.TraceContext | None = None, *, use_carried: bool = True
+) -> common_pb2.TraceContext:
+    """The trace context to put in an outgoing message.
+
+    In order: ``explicit`` (when valid), the context this task :func:`carry`-ies (a lease's;
+    skipped with ``use_carried=False``, e.g. when asking for the next lease), the current
+    span when tracing is on in this process, else an empty context.
+    """
+    if explicit is not None and is_valid(explicit):
+        return explicit
+    carried = _carried.get()
+    if use_carried and carried is not None and carried[0] is not None:
+        return carried[0]
+    return to_proto() if _provider is not None else common_pb2.TraceContext()
 
 
 @contextmanager

@@ -16,13 +16,15 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from areal_grpc.errors import FieldError
+from areal_grpc.tensor_codec import fits_buffer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -228,16 +230,45 @@ def weight_files(directory: Path, root: Path, field: str = "path") -> list[Path]
     return files
 
 
-def load_version(
-    root: str | os.PathLike[str], path: str, field: str = "path"
+def _read_tensors(
+    path: Path, buffers: MutableMapping[str, torch.Tensor] | None
 ) -> dict[str, torch.Tensor]:
-    """The state dict stored at ``path`` under ``root`` (confined; safetensors only)."""
+    """The tensors of one safetensors file (safetensors validates the header and offsets).
+
+    A tensor with a buffer in ``buffers`` (same name, dtype and shape, contiguous CPU) is
+    copied into it (taken out of the mapping): memory already in use takes the copy without
+    the page faults of fresh memory. The others stay in safetensors' file mapping.
+    """
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            t = f.get_tensor(name)
+            buf = buffers.pop(name, None) if buffers is not None else None
+            if buf is not None and fits_buffer(buf, t.dtype, list(t.shape)):
+                buf.copy_(t)
+                t = buf
+            out[name] = t
+    return out
+
+
+def load_version(
+    root: str | os.PathLike[str],
+    path: str,
+    field: str = "path",
+    buffers: MutableMapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The state dict stored at ``path`` under ``root`` (confined; safetensors only).
+
+    ``buffers``: tensors to read into by name, e.g. the weights the previous update replaced
+    (each taken out of the mapping when used): reading into memory already in use skips the
+    page faults of fresh memory. Tensors without one get fresh memory.
+    """
     directory = resolve_confined(root, path, field)
     out: dict[str, torch.Tensor] = {}
     for f in weight_files(directory, Path(root), field):
         try:
-            part = load_file(str(f))
-        except Exception as exc:  # safetensors raises its own error types for bad files
+            part = _read_tensors(f, buffers)
+        except (OSError, ValueError, SafetensorError) as exc:
             raise FieldError(field, f"cannot read {f.name}: {exc}") from None
         dup = set(part) & set(out)
         if dup:

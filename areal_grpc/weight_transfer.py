@@ -13,11 +13,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +36,39 @@ MAX_CHUNK_BYTES = tc.MiB
 DEFAULT_BUCKET_BYTES = 64 * tc.MiB
 
 PushMessage = weight_sync_pb2.PushWeightsRequest | tc.ChunkView
+
+T = TypeVar("T")
+
+
+def run_in_thread(fn: Callable[[], T], name: str = "weight-group") -> asyncio.Future[T]:
+    """``fn()`` on a thread of its own; a future on the running loop for its result.
+
+    For blocking collective work that may have to be abandoned: a gloo collective whose peer
+    died can only end at the group timeout, and a caller that knows the group is broken stops
+    awaiting the future (the thread ends by itself later). A thread of its own, not the loop's
+    default executor, so an abandoned collective never takes a slot other work needs.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, exc: BaseException | None) -> None:
+        if fut.done():  # abandoned (cancelled) meanwhile
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def body() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as e:  # handed to the awaiting side
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return fut
 
 
 def encode_push_request(msg: weight_sync_pb2.PushWeightsRequest | tc.ChunkLike) -> bytes:
@@ -200,6 +236,7 @@ __all__ = [
     "encode_push_request",
     "free_port",
     "plan_buckets",
+    "run_in_thread",
     "spec_nbytes",
     "torch_dtype_name",
 ]

@@ -36,25 +36,50 @@ micro model, seconds for a real LLM), so a lease wait under ~50 ms even at satur
 leasing a small part of a producer's cycle; an in-process call is a dict insert, so a target
 near 1 would only measure Python gRPC's fixed per-call cost.
 
+With ``--training-steps N`` (and e.g. ``--producers 32``) a third case runs the real training
+loop: a real mesh (one builtin:micro rollout server, two FSDP2 trainer ranks over gloo, the
+stream weight sync after every step) and the coordinator's loop with its CoordinatorService in
+this process, as ``python -m areal_grpc.coordinator`` runs them. Baseline: N steps fed by the
+loop's own dataset rollouts only; measured: N steps (on a fresh mesh) with the producers (in
+their own process, synthetic groups as above, but retrying a refused acquire after the
+server's RetryInfo delay as a well-behaved producer does) submitting alongside. Value: trajectories
+trained per second of loop wall time. Target 0.9: both runs are bound by the training step and
+the weight sync, so serving the producers must not slow the loop by more than 10%. Nothing
+lost: every accepted external group trained exactly once, still buffered, or dropped as stale
+(within the pool's ``dropped_stale`` count); no lease left open.
+
     .venv/bin/python bench/coordinator_load.py [--duration-s 15] [--producers 16]
+    .venv/bin/python bench/coordinator_load.py --producers 32 --batch-size 16 \
+        --max-staleness 1 --max-concurrent 32 --group-size 2 --training-steps 6
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import multiprocessing as mp
+import signal
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import grpc
-from areal.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from areal.v1 import common_pb2, coordinator_pb2
 from areal_clients.coordinator import CoordinatorClient
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from teardown import exit_on_sigterm
 
+from areal_grpc.config import load_config
+from areal_grpc.coordinator.loop import Coordinator
+from areal_grpc.coordinator.mesh import Mesh, start_mesh
+from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import NoCapacity, WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
-from areal_grpc.server import ServerOptions, service, start_server
+from areal_grpc.server import ServerOptions, start_server
 
 VOCAB = 384
 PROMPT_TOKENS = 8
@@ -85,6 +110,16 @@ def pct(xs: list[float], q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+def retry_info_s(exc: grpc.aio.AioRpcError) -> float:
+    """The RetryInfo delay of a RESOURCE_EXHAUSTED reply (``RETRY_S`` without one)."""
+    status = rpc_status.from_call(exc)
+    retry = error_details_pb2.RetryInfo()
+    for detail in status.details if status is not None else []:
+        if detail.Unpack(retry):
+            return retry.retry_delay.ToNanoseconds() / 1e9
+    return RETRY_S
 
 
 def make_pool(args: argparse.Namespace) -> WorkPool:
@@ -198,17 +233,33 @@ async def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def producer_process(
-    address: str, ids: list[int], group_size: int, duration_s: float, conn: Any
+    address: str,
+    ids: list[int],
+    group_size: int,
+    duration_s: float,
+    conn: Any,
+    stop: Any = None,
+    ready: Any = None,
+    go: Any = None,
+    server_retry: bool = False,
 ) -> None:
-    """Runs producers ``ids`` against ``address`` for ``duration_s``; sends back records."""
+    """Runs producers ``ids`` against ``address`` for ``duration_s`` (or until the
+    multiprocessing event ``stop`` is set); sends back records. With ``ready``/``go`` events,
+    it sets ``ready`` once started (imports take seconds) and begins when ``go`` is set. A
+    refused acquire is retried after ``RETRY_S``, or with ``server_retry`` after the server's
+    RetryInfo delay (what a well-behaved producer does)."""
 
     async def main() -> dict[str, Any]:
         acquired: list[str] = []
+        rejected: list[str] = []
         acq_ms: list[float] = []
         sub_ms: list[float] = []
         refused = 0
         submitted = 0
         errors: Counter[str] = Counter()
+        if ready is not None and go is not None:
+            ready.set()
+            await asyncio.to_thread(go.wait)
         deadline = time.perf_counter() + duration_s
 
         async def producer(p: int) -> None:
@@ -216,17 +267,20 @@ def producer_process(
             client = CoordinatorClient(address)
             k = 0
             try:
-                while time.perf_counter() < deadline:
+                while time.perf_counter() < deadline and not (stop is not None and stop.is_set()):
                     t0 = time.perf_counter()
                     try:
                         lease = await client.acquire(f"producer-{p}", group_size)
                     except grpc.aio.AioRpcError as exc:
                         acq_ms.append((time.perf_counter() - t0) * 1e3)
+                        delay = RETRY_S
                         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                             refused += 1
+                            if server_retry:
+                                delay = retry_info_s(exc)
                         else:
                             errors[exc.code().name] += 1
-                        await asyncio.sleep(RETRY_S)
+                        await asyncio.sleep(delay)
                         continue
                     acq_ms.append((time.perf_counter() - t0) * 1e3)
                     acquired.append(lease.lease_id)
@@ -238,6 +292,7 @@ def producer_process(
                     submitted += reply.accepted_groups
                     for r in reply.rejections:
                         errors[f"rejected: {r.reason[:40]}"] += 1
+                        rejected.append(r.lease_id)
             finally:
                 await client.close()
 
@@ -246,6 +301,7 @@ def producer_process(
         return {
             "elapsed": time.perf_counter() - started,
             "acquired": acquired,
+            "rejected": rejected,
             "acq_ms": acq_ms,
             "sub_ms": sub_ms,
             "refused": refused,
@@ -261,13 +317,7 @@ async def run_grpc(args: argparse.Namespace) -> dict[str, Any]:
     pool = make_pool(args)
     servicer = CoordinatorServicer(pool)
     server = await start_server(
-        [
-            service(
-                servicer,
-                coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
-                coordinator_pb2,
-            )
-        ],
+        [servicer.as_service()],
         ServerOptions(host="127.0.0.1", port=0),
     )
     servicer.start()
@@ -320,6 +370,140 @@ async def run_grpc(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# -- with the training loop ----------------------------------------------------------------
+
+
+def start_training_mesh(args: argparse.Namespace, out: Path) -> tuple[Any, Mesh]:
+    """The run's config and a real mesh: one builtin:micro rollout server, two FSDP2 ranks."""
+    cfg = load_config(
+        None,
+        [
+            f"output.dir={out}",
+            "data.task=echo",
+            f"total_steps={args.training_steps}",
+            f"staleness.batch_size={args.batch_size}",
+            f"staleness.group_size={args.group_size}",
+            f"staleness.max_staleness={args.max_staleness}",
+            f"rollout.max_concurrent_rollouts={args.max_concurrent}",
+            "eval.every_steps=0",
+            "checkpoint.every_steps=0",
+            "checkpoint.export_hf=false",
+            "weight_sync.methods=[stream]",
+            "output.plot=false",
+            "output.tensorboard=false",
+            "output.progress_bar=false",
+        ],
+    )
+    return cfg, start_mesh(cfg, out / "logs")
+
+
+async def run_training(
+    args: argparse.Namespace, cfg: Any, mesh: Mesh, out: Path, producers: int
+) -> dict[str, Any]:
+    """``args.training_steps`` steps of the real loop (in this process, with its
+    CoordinatorService) fed by its own rollouts plus ``producers`` external producers in a
+    separate process; trained trajectories/s over the loop's wall time."""
+    cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dir=str(out)))
+    coordinator = Coordinator(cfg, mesh.rollout_addresses, mesh.trainer_addresses, out)
+    servicer = CoordinatorServicer(coordinator.pool)
+    for i, a in enumerate(mesh.rollout_addresses):
+        servicer.add_local_worker(coordinator_pb2.WORKER_ROLE_ROLLOUT, a, f"rollout-{i}")
+    server = await start_server(
+        [servicer.as_service()],
+        ServerOptions(host="127.0.0.1", port=0),
+    )
+    servicer.start()
+    ctx = mp.get_context("spawn")
+    stop, go = ctx.Event(), ctx.Event()
+    procs = []
+    pipes = []
+    readies = []
+    results: list[dict[str, Any]] = []
+    try:
+        n = args.producer_procs if producers else 0
+        for i in range(n):
+            recv, send = ctx.Pipe(duplex=False)
+            ids = list(range(i, producers, n))
+            ready = ctx.Event()
+            proc = ctx.Process(
+                target=producer_process,
+                args=(server.address, ids, args.group_size, 3600.0, send, stop, ready, go, True),
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+            pipes.append(recv)
+            readies.append(ready)
+        # The producers start with the loop, not seconds later (their process imports first).
+        for ready in readies:
+            assert await asyncio.to_thread(ready.wait, 120.0), "a producer process did not start"
+        go.set()
+        started = time.perf_counter()
+        result = await coordinator.run()
+        elapsed = time.perf_counter() - started
+        stop.set()
+        results = [await asyncio.to_thread(r.recv) for r in pipes]
+        for proc in procs:
+            await asyncio.to_thread(proc.join, 10.0)
+    finally:
+        stop.set()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        await servicer.stop()
+        await server.stop(0)
+        await coordinator.close()
+    pool = coordinator.pool
+    trained = [g for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
+    external = Counter(g["task_id"] for g in trained if g["producer"].startswith("external:"))
+    buffered = {f.work.task_id for f in pool.buffer}
+    accepted = {lid for r in results for lid in r["acquired"]} - {
+        lid for r in results for lid in r["rejected"]
+    }
+    submitted = sum(r["submitted"] for r in results)
+    lost = accepted - set(external) - buffered
+    ok = (
+        result.steps == args.training_steps
+        and all(c == 1 for c in external.values())
+        and set(external) <= accepted
+        and len(lost) <= pool.stats.dropped_stale
+        and not pool.leases
+    )
+    return {
+        "elapsed": elapsed,
+        "trained_traj": len(trained) * args.group_size,
+        "external_groups": len(external),
+        "submitted": submitted,
+        "refused": sum(r["refused"] for r in results),
+        "acq_ms": [x for r in results for x in r["acq_ms"]],
+        "sub_ms": [x for r in results for x in r["sub_ms"]],
+        "check": (
+            f"{result.steps} steps, {len(trained)} groups trained ({len(external)} external, "
+            f"each once), external accepted {submitted}, buffered {len(buffered & accepted)}, "
+            f"dropped as stale {len(lost)} (pool dropped_stale {pool.stats.dropped_stale}) -> "
+            f"{'NOTHING LOST' if ok else 'MISMATCH'}"
+        ),
+    }
+
+
+def report_training(name: str, r: dict[str, Any]) -> float:
+    traj_s = r["trained_traj"] / r["elapsed"]
+    print(
+        f"{name}: {r['trained_traj']} trajectories trained in {r['elapsed']:.1f} s = "
+        f"{traj_s:.1f} traj/s; {r['refused']} refused acquires"
+    )
+    if r["acq_ms"]:
+        print(
+            f"  AcquireRollout ms p50 {pct(r['acq_ms'], 0.5):.3f} "
+            f"p99 {pct(r['acq_ms'], 0.99):.3f} (n={len(r['acq_ms'])}); SubmitTrajectories ms "
+            f"p50 {pct(r['sub_ms'], 0.5):.3f} p99 {pct(r['sub_ms'], 0.99):.3f} "
+            f"(n={len(r['sub_ms'])})"
+        )
+    print(f"  {r['check']}")
+    return traj_s
+
+
 def report(name: str, r: dict[str, Any], group_size: int) -> float:
     traj_s = r["submitted"] * group_size / r["elapsed"]
     print(
@@ -346,7 +530,15 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=2, help="eta")
     parser.add_argument("--max-concurrent", type=int, default=64, help="concurrency limit C")
     parser.add_argument("--group-size", type=int, default=4, help="trajectories per group")
+    parser.add_argument(
+        "--training-steps",
+        type=int,
+        default=0,
+        help="also run the real training loop this many steps fed by the producers (0: off)",
+    )
     args = parser.parse_args()
+    if args.training_steps > 0:
+        signal.signal(signal.SIGTERM, exit_on_sigterm)
     print(
         f"{args.producers} producers, B={args.batch_size} eta={args.max_staleness} "
         f"C={args.max_concurrent} G={args.group_size}, {args.duration_s:.0f} s per mode"
@@ -365,6 +557,27 @@ def main() -> None:
         f"RESULT bench=acquire_p99 value={meas_p99:.3f} unit=ms baseline={base_p99:.4f} "
         f"ratio={meas_p99 / base_p99:.2f} target=1000"
     )
+    if args.training_steps > 0:
+        measured: dict[int, float] = {}
+        with tempfile.TemporaryDirectory(prefix="coordinator-load-") as tmp:
+            # A fresh mesh per case: both start at version 0 (a new run attached to trainers
+            # already at version V would be admitted (eta + V + 1) * B prompts at once).
+            for producers, name in [
+                (0, "loop, own rollouts only"),
+                (args.producers, f"loop + {args.producers} external producers"),
+            ]:
+                out = Path(tmp) / f"producers-{producers}"
+                cfg, mesh = start_training_mesh(args, out)
+                try:
+                    r = asyncio.run(run_training(args, cfg, mesh, out / "run", producers))
+                finally:
+                    mesh.stop()
+                measured[producers] = report_training(name, r)
+        own_traj, ext_traj = measured[0], measured[args.producers]
+        print(
+            f"RESULT bench=coordinator_load_training value={ext_traj:.1f} unit=traj/s "
+            f"baseline={own_traj:.1f} ratio={ext_traj / own_traj:.4f} target=0.9"
+        )
 
 
 if __name__ == "__main__":

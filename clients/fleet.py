@@ -9,6 +9,11 @@
 3. confirm: each server must report the published version (``GetRolloutStatus``);
 4. resume the servers that took the update.
 
+A server whose transfer failed for a passing reason (not a refusal) and that still answers is
+retried once in a second ``PublishWeights`` without the others: when one member of a
+DISTRIBUTED weight group dies mid-update, the trainer breaks the group off at once and the
+survivors get the version in the second round.
+
 A rollout server that fails any step is reported in ``failed_servers`` (with the reason) and
 left paused, serving its old weights, for the coordinator to take out of rotation; the others
 go on. A trainer failure (a rank unreachable or refusing) fails the whole update with
@@ -150,51 +155,82 @@ async def update_fleet_weights(
                 paused.append(a)
 
         # 2. publish on every rank at once, to the servers that paused
-        request = trainer_pb2.PublishWeightsRequest(
-            rollout_addresses=paused,
-            methods=[METHODS[m] for m in methods],
-            bucket_bytes=bucket_bytes,
-            timeout_seconds=timeout_s,
-        )
+        async def publish_to(
+            targets: list[str], first: bool = True
+        ) -> list[trainer_pb2.PublishWeightsResponse]:
+            request = trainer_pb2.PublishWeightsRequest(
+                rollout_addresses=targets,
+                methods=[METHODS[m] for m in methods],
+                bucket_bytes=bucket_bytes,
+                timeout_seconds=timeout_s,
+            )
 
-        async def publish(a: str) -> trainer_pb2.PublishWeightsResponse:
-            stub = trainer_pb2_grpc.TrainerServiceStub(channels[a])
-            return await stub.PublishWeights(request, timeout=timeout_s + control_timeout_s)
+            async def publish(a: str) -> trainer_pb2.PublishWeightsResponse:
+                stub = trainer_pb2_grpc.TrainerServiceStub(channels[a])
+                return await stub.PublishWeights(request, timeout=timeout_s + control_timeout_s)
 
-        replies = await _each(trainer_addresses, publish)
-        bad = [
-            f"{a}: {_error(r)}"
-            for a, r in zip(trainer_addresses, replies, strict=True)
-            if isinstance(r, BaseException)
-        ]
-        if bad:
-            await _each(paused, lambda a: _resume(rollout[a], control_timeout_s))
-            raise FleetUpdateError(f"PublishWeights failed on trainer rank(s): {'; '.join(bad)}")
-        ranks = [r for r in replies if not isinstance(r, BaseException)]
+            replies = await _each(trainer_addresses, publish)
+            bad = [
+                f"{a}: {_error(r)}"
+                for a, r in zip(trainer_addresses, replies, strict=True)
+                if isinstance(r, BaseException)
+            ]
+            if bad and not first:
+                # Servers of the first round may already serve the new version: only the
+                # retried ones fail.
+                for a in targets:
+                    servers[a].error = f"retry: PublishWeights failed: {'; '.join(bad)}"
+                return []
+            if bad:
+                await _each(paused, lambda a: _resume(rollout[a], control_timeout_s))
+                raise FleetUpdateError(
+                    f"PublishWeights failed on trainer rank(s): {'; '.join(bad)}"
+                )
+            ranks = [r for r in replies if not isinstance(r, BaseException)]
+            lead = next((r for r in ranks if r.results), ranks[0])
+            for res in lead.results:
+                s = servers.get(res.address)
+                if s is None or res.address not in targets:
+                    continue
+                s.method = _method_name(res.method)
+                s.sent_bytes = res.sent_bytes
+                s.policy_version = res.policy_version
+                s.error = "" if res.ok else (res.error or "not updated")
+            for a in targets:
+                if not any(res.address == a for res in lead.results) and not servers[a].error:
+                    servers[a].error = "no result from the trainer"
+            return [lead, *ranks]
+
+        lead, *ranks = await publish_to(paused)
         version = ranks[0].policy_version
-        lead = next((r for r in ranks if r.results), ranks[0])
-        for res in lead.results:
-            s = servers.get(res.address)
-            if s is None:
-                continue
-            s.method = _method_name(res.method)
-            s.sent_bytes = res.sent_bytes
-            s.policy_version = res.policy_version
-            if not res.ok:
-                s.error = res.error or "not updated"
-        for a in paused:
-            if not any(res.address == a for res in lead.results) and not servers[a].error:
-                servers[a].error = "no result from the trainer"
+        publish_elapsed = lead.elapsed_seconds
 
-        # 3. confirm the version each server now serves
-        candidates = [a for a in paused if not servers[a].error]
-
-        async def confirm(a: str) -> rollout_pb2.GetRolloutStatusResponse:
+        async def status(a: str) -> rollout_pb2.GetRolloutStatusResponse:
             return await rollout[a].GetRolloutStatus(
                 rollout_pb2.GetRolloutStatusRequest(), timeout=control_timeout_s
             )
 
-        for a, st in zip(candidates, await _each(candidates, confirm), strict=True):
+        # 2b. a transfer that failed for a passing reason (typically a weight group that broke
+        # because another member died) is retried once, without the servers that no longer
+        # answer: those are found dead here instead of failing the others until a timeout.
+        failed = [a for a in paused if servers[a].error and _retryable(servers[a].error)]
+        retry = []
+        for a, st in zip(failed, await _each(failed, status), strict=True):
+            if isinstance(st, BaseException):
+                servers[a].error += f"; then unreachable: {_error(st)}"
+            elif st.policy_version < version:
+                retry.append(a)
+        if retry:
+            log.warning(
+                "retrying the weight update of %s: %s", retry, [servers[a].error for a in retry]
+            )
+            again = await publish_to(retry, first=False)
+            publish_elapsed += again[0].elapsed_seconds if again else 0.0
+
+        # 3. confirm the version each server now serves
+        candidates = [a for a in paused if not servers[a].error]
+
+        for a, st in zip(candidates, await _each(candidates, status), strict=True):
             if isinstance(st, BaseException):
                 servers[a].error = f"confirm: {_error(st)}"
             elif st.policy_version != version:
@@ -220,7 +256,7 @@ async def update_fleet_weights(
             servers=[servers[a] for a in rollout_addresses],
             elapsed_s=time.monotonic() - start,
             total_bytes=ranks[0].total_bytes,
-            publish_elapsed_s=lead.elapsed_seconds,
+            publish_elapsed_s=publish_elapsed,
         )
         for s in result.servers:
             if not s.ok:
@@ -228,6 +264,11 @@ async def update_fleet_weights(
         return result
     finally:
         await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
+
+
+def _retryable(error: str) -> bool:
+    """Whether a transfer error may pass on a second try (not a refusal of the update itself)."""
+    return not error.startswith(("FAILED_PRECONDITION", "INVALID_ARGUMENT", "pause:"))
 
 
 async def _resume(stub: rollout_pb2_grpc.RolloutServiceStub, timeout_s: float) -> None:

@@ -22,6 +22,7 @@ import grpc
 from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from google.protobuf import struct_pb2
 
+from areal_grpc import tracing
 from areal_grpc.server import aio_channel
 
 __all__ = ["EpisodeStream", "RolloutClient", "item_struct"]
@@ -129,11 +130,22 @@ class RolloutClient:
         input_ids: Sequence[int],
         sampling: common_pb2.SamplingParams | None = None,
         timeout_s: float | None = None,
+        *,
+        trace_context: common_pb2.TraceContext | None = None,
+        request_id: str = "",
     ) -> rollout_pb2.GenerateResponse:
-        """Token-in / token-out generation of ``sampling.n_samples`` completions."""
+        """Token-in / token-out generation of ``sampling.n_samples`` completions.
+
+        The request carries ``trace_context`` (default: the lease this asyncio task took last
+        with ``CoordinatorClient.acquire``, else the current span), so the server's generate
+        span joins the producer's trace; ``request_id`` (default: that lease's id) labels it.
+        """
         return await self.stub.Generate(
             rollout_pb2.GenerateRequest(
-                input_ids=list(input_ids), sampling=sampling or common_pb2.SamplingParams()
+                input_ids=list(input_ids),
+                sampling=sampling or common_pb2.SamplingParams(),
+                request_id=request_id or tracing.carried_task_id(),
+                trace_context=tracing.outgoing(trace_context),
             ),
             timeout=timeout_s,
         )

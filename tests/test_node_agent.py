@@ -23,12 +23,15 @@ from pathlib import Path
 import grpc
 import pytest
 from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from areal_grpc import tracing
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import RETRY_AFTER_S, CoordinatorServicer
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
-from areal_grpc.server import BackgroundServer, ServerOptions, service, sync_channel
+from areal_grpc.server import BackgroundServer, ServerOptions, sync_channel
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = shutil.which("node")
@@ -113,16 +116,14 @@ def register_rollout(stub: coordinator_pb2_grpc.CoordinatorServiceStub, address:
 
 def test_agent_groups_reach_the_coordinator_buffer_as_typed_trajectories(rollout, agent):
     episodes, group_size = 3, 4
+    # The in-process coordinator traces (in memory), so each lease has a trace context that
+    # the agent must hand on.
+    spans = InMemorySpanExporter()
+    tracing.init_tracing("areal-test", SimpleSpanProcessor(spans))
     pool = WorkPool(8, 0, vocab_size=VOCAB)
     servicer = CoordinatorServicer(pool)
     bg = BackgroundServer(
-        [
-            service(
-                servicer,
-                coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
-                coordinator_pb2,
-            )
-        ],
+        [servicer.as_service()],
         ServerOptions(host="127.0.0.1", port=0),
     )
     running = bg.start()
@@ -151,6 +152,7 @@ def test_agent_groups_reach_the_coordinator_buffer_as_typed_trajectories(rollout
         buffered = bg.call(snapshot())
     finally:
         bg.stop()
+        tracing.shutdown_tracing()
 
     # One JSON line per episode, each the coordinator's reply: the group was accepted.
     assert len(lines) == episodes
@@ -187,6 +189,29 @@ def test_agent_groups_reach_the_coordinator_buffer_as_typed_trajectories(rollout
                 assert traj.finish_reason == 1  # FINISH_REASON_STOP
             rewards.append(traj.reward)
         assert line["rewards"] == rewards
+
+    # Tracing: every trajectory carries its lease's context (the coordinator's lease span),
+    # so the coordinator's submission span is that span's child, in the lease's trace.
+    finished = spans.get_finished_spans()
+    for line, (lease_id, _, group) in zip(lines, buffered, strict=True):
+        (lease_span,) = [
+            s
+            for s in finished
+            if s.name == "coordinator.lease" and s.attributes[tracing.TASK_ID] == lease_id
+        ]
+        ctx = lease_span.context
+        assert line["trace_id"] == format(ctx.trace_id, "032x")
+        expected = [f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"]  # trace id, parent id
+        carried = [t.trace_context.traceparent.split("-")[1:3] for t in group.trajectories]
+        assert carried == [expected] * group_size
+        assert lease_span.attributes[tracing.PRODUCER_ID] == "node-test"
+        (submitted,) = [
+            s
+            for s in finished
+            if s.name == "coordinator.submit_group" and s.attributes[tracing.TASK_ID] == lease_id
+        ]
+        assert submitted.parent.span_id == ctx.span_id
+        assert submitted.context.trace_id == ctx.trace_id
 
 
 def test_agent_backs_off_while_no_capacity_and_fails_when_none_comes(rollout, agent, tmp_path):

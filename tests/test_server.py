@@ -22,6 +22,7 @@ from areal_grpc.server import (
     BackgroundServer,
     ChannelOptions,
     ServerOptions,
+    Service,
     aio_channel,
     service,
     start_server,
@@ -236,3 +237,43 @@ def test_idempotent_calls_are_retried_on_unavailable_others_fail_fast():
             stub.Generate(rollout_pb2.GenerateRequest(input_ids=[1]), timeout=30)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert flaky.calls["generate"] == 1
+
+
+async def _echo_stream(requests, context):
+    async for request in requests:
+        yield request
+
+
+def _strict_decode(raw: bytes) -> bytes:
+    if not raw.startswith(b"ok"):
+        raise ValueError("must start with ok")
+    return raw
+
+
+def test_unparsable_request_bytes_are_invalid_argument_for_any_handler():
+    """Generated and hand-made handlers alike answer INVALID_ARGUMENT naming the message."""
+    custom = grpc.method_handlers_generic_handler(
+        "test.Raw",
+        {
+            "Echo": grpc.stream_stream_rpc_method_handler(
+                _echo_stream, request_deserializer=_strict_decode, response_serializer=bytes
+            )
+        },
+    )
+    raw = Service("test.Raw", custom, lambda h, server: server.add_generic_rpc_handlers((h,)))
+    with BackgroundServer([_echo_service(), raw]) as server, sync_channel(server.address) as ch:
+        generate = ch.unary_unary("/areal.v1.RolloutService/Generate")
+        with pytest.raises(grpc.RpcError) as err:
+            generate(b"\xff", timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid areal.v1.GenerateRequest" in err.value.details()
+        echo = ch.stream_stream("/test.Raw/Echo")
+        assert list(echo(iter([b"ok1", b"ok2"]), timeout=10)) == [b"ok1", b"ok2"]
+        with pytest.raises(grpc.RpcError) as err:
+            list(echo(iter([b"ok1", b"bad"]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "must start with ok" in err.value.details()
+        # The server goes on serving well-formed calls.
+        stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+        ok = stub.Generate(rollout_pb2.GenerateRequest(input_ids=[3]), timeout=10)
+        assert list(ok.completions[0].output_ids) == [3]

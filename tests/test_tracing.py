@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import threading
 import time
 
 import grpc
 import pytest
 from areal.v1 import coordinator_pb2, coordinator_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -82,116 +80,68 @@ def test_rpcs_get_client_and_server_spans_in_one_trace(spans):
     assert inner.attributes[tracing.TOKENS] == 3
 
 
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """A real OTLP/gRPC trace receiver (the protocol Jaeger speaks on port 4317)."""
-
-    def __init__(self) -> None:
-        self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
-        self.got = threading.Event()
-
-    async def Export(self, request, context):
-        self.requests.append(request)
-        self.got.set()
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
-def test_server_process_exports_spans_over_otlp(tmp_path):
-    collector = Collector()
-    svc = service(
-        collector,
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server,
-        trace_service_pb2,
+def test_server_process_exports_spans_over_otlp(tmp_path, otlp_collector):
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{otlp_collector.address}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+    }
+    child = start_child(
+        "coordinator",
+        python_module_argv("areal_grpc.coordinator.serve", "--port", "0"),
+        log_dir=tmp_path,
+        env=env,
     )
-    with BackgroundServer([svc]) as receiver:
-        env = {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.address}",
-            "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        }
-        child = start_child(
-            "coordinator",
-            python_module_argv("areal_grpc.coordinator.serve", "--port", "0"),
-            log_dir=tmp_path,
-            env=env,
-        )
-        try:
-            with sync_channel(child.address) as ch:
-                stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-                # An error status (UNIMPLEMENTED today) is traced too; the span is what counts.
-                with contextlib.suppress(grpc.RpcError):
-                    stub.GetCoordinatorStatus(
-                        coordinator_pb2.GetCoordinatorStatusRequest(), timeout=10
-                    )
-            child.process.send_signal(signal.SIGTERM)  # shutdown flushes the batch
-            assert child.process.wait(timeout=30) == 0
-        finally:
-            stop_children([child])
-        deadline = time.monotonic() + 10
-        while not collector.requests and time.monotonic() < deadline:
-            collector.got.wait(0.1)
+    try:
+        with sync_channel(child.address) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            # An error status (UNIMPLEMENTED today) is traced too; the span is what counts.
+            with contextlib.suppress(grpc.RpcError):
+                stub.GetCoordinatorStatus(coordinator_pb2.GetCoordinatorStatusRequest(), timeout=10)
+        child.process.send_signal(signal.SIGTERM)  # shutdown flushes the batch
+        assert child.process.wait(timeout=30) == 0
+    finally:
+        stop_children([child])
+    deadline = time.monotonic() + 10
+    while not otlp_collector.requests and time.monotonic() < deadline:
+        otlp_collector.got.wait(0.1)
     spans_by_service: dict[str, list[str]] = {}
-    for req in collector.requests:
-        for rs in req.resource_spans:
-            attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                spans_by_service.setdefault(attrs["service.name"], []).extend(
-                    s.name for s in ss.spans
-                )
+    for name, span in otlp_collector.spans():
+        spans_by_service.setdefault(name, []).append(span.name)
     assert "/areal.v1.CoordinatorService/GetCoordinatorStatus" in spans_by_service.get(
         "areal-coordinator", []
     ), spans_by_service
 
 
-def _collect(collector: Collector) -> list[tuple[str, object]]:
-    """(service.name, span) for every span the receiver got."""
-    out = []
-    for req in collector.requests:
-        for rs in req.resource_spans:
-            attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                out.extend((attrs["service.name"], s) for s in ss.spans)
-    return out
-
-
-def test_one_training_run_is_one_connected_trace_across_the_mesh(tmp_path):
+def test_one_training_run_is_one_connected_trace_across_the_mesh(tmp_path, otlp_collector):
     import subprocess
     import sys
 
-    collector = Collector()
-    svc = service(
-        collector, trace_service_pb2_grpc.add_TraceServiceServicer_to_server, trace_service_pb2
+    env = {**__import__("os").environ, **otlp_collector.env()}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_grpc.coordinator",
+            f"output.dir={tmp_path}",
+            "total_steps=2",
+            "staleness.batch_size=2",
+            "staleness.group_size=2",
+            "eval.every_steps=0",
+            "checkpoint.export_hf=false",
+            "weight_sync.methods=[stream]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
-    with BackgroundServer([svc]) as receiver:
-        env = {
-            **__import__("os").environ,
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.address}",
-            "OTEL_EXPORTER_OTLP_INSECURE": "true",
-            "OTEL_BSP_SCHEDULE_DELAY": "200",
-        }
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "areal_grpc.coordinator",
-                f"output.dir={tmp_path}",
-                "total_steps=2",
-                "staleness.batch_size=2",
-                "staleness.group_size=2",
-                "eval.every_steps=0",
-                "checkpoint.export_hf=false",
-                "weight_sync.methods=[stream]",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(
-            name == "areal-trainer" for name, _ in _collect(collector)
-        ):
-            time.sleep(0.2)
-    spans = _collect(collector)
+    assert out.returncode == 0, out.stdout + out.stderr
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(
+        name == "areal-trainer" for name, _ in otlp_collector.spans()
+    ):
+        time.sleep(0.2)
+    spans = otlp_collector.spans()
     services = {name for name, _ in spans}
     assert {"areal-coordinator", "areal-rollout", "areal-trainer"} <= services, services
     by_id = {s.span_id: (name, s) for name, s in spans}

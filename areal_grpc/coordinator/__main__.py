@@ -27,15 +27,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from areal.v1 import coordinator_pb2
 
 from areal_grpc import tracing
+from areal_grpc.cli import run_channel_options, run_server_options
 from areal_grpc.config import RunConfig, load_config, to_yaml
-from areal_grpc.coordinator.loop import Coordinator, fleet_available, fleet_weight_sync
-from areal_grpc.coordinator.mesh import Mesh, check_supported, start_mesh
+from areal_grpc.coordinator.loop import (
+    Coordinator,
+    TrainerGroupFailed,
+    fleet_available,
+    fleet_weight_sync,
+)
+from areal_grpc.coordinator.mesh import check_supported, fleet_launcher, new_mesh, start_mesh
 from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
 from areal_grpc.errors import FieldError
-from areal_grpc.server import ServerOptions, service, start_server
+from areal_grpc.server import set_default_channel_options, start_server
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -125,10 +131,13 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
     log_dir = out_dir / "logs"
-    mesh = Mesh([], [], log_dir=log_dir)
+    mesh = new_mesh(cfg, log_dir)
     coordinator: Coordinator | None = None
     servicer: CoordinatorServicer | None = None
     server = None
+    # Every channel this process opens (health probes, rollout and trainer clients, the fleet
+    # update) speaks the run's TLS and token; restored at the end for in-process callers.
+    previous_channels = set_default_channel_options(run_channel_options(cfg.security))
     try:
         # Children start in a thread so the event loop keeps handling signals meanwhile; on
         # Ctrl-C the thread stops between children and the finally below stops the rest.
@@ -150,12 +159,23 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
         if sync and not fleet_available():
             log.warning("areal_clients.fleet is not installed: weight sync is off")
             sync = False
+
+        async def restart_trainers(addresses: Sequence[str]) -> list[str]:
+            # A failed trainer group is replaced by fresh local ranks; mesh.json follows.
+            new = await asyncio.to_thread(mesh.restart_trainers, cfg)
+            mesh.write(out_dir / "mesh.json")
+            print(f"trainer group restarted: {new}", flush=True)
+            return new
+
         coordinator = Coordinator(
             cfg,
             mesh.rollout_addresses,
             mesh.trainer_addresses,
             out_dir,
             weight_sync=fleet_weight_sync if sync else None,
+            # Attach mode (None): the ranks' own supervisor restarts them; the coordinator
+            # waits for them. The ray launcher has no trainer restart yet.
+            restart_trainers=restart_trainers if cfg.launcher.mode == "local" else None,
         )
 
         async def add(worker: Worker) -> None:
@@ -180,20 +200,21 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             else:
                 worker.policy_version = coordinator.trainer_version
 
-        servicer = CoordinatorServicer(coordinator.pool, hooks=WorkerHooks(add, remove, refresh))
+        hooks = WorkerHooks(
+            add,
+            remove,
+            refresh,
+            fleet=fleet_launcher(cfg, mesh),
+            fleet_changed=lambda: mesh.write(out_dir / "mesh.json"),
+        )
+        servicer = CoordinatorServicer(coordinator.pool, hooks=hooks)
         for i, a in enumerate(mesh.rollout_addresses):
             servicer.add_local_worker(coordinator_pb2.WORKER_ROLE_ROLLOUT, a, f"rollout-{i}")
         for i, a in enumerate(mesh.trainer_addresses):
             servicer.add_local_worker(coordinator_pb2.WORKER_ROLE_TRAINER, a, f"trainer-{i}")
         server = await start_server(
-            [
-                service(
-                    servicer,
-                    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
-                    coordinator_pb2,
-                )
-            ],
-            ServerOptions(host=cfg.launcher.host, port=cfg.launcher.coordinator_port),
+            [servicer.as_service()],
+            run_server_options(cfg.security, cfg.launcher.host, cfg.launcher.coordinator_port),
         )
         servicer.start()
         print(f"COORDINATOR {server.address}", flush=True)
@@ -219,10 +240,14 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             await server.stop(0)
         if coordinator is not None:
             await coordinator.close()
-        if mesh.children:
+        if servicer is not None and servicer.hooks.fleet is not None:
+            servicer.hooks.fleet.close()  # a server still starting must not outlive the run
+        # A Ray mesh has no local children but actors, a placement group and maybe Ray.
+        if mesh.children or cfg.launcher.mode == "ray":
             codes = await asyncio.to_thread(mesh.stop)
             bad = {k: v for k, v in codes.items() if v != 0}
             print("mesh stopped" + (f" (exit codes {bad})" if bad else " cleanly"), flush=True)
+        set_default_channel_options(previous_channels)
 
 
 def _fmt(x: float | None) -> str:
@@ -234,8 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if cfg.launcher.mode == "local":
+        if cfg.launcher.mode in ("local", "ray"):
             check_supported(cfg)
+        if cfg.launcher.mode == "ray":
+            new_mesh(cfg, Path(cfg.output.dir))  # names the missing ray extra early
     except FieldError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -266,6 +293,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if received:
                 return 128 + received[0]
             raise
+        except TrainerGroupFailed as exc:
+            # Expected failure mode (no checkpoint, restarts used up, ranks never came back):
+            # one line saying why, not a traceback; committed checkpoints allow --resume.
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
 
     # service.name areal-coordinator; children started by the mesh trace themselves from the
     # same OTEL_* environment.

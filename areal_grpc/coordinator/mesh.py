@@ -19,16 +19,22 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+from areal_grpc.cli import security_argv
 from areal_grpc.config import RunConfig
-from areal_grpc.errors import FieldError
+from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.launch import Child, health_status, python_module_argv, start_child, stop_children
 from areal_grpc.tasks import TASKS
 
 __all__ = [
+    "FleetLauncher",
+    "LocalFleet",
     "Mesh",
     "MeshStartCancelled",
+    "fleet_launcher",
     "free_port",
+    "new_mesh",
     "rollout_argv",
     "start_mesh",
     "trainer_argv",
@@ -101,6 +107,7 @@ def rollout_argv(cfg: RunConfig, index: int) -> list[str]:
         argv += ["--weights-root", weights_root(cfg)]
     if r.engine == "sglang":
         argv += ["--sglang-url", r.sglang_urls[index]]
+    argv += security_argv(cfg.security)
     return python_module_argv("areal_servers.rollout", *argv)
 
 
@@ -171,6 +178,8 @@ def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
         argv += ["--eps-clip-higher", repr(p.eps_clip_higher)]
     if p.c_clip is not None:
         argv += ["--c-clip", repr(p.c_clip)]
+    # Rank 0 also calls the rollout servers (weight updates): same TLS and token.
+    argv += security_argv(cfg.security)
     return python_module_argv("areal_servers.trainer", *argv)
 
 
@@ -204,6 +213,49 @@ class Mesh:
         self.children = []
         return codes
 
+    def restart_trainers(self, cfg: RunConfig) -> list[str]:
+        """Replaces the whole trainer group with fresh ranks; returns their addresses.
+
+        A group that lost a rank cannot be reused (the survivors' process group is broken),
+        so every trainer child is stopped and new ranks rendezvous on a fresh port. The new
+        addresses replace ``trainer_addresses`` (rank order).
+        """
+        old = [c for c in self.children if c.name.startswith("trainer-")]
+        # Survivors may sit in a failed collective: a long drain would only delay the restart.
+        stop_children(old, grace_s=5.0)
+        for child in old:
+            self.children.remove(child)
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        port = free_port(cfg.launcher.host)
+        started: list[Child] = []
+        errors: list[BaseException] = []
+        with ThreadPoolExecutor(max_workers=cfg.trainer.ranks) as pool:
+            futures = [
+                pool.submit(
+                    start_child,
+                    f"trainer-{r}",
+                    trainer_argv(cfg, r, port),
+                    log_dir=self.log_dir,
+                    env=env,
+                )
+                for r in range(cfg.trainer.ranks)
+            ]
+            for fut in futures:
+                try:
+                    started.append(fut.result())
+                except BaseException as exc:
+                    errors.append(exc)
+        # Recorded before any error is raised, so stop() still reaches every started child.
+        self.children.extend(started)
+        if errors:
+            raise errors[0]
+        self.trainer_addresses[:] = [c.address for c in started]
+        wait_healthy(
+            [(a, TRAINER_SERVICE) for a in self.trainer_addresses],
+            timeout_s=cfg.trainer.restart_timeout_s,
+        )
+        return list(self.trainer_addresses)
+
 
 def wait_healthy(addresses: Sequence[tuple[str, str]], timeout_s: float = 300.0) -> None:
     """Waits until every ``(address, service)`` reports SERVING."""
@@ -234,6 +286,10 @@ def start_mesh(
     :class:`Mesh` can stop them whatever happens; ``cancelled`` aborts before children start. On
     an error the children started so far are stopped here.
     """
+    if cfg.launcher.mode == "ray":
+        from areal_grpc.coordinator.ray_launcher import start_ray_mesh
+
+        return start_ray_mesh(cfg, log_dir, mesh, cancelled)
     mesh = mesh if mesh is not None else Mesh([], [], log_dir=log_dir)
 
     def check() -> None:
@@ -281,3 +337,112 @@ def start_mesh(
         mesh.stop()
         raise
     return mesh
+
+
+# -- the elastic rollout fleet ---------------------------------------------------------------
+
+
+def new_mesh(cfg: RunConfig, log_dir: Path) -> Mesh:
+    """An empty mesh of the configured launcher, to pass to :func:`start_mesh`."""
+    if cfg.launcher.mode == "ray":
+        try:
+            from areal_grpc.coordinator.ray_launcher import RayMesh
+        except ImportError as exc:
+            raise FieldError(
+                "launcher.mode", f"ray needs the ray extra (pip install -e '.[ray]'): {exc}"
+            ) from exc
+        return RayMesh([], [], log_dir=log_dir)
+    return Mesh([], [], log_dir=log_dir)
+
+
+class FleetLauncher(Protocol):
+    """Starts and stops single rollout servers of a running mesh (blocking calls)."""
+
+    def start_rollout_server(self) -> str:
+        """Starts one rollout server, waits until it serves; its address."""
+        ...
+
+    def stop_rollout_server(self, address: str) -> int:
+        """Stops the rollout server at ``address``; its exit code."""
+        ...
+
+    def owns(self, address: str) -> bool:
+        """True for a rollout server this launcher started (and so can stop)."""
+        ...
+
+    def close(self) -> None:
+        """Refuses further starts; a start still under way stops its server (run ending)."""
+        ...
+
+
+class LocalFleet:
+    """:class:`FleetLauncher` of a local mesh: rollout servers as subprocesses."""
+
+    def __init__(self, cfg: RunConfig, mesh: Mesh) -> None:
+        self.cfg = cfg
+        self.mesh = mesh
+        self._lock = threading.Lock()
+        self._next = len(mesh.rollout_addresses)
+        self._closed = False
+
+    def close(self) -> None:
+        """Refuses further starts (call before stopping the mesh)."""
+        with self._lock:
+            self._closed = True
+
+    def owns(self, address: str) -> bool:
+        """True for a rollout subprocess of this mesh."""
+        return any(
+            c.address == address and c.name.startswith("rollout-") for c in self.mesh.children
+        )
+
+    def start_rollout_server(self) -> str:
+        """Starts ``rollout-<n>`` as a subprocess and waits until it serves."""
+        with self._lock:
+            if self._closed:
+                raise PreconditionError("the run is stopping: no rollout server is started")
+            index = self._next
+            self._next += 1
+        if self.cfg.rollout.engine == "sglang" and index >= len(self.cfg.rollout.sglang_urls):
+            raise PreconditionError(
+                f"rollout.sglang_urls has no URL for rollout server {index}: add one first"
+            )
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        child = start_child(
+            f"rollout-{index}",
+            rollout_argv(self.cfg, index),
+            log_dir=self.mesh.log_dir,
+            env=env,
+        )
+        try:
+            wait_healthy([(child.address, ROLLOUT_SERVICE)], timeout_s=120.0)
+            with self._lock:
+                if self._closed:
+                    # The mesh was stopped while this server started: it would outlive the run.
+                    raise PreconditionError("the run is stopping: the new server was stopped")
+                self.mesh.children.append(child)
+                self.mesh.rollout_addresses.append(child.address)
+        except BaseException:
+            stop_children([child])
+            raise
+        return child.address
+
+    def stop_rollout_server(self, address: str) -> int:
+        """Stops the rollout subprocess at ``address`` (SIGTERM, then SIGKILL)."""
+        with self._lock:
+            child = next((c for c in self.mesh.children if c.address == address), None)
+            if child is None:
+                raise PreconditionError(f"no rollout server at {address} was started by this run")
+            self.mesh.children.remove(child)
+            if address in self.mesh.rollout_addresses:
+                self.mesh.rollout_addresses.remove(address)
+        return stop_children([child])[child.name]
+
+
+def fleet_launcher(cfg: RunConfig, mesh: Mesh) -> FleetLauncher | None:
+    """What can start and stop rollout servers for this run (None in attach mode)."""
+    if cfg.launcher.mode == "attach":
+        return None
+    if cfg.launcher.mode == "ray":
+        return mesh  # type: ignore[return-value]  # a RayMesh implements FleetLauncher
+    return LocalFleet(cfg, mesh)

@@ -57,6 +57,7 @@ class Work:
     item: dict[str, Any] | None = None
     producer: str = ""  # rollout server address or "external:<producer_id>"
     submit_version: int = 0
+    claimed_at: float = 0.0  # time.monotonic() of the last claim (episode deadlines)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form for checkpoints."""
@@ -189,6 +190,13 @@ class WorkPool:
         self.version = version
         self.notify()
 
+    def start_at(self, version: int) -> None:
+        """A fresh run begins at ``version`` (trainers attached from an earlier run may be at
+        V > 0): capacity counts batches from here, as at version 0, instead of admitting
+        ``(V + eta + 1) * B`` rollouts at once."""
+        self.staleness.on_version_recovered(version)
+        self.set_version(version)
+
     # -- dataset work ------------------------------------------------------------------------
 
     def _ticket(self) -> int:
@@ -225,12 +233,38 @@ class WorkPool:
         work = self.pending.pop(0)
         work.producer = producer
         work.submit_version = self.version
+        work.claimed_at = time.monotonic()
         self.running[work.task_id] = work
         return work
 
-    def finish(self, task_id: str, group: common_pb2.TrajectoryGroup) -> bool:
-        """A rollout server's group for ``task_id`` was accepted; False if the task is unknown."""
-        work = self.running.pop(task_id, None)
+    def _pop_running(self, task_id: str, producer: str | None) -> Work | None:
+        """Removes and returns ``task_id`` from the running work if it runs on ``producer``.
+
+        A task taken away from a server (re-queued, maybe claimed by another one since) keeps
+        its id, so a late report of the old server must not settle the new claim.
+        """
+        work = self.running.get(task_id)
+        if work is None:
+            return None
+        if producer is not None and work.producer != producer:
+            log.info(
+                "ignoring a late report of %s from %s (now %s)",
+                task_id,
+                producer,
+                work.producer or "queued",
+            )
+            return None
+        return self.running.pop(task_id)
+
+    def finish(
+        self, task_id: str, group: common_pb2.TrajectoryGroup, producer: str | None = None
+    ) -> bool:
+        """A rollout server's group for ``task_id`` was accepted; False if the task is unknown.
+
+        With ``producer``, only a task running on that producer is settled (see
+        :meth:`_pop_running`); the others are ignored and False is returned.
+        """
+        work = self._pop_running(task_id, producer)
         if work is None:
             return False
         self.staleness.on_accepted()
@@ -238,9 +272,9 @@ class WorkPool:
         self.notify()
         return True
 
-    def reject(self, task_id: str, reason: str) -> bool:
+    def reject(self, task_id: str, reason: str, producer: str | None = None) -> bool:
         """The task ended without a usable group (rejected by the workflow or its filter)."""
-        work = self.running.pop(task_id, None)
+        work = self._pop_running(task_id, producer)
         if work is None:
             return False
         self.staleness.on_rejected()
@@ -248,9 +282,9 @@ class WorkPool:
         self.notify()
         return True
 
-    def requeue(self, task_id: str) -> bool:
+    def requeue(self, task_id: str, producer: str | None = None) -> bool:
         """Puts a running task back in the queue (its server failed or cancelled it)."""
-        work = self.running.pop(task_id, None)
+        work = self._pop_running(task_id, producer)
         if work is None:
             return False
         # The counters have no running -> enqueued move: count it as a rejection (frees the
@@ -264,6 +298,15 @@ class WorkPool:
     def running_on(self, producer: str) -> list[str]:
         """Task ids running on ``producer``."""
         return [tid for tid, w in self.running.items() if w.producer == producer]
+
+    def overdue_on(self, producer: str, timeout_s: float, now: float | None = None) -> list[str]:
+        """Task ids running on ``producer`` for longer than ``timeout_s`` since their claim."""
+        now = time.monotonic() if now is None else now
+        return [
+            tid
+            for tid, w in self.running.items()
+            if w.producer == producer and now - w.claimed_at > timeout_s
+        ]
 
     def _pending_add(self, work: Work) -> None:
         work.producer = ""
@@ -480,3 +523,27 @@ class WorkPool:
         self.stats.requeued = int(state.get("requeued", 0))
         self.stats.dropped_stale = int(state.get("dropped_stale", 0))
         self.notify()
+
+    def reset_to(self, state: Mapping[str, Any], version: int | None = None) -> None:
+        """Replaces everything with a checkpoint's state, mid-run (a trainer group restart).
+
+        Whatever happened after the checkpoint is forgotten: running work, leases, the queue
+        and the buffer are dropped, and the restored queue and loader hand the same prompts
+        out again, so each is still trained once. ``version`` is the version training goes on
+        from when it differs from the checkpoint's (rollout servers refuse older weights);
+        ``accepted`` moves by the same number of batches, so the staleness capacity is the
+        checkpoint's, not inflated by the jump (AReaL's recovery bug #1345).
+        """
+        self.running.clear()
+        self.leases.clear()
+        self.pending = []
+        self.buffer = []
+        self._demand.clear()
+        self.load_state_dict(state)
+        if version is not None and version != self.version:
+            counters = dict(self.staleness.state_dict())
+            shift = (version - self.version) * self.staleness.consumer_batch_size
+            counters["accepted"] = max(0, counters["accepted"] + shift)
+            self.staleness.load_state_dict(counters, requeue_running=False)
+            self.version = version
+            self.notify()

@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
-
 from areal_grpc.cli import base_parser, serve_main
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
-from areal_grpc.server import Service, service
+from areal_grpc.server import Service
 
 DEFAULT_PORT = 50051
 
@@ -47,11 +45,7 @@ async def build(args: argparse.Namespace) -> Sequence[Service]:
     )
     servicer = CoordinatorServicer(pool)
     servicer.start()
-    return [
-        service(
-            servicer, coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, coordinator_pb2
-        )
-    ]
+    return [servicer.as_service()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,9 +22,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
-from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from areal.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from google.protobuf import timestamp_pb2
 
+from areal_grpc import tracing
+from areal_grpc.coordinator.mesh import FleetLauncher
 from areal_grpc.coordinator.pool import NoCapacity, WorkPool
 from areal_grpc.errors import (
     FieldError,
@@ -34,6 +36,7 @@ from areal_grpc.errors import (
     status,
     status_for_exception,
 )
+from areal_grpc.server import Service, service
 
 __all__ = ["CoordinatorServicer", "Worker", "WorkerHooks"]
 
@@ -42,6 +45,8 @@ log = logging.getLogger(__name__)
 # How long a producer refused for capacity should wait: capacity comes back when groups
 # finish or a step bumps the version, both on the scale of a second here.
 RETRY_AFTER_S = 0.5
+# ScaleRolloutFleet's upper bound: a typo must not start thousands of servers.
+MAX_FLEET = 64
 
 
 @dataclass
@@ -75,6 +80,10 @@ class WorkerHooks:
     remove: Callable[[Worker], Awaitable[int]] | None = None
     # Updates a worker's health and version from what the run knows (before status replies).
     refresh: Callable[[Worker], None] | None = None
+    # Starts and stops rollout servers for ScaleRolloutFleet (None: the run cannot).
+    fleet: FleetLauncher | None = None
+    # Called after the fleet changed (e.g. to rewrite mesh.json).
+    fleet_changed: Callable[[], None] | None = None
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -93,8 +102,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._ids = itertools.count()
         self._sweep_interval_s = sweep_interval_s
         self._sweeper: asyncio.Task[None] | None = None
+        # One ScaleRolloutFleet at a time: each decides from the fleet the last one left.
+        self._scale_lock = asyncio.Lock()
+        # lease id -> the lease's trace context, parent of its submission's span.
+        self._lease_traces: dict[str, common_pb2.TraceContext] = {}
 
     # -- background --------------------------------------------------------------------------
+
+    def as_service(self) -> Service:
+        """This servicer as a :class:`~areal_grpc.server.Service` for ``start_server``."""
+        return service(
+            self, coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, coordinator_pb2
+        )
 
     def start(self) -> None:
         """Starts the lease sweeper (expired leases free capacity without waiting for a call)."""
@@ -152,6 +171,27 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         except Exception as exc:
             await abort_with(context, status_for_exception(exc))
             raise AssertionError("unreachable") from exc
+        # The root of the lease's trace (or a child of the producer's span): the producer
+        # hands this context on to Generate and to its trajectories, so generation,
+        # submission and the training step join it. Refused calls get no lease span.
+        with tracing.span(
+            "coordinator.lease",
+            parent=request.trace_context,
+            attributes={
+                tracing.TASK_ID: lease.work.task_id,
+                tracing.POLICY_VERSION: lease.version,
+                tracing.PRODUCER_ID: request.producer_id,
+                tracing.ROLLOUT_SERVER: address,
+            },
+        ):
+            # Untraced here: the producer's own context (if any) goes on unchanged.
+            trace_context = tracing.to_proto() if tracing.enabled() else request.trace_context
+        if tracing.is_valid(trace_context):
+            if len(self._lease_traces) > 2 * len(self.pool.leases) + 64:
+                # Leases that expired or were released never reach a submission: forget them.
+                live = self.pool.leases
+                self._lease_traces = {k: v for k, v in self._lease_traces.items() if k in live}
+            self._lease_traces[lease.work.task_id] = trace_context
         deadline = timestamp_pb2.Timestamp()
         deadline.FromNanoseconds(int(lease.wall_deadline * 1e9))
         return coordinator_pb2.AcquireRolloutResponse(
@@ -161,6 +201,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 deadline=deadline,
                 group_size=lease.group_size,
                 rollout_address=address,
+                trace_context=trace_context if tracing.is_valid(trace_context) else None,
             )
         )
 
@@ -192,7 +233,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 index += 1
                 if not req.lease_id:
                     raise FieldError(f"{where}.lease_id", "must not be empty")
-                reason = self.pool.submit(req.lease_id, req.group, where)
+                reason = self._submit_traced(req, where)
                 if reason is None:
                     reply.accepted_groups += 1
                 else:
@@ -202,6 +243,44 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             err = FieldError(exc.field, exc.description + taken)
             await abort_with(context, status_for_exception(err))
         return reply
+
+    def _submit_traced(
+        self, req: coordinator_pb2.SubmitTrajectoriesRequest, where: str
+    ) -> str | None:
+        """``pool.submit`` under a span in the lease's trace; None when accepted, else why.
+
+        One stream may carry groups of many leases, so each group gets its own span, parented
+        by the context its trajectories carry (the lease's, when the producer passed it on).
+        """
+        lease = self.pool.leases.get(req.lease_id)
+        # The producer's context wins (it may have opened spans of its own under the lease).
+        carried = next(
+            (t.trace_context for t in req.group.trajectories if tracing.is_valid(t.trace_context)),
+            self._lease_traces.get(req.lease_id),
+        )
+        attributes = {
+            tracing.TASK_ID: req.lease_id,
+            tracing.POLICY_VERSION: self.pool.version,
+            tracing.TOKENS: sum(len(t.token_ids) for t in req.group.trajectories),
+        }
+        if lease is not None:
+            attributes[tracing.PRODUCER_ID] = lease.producer_id
+        with tracing.span("coordinator.submit_group", parent=carried, attributes=attributes) as sp:
+            if tracing.enabled():
+                # Trajectories sent without a context get this span's, so the training step
+                # that consumes them still links into the lease's trace.
+                here = tracing.to_proto()
+                for traj in req.group.trajectories:
+                    if not tracing.is_valid(traj.trace_context):
+                        traj.trace_context.CopyFrom(here)
+            reason = self.pool.submit(req.lease_id, req.group, where)
+            # Accepted or rejected, the lease is used up (a malformed group raised above and
+            # keeps it).
+            self._lease_traces.pop(req.lease_id, None)
+            sp.set_attribute("areal.outcome", "accepted" if reason is None else "rejected")
+            if reason is not None:
+                sp.set_attribute("areal.reason", reason)
+            return reason
 
     async def WatchVersion(
         self, request: coordinator_pb2.WatchVersionRequest, context: grpc.aio.ServicerContext
@@ -289,3 +368,73 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             await abort_with(context, status_for_exception(exc))
         del self.workers[request.worker_id]
         return coordinator_pb2.DeregisterWorkerResponse(requeued_tasks=requeued)
+
+    async def ScaleRolloutFleet(
+        self, request: coordinator_pb2.ScaleRolloutFleetRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ScaleRolloutFleetResponse:
+        """Starts or stops rollout servers until there are ``servers`` of them."""
+        reply = coordinator_pb2.ScaleRolloutFleetResponse()
+        try:
+            if not 1 <= request.servers <= MAX_FLEET:
+                raise FieldError("servers", f"must be in 1-{MAX_FLEET}, got {request.servers}")
+            fleet = self.hooks.fleet
+            if fleet is None or self.hooks.add is None or self.hooks.remove is None:
+                raise PreconditionError(
+                    "this coordinator has no launcher that can start rollout servers "
+                    "(launcher.mode=attach or a standalone coordinator): start a server "
+                    "yourself and call RegisterWorker"
+                )
+            async with self._scale_lock:
+                await self._scale(fleet, request.servers, reply)
+        except Exception as exc:
+            await abort_with(context, status_for_exception(exc))
+            raise AssertionError("unreachable") from exc
+        finally:
+            if self.hooks.fleet_changed is not None and (reply.added or reply.removed):
+                self.hooks.fleet_changed()
+        reply.servers = len(self._rollout_workers())
+        reply.policy_version = self.pool.version
+        return reply
+
+    def _rollout_workers(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == coordinator_pb2.WORKER_ROLE_ROLLOUT]
+
+    async def _scale(
+        self,
+        fleet: FleetLauncher,
+        target: int,
+        reply: coordinator_pb2.ScaleRolloutFleetResponse,
+    ) -> None:
+        assert self.hooks.add is not None and self.hooks.remove is not None
+        while len(self._rollout_workers()) < target:
+            address = await asyncio.to_thread(fleet.start_rollout_server)
+            worker_id = next(
+                f"rollout-{i}" for i in itertools.count() if f"rollout-{i}" not in self.workers
+            )
+            worker = Worker(worker_id, coordinator_pb2.WORKER_ROLE_ROLLOUT, address)
+            try:
+                await self.hooks.add(worker)
+            except BaseException:
+                await asyncio.to_thread(fleet.stop_rollout_server, address)
+                raise
+            if self.hooks.refresh is not None:
+                self.hooks.refresh(worker)  # not healthy (in rotation) until it has the weights
+            # Admitted at this version: the run syncs it to this version (or a newer one)
+            # before its first episode.
+            worker.policy_version = self.pool.version
+            self.workers[worker_id] = worker
+            reply.added.append(worker.to_proto())
+        # Newest first: servers started last have the least work in flight to re-queue.
+        removable = [w for w in self._rollout_workers() if fleet.owns(w.address)]
+        excess = len(self._rollout_workers()) - target
+        if excess > len(removable):
+            raise PreconditionError(
+                f"servers: only {len(removable)} rollout server(s) were started by this run's "
+                f"launcher and can be stopped; DeregisterWorker the others"
+            )
+        for worker in reversed(removable[len(removable) - excess :] if excess > 0 else []):
+            reply.requeued_tasks += await self.hooks.remove(worker)
+            del self.workers[worker.worker_id]
+            worker.healthy = False
+            reply.removed.append(worker.to_proto())
+            await asyncio.to_thread(fleet.stop_rollout_server, worker.address)

@@ -263,13 +263,16 @@ class HFEngine(InferenceEngine):
 
     async def load_weights(
         self, state_dict: Mapping[str, torch.Tensor], version: int, *, owned: bool = False
-    ) -> None:
+    ) -> dict[str, torch.Tensor]:
         """Validates ``state_dict`` against the model, then swaps it in between two steps.
 
         ``owned``: the caller hands the tensors over (freshly received, referenced by nobody
         else, never changed afterwards). Those already of the model's dtype and device and
-        contiguous then become the parameters as they are, with no copy at all. By default the
-        engine takes private copies and the caller's tensors stay the caller's.
+        contiguous then become the parameters as they are, with no copy at all, and the
+        parameters they replace are handed back (by name; storage nothing in the model uses
+        any more) for the caller to reuse, e.g. as the next update's receive buffers. By
+        default the engine takes private copies, the caller's tensors stay the caller's and
+        nothing is handed back.
         """
         if version <= self._version:
             raise PreconditionError(
@@ -279,12 +282,14 @@ class HFEngine(InferenceEngine):
         # enough to stall every stream the server is serving.
         if not owned:
             await asyncio.to_thread(self._load_blocking, state_dict, version)
-            return
+            return {}
 
-        def install() -> None:
-            self._swap_weights(self._prepare_state_dict(state_dict, owned=True), version, True)
+        def install() -> dict[str, torch.Tensor]:
+            return self._swap_weights(
+                self._prepare_state_dict(state_dict, owned=True), version, True
+            )
 
-        await asyncio.to_thread(install)
+        return await asyncio.to_thread(install)
 
     def _load_blocking(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self._swap_weights(self._prepare_state_dict(state_dict), version)
@@ -354,10 +359,12 @@ class HFEngine(InferenceEngine):
 
     def _swap_weights(
         self, prepared: dict[str, torch.Tensor], version: int, install: bool = False
-    ) -> None:
+    ) -> dict[str, torch.Tensor]:
         # install: ``prepared`` is private to the engine; parameters take its tensors as their
         # data (no copy; a tied parameter is one object, so its ties hold). Buffers are copied.
+        # Returns the replaced parameter data that nothing in the model still uses.
         params = dict(self._model.named_parameters(remove_duplicate=False)) if install else {}
+        replaced: dict[str, torch.Tensor] = {}
         with self._model_lock:
             if version <= self._version:
                 raise PreconditionError(
@@ -369,12 +376,23 @@ class HFEngine(InferenceEngine):
                 for name, tensor in prepared.items():
                     param = params.get(name)
                     if param is not None:
+                        replaced[name] = param.data
                         param.data = tensor
                     else:
                         current[name].copy_(tensor)
             with self._cond:
                 self._version = version
         log.info("hf engine now serves policy version %d", version)
+        # A tied or shared storage may still be in use (or be listed twice): handed back once,
+        # and only when no parameter or buffer of the model points into it any more.
+        live = {t.untyped_storage().data_ptr() for t in self._model.state_dict().values()}
+        spare: dict[str, torch.Tensor] = {}
+        for name, old in replaced.items():
+            ptr = old.untyped_storage().data_ptr()
+            if ptr not in live:
+                live.add(ptr)
+                spare[name] = old
+        return spare
 
     # ------------------------------------------------------------------------ scheduling
 

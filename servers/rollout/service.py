@@ -301,7 +301,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             log.debug(
                 "generate %s traceparent=%s", request.request_id, request.trace_context.traceparent
             )
-            results = await self.engine.generate_n(list(request.input_ids), cfg)
+            # Parented by the message's context (an external producer's lease), so this
+            # generation joins the lease's trace even when the call itself carries no metadata.
+            with tracing.span(
+                "rollout.generate",
+                parent=request.trace_context,
+                attributes={
+                    tracing.TASK_ID: request.request_id,
+                    tracing.POLICY_VERSION: self.engine.version,
+                    "areal.samples": cfg.n_samples,
+                },
+            ) as span:
+                results = await self.engine.generate_n(list(request.input_ids), cfg)
+                span.set_attribute(
+                    tracing.TOKENS, len(request.input_ids) + sum(len(r.output_ids) for r in results)
+                )
         except Exception as exc:
             await abort_with(context, status_for_exception(exc))
             raise AssertionError("unreachable") from exc
@@ -322,17 +336,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await abort_with(context, status_for_exception(exc))
             return
         stream = self.engine.stream(list(request.input_ids), cfg)
-        try:
-            async for event in stream:
-                yield rollout_pb2.GenerateStreamResponse(
-                    output_ids=event.token_ids,
-                    output_logprobs=event.logprobs,
-                    output_versions=event.versions,
-                    finish_reason=int(event.finish or 0),  # type: ignore[arg-type]
-                )
-        finally:
-            # Runs when the client cancels too, so the request's slot is freed at once.
-            await stream.aclose()
+        # Parented like Generate's span; it covers the whole stream (the handler is one task,
+        # so the span's context stays attached across the yields).
+        with tracing.span(
+            "rollout.generate_stream",
+            parent=request.trace_context,
+            attributes={
+                tracing.TASK_ID: request.request_id,
+                tracing.POLICY_VERSION: self.engine.version,
+            },
+        ) as span:
+            generated = 0
+            try:
+                async for event in stream:
+                    generated += len(event.token_ids)
+                    yield rollout_pb2.GenerateStreamResponse(
+                        output_ids=event.token_ids,
+                        output_logprobs=event.logprobs,
+                        output_versions=event.versions,
+                        finish_reason=int(event.finish or 0),  # type: ignore[arg-type]
+                    )
+            finally:
+                span.set_attribute(tracing.TOKENS, len(request.input_ids) + generated)
+                # Runs when the client cancels too, so the request's slot is freed at once.
+                await stream.aclose()
 
     # ---------------------------------------------------------------------- pause, status
 

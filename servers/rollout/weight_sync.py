@@ -16,6 +16,12 @@ Three data planes, agreed per sender with ``Negotiate``:
 
 Every update names the new policy version; one that is not newer than the served version is
 FAILED_PRECONDITION and changes nothing. Updates run one at a time.
+
+Received tensors are handed to the engine without a copy, and the weights they replace become
+the next update's receive buffers (``reuse_buffers``): STREAM chunks, DISK shards and
+DISTRIBUTED broadcasts land in memory already faulted in rather than in fresh pages. A sender
+that cancels a DISTRIBUTED update (another member died) makes this server drop the group at
+once; the blocked collective is left to its thread until the group timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -53,6 +60,7 @@ from areal_grpc.weight_transfer import (
     WeightGroup,
     decode_push_request,
     plan_buckets,
+    run_in_thread,
     spec_nbytes,
 )
 
@@ -90,6 +98,11 @@ class WeightSyncConfig:
     group_timeout_s: float = 300.0
     # Plans remembered (oldest forgotten first; a sender renegotiates per update anyway).
     max_plans: int = 256
+    # Keep the weights an update replaces as the next update's receive buffers (STREAM and
+    # DISTRIBUTED): no fresh memory to allocate and fault in per update, at the price of a
+    # second copy of the weights held between updates (engines that take received tensors
+    # over only; a transient second copy exists during every update anyway).
+    reuse_buffers: bool = True
 
 
 @dataclass
@@ -143,11 +156,21 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         # For the sglang engine: the group SGLang was told to join.
         self._sglang_group: GroupParams | None = None
         self.counters = _Counters()
+        # Receive buffers for the next update, by tensor name (see reuse_buffers).
+        self._spare: dict[str, torch.Tensor] = {}
+        if "stream" in self.config.methods:
+            # Each PushWeights message is a ~1 MiB buffer allocated and freed in turn; keep
+            # freed ones mapped instead of faulting fresh pages in for every message.
+            tc.tune_malloc()
 
     async def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Swaps a freshly received state dict in (handed over where the engine allows)."""
         if self._handover:
-            await self.engine.load_weights(state_dict, version, owned=True)  # type: ignore[call-arg]
+            spare = await self.engine.load_weights(  # type: ignore[call-arg,func-returns-value]
+                state_dict, version, owned=True
+            )
+            if self.config.reuse_buffers and isinstance(spare, dict):
+                self._spare = spare
         else:
             await self.engine.load_weights(state_dict, version)
 
@@ -331,6 +354,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 self._check_version(header.policy_version, "header.policy_version")
                 await self._load(state_dict, header.policy_version)
         except Exception as exc:
+            self._give_back(state_dict)  # not installed: still free to receive into
             await self._fail(context, exc)
         self._count("stream", ok=True)
         return pb.PushWeightsResponse(
@@ -363,9 +387,32 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 f"{header.total_bytes} exceeds this server's limit {self.config.max_total_bytes}",
             )
         asm = tc.StateDictAssembler(
-            expected_tensors=header.tensor_count, max_total_bytes=header.total_bytes
+            expected_tensors=header.tensor_count,
+            max_total_bytes=header.total_bytes,
+            buffers=self._spare,
         )
-        received = 0
+        try:
+            await self._read_chunks(requests, asm, max_chunk)
+            state_dict = asm.finish()
+            if len(state_dict) != header.tensor_count:
+                raise FieldError(
+                    "header.tensor_count",
+                    f"announced {header.tensor_count} tensors, {len(state_dict)} arrived",
+                )
+            if asm.total_bytes != header.total_bytes:
+                raise FieldError(
+                    "header.total_bytes",
+                    f"announced {header.total_bytes} bytes, the tensors hold {asm.total_bytes}",
+                )
+        except BaseException:
+            self._give_back(asm.taken)  # a broken stream: the buffers hold nothing served
+            raise
+        # Every chunk's data landed in a tensor: the bytes received are the tensors' bytes.
+        return header, state_dict, asm.total_bytes
+
+    async def _read_chunks(
+        self, requests: AsyncIterator[PushMessage], asm: tc.StateDictAssembler, max_chunk: int
+    ) -> None:
         async for msg in requests:
             if isinstance(msg, pb.PushWeightsRequest):
                 if msg.HasField("header"):
@@ -381,20 +428,13 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     f"{tc.tensor_label(chunk.name)}.chunk[{chunk.chunk_index}].data",
                     f"{n} bytes exceed the plan's max_chunk_bytes {max_chunk}",
                 )
-            received += n
             asm.add(chunk)
-        state_dict = asm.finish()
-        if len(state_dict) != header.tensor_count:
-            raise FieldError(
-                "header.tensor_count",
-                f"announced {header.tensor_count} tensors, {len(state_dict)} arrived",
-            )
-        if asm.total_bytes != header.total_bytes:
-            raise FieldError(
-                "header.total_bytes",
-                f"announced {header.total_bytes} bytes, the tensors hold {asm.total_bytes}",
-            )
-        return header, state_dict, received
+
+    def _give_back(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Returns receive buffers no update installed to the spare ones."""
+        if self.config.reuse_buffers:
+            for name, t in buffers.items():
+                self._spare.setdefault(name, t)
 
     # ------------------------------------------------------------------------------ disk
 
@@ -417,7 +457,9 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     )
                     count = 0
                 else:
-                    state_dict = await asyncio.to_thread(load_version, root, str(directory))
+                    state_dict = await asyncio.to_thread(
+                        load_version, root, str(directory), "path", self._spare
+                    )
                     await self._load(state_dict, request.policy_version)
                     count = len(state_dict)
         except Exception as exc:
@@ -455,7 +497,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             sizes.append(n)
         return sizes
 
-    def _ensure_group(self, params: GroupParams) -> WeightGroup:
+    def _ensure_group(self, params: GroupParams, abandoned: threading.Event) -> WeightGroup:
         """The group of ``params``: the current one, or a freshly joined one (blocking)."""
         if self._group is not None and self._group.params == params:
             return self._group
@@ -471,23 +513,35 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             params.world_size,
             params.backend,
         )
-        self._group = WeightGroup(params)
-        return self._group
+        group = WeightGroup(params)
+        if abandoned.is_set():
+            # The update was given up while this thread waited in the rendezvous.
+            group.close()
+            raise RuntimeError(f"weight group {params.group_name} was abandoned")
+        self._group = group
+        log.info("joined weight group %s as rank %d", params.group_name, params.rank)
+        return group
 
     def _receive(
-        self, params: GroupParams, specs: Sequence[tuple[str, torch.dtype, list[int]]]
+        self,
+        params: GroupParams,
+        specs: Sequence[tuple[str, torch.dtype, list[int]]],
+        abandoned: threading.Event,
     ) -> dict[str, torch.Tensor]:
-        group = self._ensure_group(params)
+        group = self._ensure_group(params, abandoned)
         out: dict[str, torch.Tensor] = {}
         try:
             for name, dtype, shape in specs:
-                t = torch.empty(shape, dtype=dtype, device=group.device)
+                t = self._spare.pop(name, None)
+                if t is None or not tc.fits_buffer(t, dtype, shape, group.device):
+                    t = torch.empty(shape, dtype=dtype, device=group.device)
                 group.broadcast(t, src=0)
                 out[name] = t
         except Exception:
             # A failed collective leaves the group unusable; the next plan forms a new one.
             group.close()
-            self._group = None
+            if self._group is group:
+                self._group = None
             raise
         return out
 
@@ -511,7 +565,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     ]
                     # Stale or not, this rank takes part in every broadcast the sender makes,
                     # so the collective never hangs on a refusal; a stale update is dropped.
-                    state_dict = await asyncio.to_thread(self._receive, plan.group, specs)
+                    state_dict = await self._receive_or_abandon(plan.group, specs)
                     self._check_version(request.policy_version)
                     await self._load(state_dict, request.policy_version)
                     count = len(state_dict)
@@ -522,6 +576,28 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         return pb.UpdateFromDistributedResponse(
             policy_version=self.engine.version, tensor_count=count
         )
+
+    async def _receive_or_abandon(
+        self, params: GroupParams, specs: Sequence[tuple[str, torch.dtype, list[int]]]
+    ) -> dict[str, torch.Tensor]:
+        """The broadcast tensors; if the sender cancels the call, the group is dropped at once.
+
+        The sender cancels when another member of the group died: a gloo rendezvous or
+        broadcast waiting on a dead peer only ends at the group timeout, so the thread is left
+        to end by itself (it closes its group then) while this server goes on with the next
+        update, which forms a new group.
+        """
+        abandoned = threading.Event()
+        work = run_in_thread(lambda: self._receive(params, specs, abandoned), "weight-receive")
+        try:
+            return await work
+        except asyncio.CancelledError:
+            abandoned.set()
+            if self._group is not None and self._group.params == params:
+                # Not closed here: its collective may still block in that thread.
+                self._group = None
+            log.warning("weight group %s abandoned: the sender cancelled", params.group_name)
+            raise
 
     async def _sglang_distributed(
         self, plan: _Plan, request: pb.UpdateFromDistributedRequest, sizes: list[int]

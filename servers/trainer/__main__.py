@@ -6,13 +6,15 @@ Start one process per rank, e.g. two ranks over gloo on one machine::
     areal-trainer --port 0 --rank 1 --world-size 2 --master-port 29510 --model builtin:tiny
 
 Under torchrun, leave out --rank/--world-size/--master-*: RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT come from the environment. The gRPC port is bound (and ``LISTENING host:port``
-printed) before the process group forms, so a launcher can start the ranks one by one.
+MASTER_PORT come from the environment, and the default gRPC port is 50071 + LOCAL_RANK. The
+gRPC port is bound (and ``LISTENING host:port`` printed) before the process group forms, so a
+launcher can start the ranks one by one.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 import torch
@@ -170,7 +172,10 @@ async def build(args: argparse.Namespace) -> Sequence[Service]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``areal-trainer``."""
-    parser = base_parser("areal-trainer", "Serve one trainer rank.", DEFAULT_PORT)
+    # Under torchrun several ranks share a node: each local rank gets its own default port
+    # (50071 + LOCAL_RANK), so one command line serves every rank.
+    default_port = DEFAULT_PORT + int(os.environ.get("LOCAL_RANK", "0"))
+    parser = base_parser("areal-trainer", "Serve one trainer rank.", default_port)
     add_trainer_args(parser)
     return serve_main(parser, build, argv)
 

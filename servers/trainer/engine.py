@@ -515,8 +515,12 @@ class TrainerEngine:
             self._replace_dir(tmp, final)
         self.barrier()
 
-    def load_checkpoint(self, path: str) -> tuple[int, int]:
-        """Restores a :meth:`save_checkpoint` directory; returns (its global step, version)."""
+    def load_checkpoint(self, path: str, min_version: int = 0) -> tuple[int, int]:
+        """Restores a :meth:`save_checkpoint` directory; returns (its global step, version).
+
+        ``min_version`` raises the restored version label (the weights stay the checkpoint's):
+        a restarted group must publish versions its rollout servers have not served yet.
+        """
         meta_file = Path(path) / CHECKPOINT_META
         if not meta_file.is_file():
             raise FileNotFoundError(f"{path} is not a trainer checkpoint (no {CHECKPOINT_META})")
@@ -545,7 +549,7 @@ class TrainerEngine:
             optim_state_dict=state["optim"],
         )
         self.scheduler.load_state_dict(meta["scheduler"])
-        self.version = int(meta["policy_version"])
+        self.version = max(int(meta["policy_version"]), min_version)
         self.global_step = int(meta["steps_completed"])
         self.barrier()
         return int(meta["global_step"]), self.version

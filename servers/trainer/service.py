@@ -66,6 +66,10 @@ class StepAborted(RuntimeError):
     """Another rank rejected its part of the step; nothing was trained."""
 
 
+class GroupBroken(RuntimeError):
+    """An earlier collective failed unexpectedly: this rank's process group is unusable."""
+
+
 @dataclass
 class TrainerServiceConfig:
     """A rank's engine and process-group settings."""
@@ -144,6 +148,12 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         self._ready: Future[TrainerEngine] = self._executor.submit(self._build)
         # Rank 0's sender; it keeps the distributed weight group between publications.
         self.publisher = WeightPublisher(cfg.weights)
+        # Why the process group broke (None while it works). A collective that failed
+        # unexpectedly (a peer died, a timeout) leaves the ranks at different points of the
+        # collective sequence, so this rank refuses further collective calls at once instead
+        # of pairing them with the wrong collectives or waiting out a timeout: the trainer
+        # group must be restarted (the coordinator does that, or torchrun under attach mode).
+        self.broken: str | None = None
 
     def _build(self) -> TrainerEngine:
         if self.cfg.distributed:
@@ -171,7 +181,32 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         """Runs ``fn`` on the torch worker thread once the engine is ready."""
         await asyncio.wrap_future(self._ready)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
+        return await loop.run_in_executor(self._executor, self._collective, fn, *args)
+
+    def _collective(self, fn: Callable[..., T], *args: object) -> T:
+        """Worker-thread wrapper of every collective call: refuses them once the group broke."""
+        if self.broken is not None:
+            raise GroupBroken(
+                f"this rank's process group is broken ({self.broken}); restart the trainer group"
+            )
+        # Busy for the whole call: a rank stuck in a collective must not look idle and fresh.
+        self._busy = True
+        try:
+            return fn(*args)
+        except (StepAborted, GroupBroken, PreconditionError):
+            raise
+        except RuntimeError as exc:
+            # Errors of bad input or unreadable checkpoints are raised alike on every rank
+            # before or instead of a collective (FieldError, OSError, ValueError, ...); a
+            # RuntimeError out of a multi-rank call is a collective that failed (gloo / NCCL
+            # errors and timeouts are RuntimeErrors).
+            engine = self.engine
+            if engine is not None and engine.distributed and engine.world_size > 1:
+                self.broken = f"{type(exc).__name__}: {exc}"[:500]
+                log.error("process group broken: %s", self.broken)
+            raise
+        finally:
+            self._busy = False
 
     def _check_path(self, path: str, where: str = "path") -> str:
         if not path:
@@ -335,10 +370,12 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             # The stream broke (cancelled, deadline): still take part in the step's agreement
             # so the other ranks are released, then let the cancellation proceed.
             broken = _Shard(error=FieldError("stream", f"broken before StepEnd: {exc!r}"))
-            self._executor.submit(self._step_job, broken, lambda *_: None)
+            self._executor.submit(self._collective, self._step_job, broken, lambda *_: None)
             raise
         # Submitted even if this call is cancelled from here on: the other ranks wait for it.
-        job = asyncio.wrap_future(self._executor.submit(self._step_job, shard, progress))
+        job = asyncio.wrap_future(
+            self._executor.submit(self._collective, self._step_job, shard, progress)
+        )
         while True:
             getter = asyncio.ensure_future(queue.get())
             done, _ = await asyncio.wait({job, getter}, return_when=asyncio.FIRST_COMPLETED)
@@ -353,6 +390,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             result = job.result()
         except StepAborted as exc:
             await abort_with(context, status(grpc.StatusCode.ABORTED, str(exc)))
+            return
+        except GroupBroken as exc:
+            await abort_with(context, status(grpc.StatusCode.UNAVAILABLE, str(exc)))
             return
         except Exception as exc:
             if not isinstance(exc, (FieldError, PreconditionError)):
@@ -371,7 +411,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         # torch.distributed.checkpoint's CheckpointException derives from BaseException: without
         # catching it the call would never be answered.
         except BaseException as exc:
-            if isinstance(exc, FileNotFoundError):
+            if isinstance(exc, GroupBroken):
+                st = status(grpc.StatusCode.UNAVAILABLE, str(exc))
+            elif isinstance(exc, FileNotFoundError):
                 st = status(grpc.StatusCode.NOT_FOUND, str(exc))
             elif isinstance(exc, (NotADirectoryError, IsADirectoryError, PermissionError)) or (
                 isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG
@@ -407,13 +449,17 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
     async def LoadCheckpoint(
         self, request: trainer_pb2.LoadCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.LoadCheckpointResponse:
-        """Restores a SaveCheckpoint directory."""
+        """Restores a SaveCheckpoint directory (version raised to min_policy_version if lower)."""
 
         def job() -> trainer_pb2.LoadCheckpointResponse:
             engine = self.engine
             assert engine is not None
             path = self._check_path(request.path)
-            step, version = engine.load_checkpoint(path)
+            if request.min_policy_version < 0:
+                raise FieldError(
+                    "min_policy_version", f"must be >= 0, got {request.min_policy_version}"
+                )
+            step, version = engine.load_checkpoint(path, request.min_policy_version)
             return trainer_pb2.LoadCheckpointResponse(global_step=step, policy_version=version)
 
         return await self._unary(context, job)
@@ -527,4 +573,6 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             backend=engine.backend,
             model=self.cfg.engine.model,
             busy=self._busy,
+            ready=True,
+            broken_reason=self.broken or "",
         )

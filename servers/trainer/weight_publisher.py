@@ -19,7 +19,11 @@ then moves each bucket by the plan each server accepted:
   (``UpdateFromDistributed``), then every tensor is broadcast in order.
 
 A server that fails (refuses, times out, drops) is reported failed with the gRPC status, and
-the others go on. Nothing here raises for a server's failure.
+the others go on. Nothing here raises for a server's failure. A DISTRIBUTED member whose call
+fails while the group forms or broadcasts (its process died) breaks the group at once: gloo
+would keep the survivors waiting on it until the group timeout, so the group's blocked thread
+is abandoned (it ends by itself at that timeout), the survivors' calls are cancelled (they drop
+the group too) and reported failed with a retryable error; ``clients.fleet`` retries them.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import torch
@@ -39,7 +44,7 @@ from areal.v1 import tensor_pb2, weight_sync_pb2, weight_sync_pb2_grpc
 from torch.distributed.tensor import DTensor
 
 from areal_grpc import tensor_codec as tc
-from areal_grpc.server import ChannelOptions, aio_channel
+from areal_grpc.server import aio_channel, default_channel_options
 from areal_grpc.weight_disk import VersionWriter, prune_versions, version_dir_name
 from areal_grpc.weight_transfer import (
     DEFAULT_BUCKET_BYTES,
@@ -50,10 +55,12 @@ from areal_grpc.weight_transfer import (
     encode_push_request,
     free_port,
     plan_buckets,
+    run_in_thread,
 )
 
 log = logging.getLogger(__name__)
 pb = weight_sync_pb2
+T = TypeVar("T")
 
 DEFAULT_METHODS = (
     pb.TRANSFER_METHOD_DISTRIBUTED,
@@ -162,6 +169,10 @@ def gather_buckets(
             yield out
 
 
+class GroupBroken(RuntimeError):
+    """A member of the weight group failed while the group's collective work was running."""
+
+
 @dataclass
 class TargetResult:
     """Outcome for one rollout server."""
@@ -235,6 +246,9 @@ class WeightPublisher:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.backend = backend
         self._group: _GroupCache | None = None
+        # A STREAM publication allocates and frees a ~1 MiB message buffer per chunk; keep
+        # freed ones mapped instead of faulting fresh pages in for every message.
+        tc.tune_malloc()
 
     def session(
         self,
@@ -297,7 +311,8 @@ class PublishSession:
         self.stats = SessionStats(tensor_count=len(metas), total_bytes=sum(m.nbytes for m in metas))
         self._start = time.monotonic()
         self.targets: list[_Target] = []
-        opts = ChannelOptions(extra=tc.stream_channel_options())
+        # The process default carries the run's TLS and token (set from the server flags).
+        opts = default_channel_options(extra=tc.stream_channel_options())
         for address in addresses:
             channel = aio_channel(address, opts)
             self.targets.append(
@@ -311,6 +326,9 @@ class PublishSession:
         self._disk: VersionWriter | None = None
         self._group: WeightGroup | None = None
         self._group_error: str = ""
+        # Set when a DISTRIBUTED member's call fails: the group can no longer complete.
+        self._member_failed = asyncio.Event()
+        self._failed_member = ""
 
     # --------------------------------------------------------------------------- helpers
 
@@ -503,23 +521,63 @@ class PublishSession:
             cache.group.close()
         pub._group = None
         try:
-            self._group = await asyncio.to_thread(WeightGroup, gp)
+            self._group = await self._group_work(lambda: WeightGroup(gp))
         except Exception as exc:
             self._group_error = f"UNAVAILABLE: weight group did not form: {exc}"
-            for t in members:
-                t.result.fail(self._group_error)
+            self._break_group(self._group_error)
             return
         pub._group = _GroupCache(addresses, gp, self._group)
 
     async def _distributed_call(self, t: _Target, req: pb.UpdateFromDistributedRequest) -> None:
         try:
             reply = await t.stub.UpdateFromDistributed(req, timeout=self._left())
+        except asyncio.CancelledError:
+            t.result.fail("ABORTED: cancelled: the weight group broke")
+            raise
         except Exception as exc:
             t.result.fail(_rpc_error(exc))
+            # This member left the collective (died, or refused before joining): the group
+            # cannot complete, so nobody waits for it any longer.
+            if not self._failed_member:
+                self._failed_member = f"{t.result.address}: {t.result.error}"
+            self._member_failed.set()
             return
         t.result.policy_version = reply.policy_version
         if not t.result.error:
             t.result.ok = True
+
+    async def _group_work(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (blocking group work) in a thread; GroupBroken once a member's call fails.
+
+        A collective waiting on a dead member only ends at the group timeout; the thread is
+        then left to end by itself and the publication goes on without the group.
+        """
+        work = run_in_thread(fn, "weight-publish")
+        failed = asyncio.ensure_future(self._member_failed.wait())
+        try:
+            await asyncio.wait({work, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        raise GroupBroken(f"a member failed ({self._failed_member})")
+
+    def _break_group(self, error: str) -> None:
+        """Fails every DISTRIBUTED member and drops the group; members still in it are cancelled.
+
+        The group object is not closed: a collective may still block in an abandoned thread.
+        Members that failed on their own keep their own error; the others get ``error`` (with
+        ABORTED, so the caller may retry them in a new group).
+        """
+        for t in self.targets:
+            if t.result.method != pb.TRANSFER_METHOD_DISTRIBUTED or t.plan is None:
+                continue
+            t.result.fail(error)
+            if t.task is not None and not t.task.done():
+                t.task.cancel()
+        self._group = None
+        self.publisher._group = None
 
     # ------------------------------------------------------------------------------ send
 
@@ -552,20 +610,24 @@ class PublishSession:
         for t in targets:
             assert t.plan is not None
             chunk = min(chunk, t.plan.plan.stream.max_chunk_bytes or chunk)
+        # One write in flight per call (grpc.aio allows no more): the next chunk is encoded
+        # while the previous one is being written.
+        writing: asyncio.Future[list[None]] | None = None
         for k, (name, tensor) in enumerate(bucket.items()):
             for view in tc.iter_chunk_views({name: tensor}, chunk):
                 view.tensor_index = index + k
                 # Encoded once (the data's one copy), written to every stream server.
                 data = encode_push_request(view)
+                if writing is not None:
+                    await writing
                 live = [t for t in targets if not t.result.error]
                 if not live:
                     return
-                if len(live) == 1:
-                    await self._write(live[0], data)  # no task per chunk for a lone server
-                else:
-                    await asyncio.gather(*(self._write(t, data) for t in live))
+                writing = asyncio.gather(*(self._write(t, data) for t in live))
                 for t in live:
                     t.result.sent_bytes += len(view.data)
+        if writing is not None:
+            await writing
 
     async def _disk_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
         writer = self._disk
@@ -592,15 +654,15 @@ class PublishSession:
                 group.broadcast(t, src=0)
 
         try:
-            await asyncio.to_thread(run)
+            await self._group_work(run)
+        except GroupBroken as exc:
+            self._break_group(f"ABORTED: the weight group broke: {exc}")
+            return
         except Exception as exc:
-            # A broken collective breaks the group for every member.
-            error = f"UNAVAILABLE: broadcast failed: {exc}"
-            for t in self._of(pb.TRANSFER_METHOD_DISTRIBUTED):
-                t.result.fail(error)
+            # A broken collective breaks the group for every member. Its thread has ended, so
+            # (unlike an abandoned one) the group can be closed here.
             group.close()
-            self._group = None
-            self.publisher._group = None
+            self._break_group(f"ABORTED: the weight group broke: broadcast failed: {exc}")
             return
         for t in self._of(pb.TRANSFER_METHOD_DISTRIBUTED):
             t.result.sent_bytes += sum(v.numel() * v.element_size() for v in bucket.values())
@@ -681,7 +743,8 @@ class PublishSession:
     async def _close_distributed(self) -> None:
         tasks = [t.task for t in self.targets if t.task is not None]
         if tasks:
-            await asyncio.gather(*tasks)
+            # Cancelled members (a broken group) end with CancelledError: already recorded.
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def run_publication(

@@ -188,3 +188,18 @@ def test_a_refused_external_producer_gets_the_next_free_slot():
     with pytest.raises(NoCapacity):
         pool.acquire("agent", 2)
     assert pool.external_demand() == 0
+
+
+def test_a_run_starting_at_a_later_version_admits_one_window_not_all_versions():
+    # Trainers attached from an earlier run serve version 7: the run's first window is still
+    # (eta + 1) * B rollouts, not (7 + eta + 1) * B.
+    fresh, later = (
+        make_pool(batch=2, eta=1, concurrency=64),
+        make_pool(batch=2, eta=1, concurrency=64),
+    )
+    fresh.start_at(0)
+    later.start_at(7)
+    assert fresh.capacity() == later.capacity() == (1 + 1) * 2
+    # And each later version frees exactly one more batch, as at version 0.
+    later.set_version(8)
+    assert later.capacity() == (1 + 1) * 2 + 2

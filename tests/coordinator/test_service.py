@@ -7,7 +7,7 @@ import time
 
 import grpc
 import pytest
-from areal.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from areal.v1 import common_pb2, coordinator_pb2
 from areal_clients.coordinator import CoordinatorClient
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -16,7 +16,7 @@ from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.errors import field_violations
 from areal_grpc.launch import python_module_argv, start_child, stop_children
-from areal_grpc.server import ServerOptions, service, start_server
+from areal_grpc.server import ServerOptions, start_server
 
 
 def group(task_id: str, versions=(0, 0), n: int = 2) -> common_pb2.TrajectoryGroup:
@@ -167,13 +167,7 @@ def test_stale_submission_is_rejected_with_the_reason_and_watch_version_follows(
         pool = WorkPool(2, 1, 8, vocab_size=384)
         servicer = CoordinatorServicer(pool)
         server = await start_server(
-            [
-                service(
-                    servicer,
-                    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server,
-                    coordinator_pb2,
-                )
-            ],
+            [servicer.as_service()],
             ServerOptions(port=0),
         )
         servicer.start()

@@ -494,3 +494,23 @@ def test_out_of_range_worker_port_is_refused(coordinator: Coordinator) -> None:
         return
     coordinator.workers[resp.worker_id] = (1, req.address)
     raise AssertionError("port 99999 was registered")
+
+
+def test_undecodable_bytes_are_invalid_argument(coordinator: Coordinator) -> None:
+    """Bytes that are not the request message get INVALID_ARGUMENT naming its type."""
+    register = coordinator.channel.unary_unary(
+        "/areal.v1.CoordinatorService/RegisterWorker", request_serializer=lambda b: b
+    )
+    submit = coordinator.channel.stream_unary(
+        "/areal.v1.CoordinatorService/SubmitTrajectories", request_serializer=lambda b: b
+    )
+    calls = {
+        "areal.v1.RegisterWorkerRequest": lambda: register(b"\xff", timeout=TIMEOUT),
+        "areal.v1.SubmitTrajectoriesRequest": lambda: submit(iter([b"\xff"]), timeout=TIMEOUT),
+    }
+    for type_name, send in calls.items():
+        with pytest.raises(grpc.RpcError) as info:
+            send()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, type_name
+        assert f"not a valid {type_name}" in info.value.details()
+    coordinator.check_intact()

@@ -672,3 +672,23 @@ def test_very_unlikely_behaviour_tokens_do_not_poison_weights(fresh: Trainer) ->
     except grpc.RpcError as err:
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
     assert all(torch.isfinite(v).all() for v in weights_of(fresh.svc).values())
+
+
+def test_undecodable_bytes_are_invalid_argument(trainer: Trainer) -> None:
+    """Bytes that are not the request message get INVALID_ARGUMENT naming its type."""
+    status = trainer.channel.unary_unary(
+        "/areal.v1.TrainerService/GetTrainerStatus", request_serializer=lambda b: b
+    )
+    step = trainer.channel.stream_stream(
+        "/areal.v1.TrainerService/TrainStep", request_serializer=lambda b: b
+    )
+    calls = {
+        "areal.v1.GetTrainerStatusRequest": lambda: status(b"\xff", timeout=TIMEOUT),
+        "areal.v1.TrainStepRequest": lambda: list(step(iter([b"\xff"]), timeout=TIMEOUT)),
+    }
+    for type_name, send in calls.items():
+        with pytest.raises(grpc.RpcError) as info:
+            send()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, type_name
+        assert f"not a valid {type_name}" in info.value.details()
+    trainer.check_intact()

@@ -480,15 +480,13 @@ def test_push_weights_damaged_wire_bytes(
     except Exception:
         parses = False
     call = receiver.channel.stream_unary(PUSH_WEIGHTS_METHOD, request_serializer=lambda b: b)
-    allowed = set(DOCUMENTED)
-    if not parses:
-        # Not a PushWeightsRequest at all: grpc.aio answers UNKNOWN (see the rollout xfail).
-        allowed.add(grpc.StatusCode.UNKNOWN)
-    code, _ = tally.call(
+    # Bytes that do not parse at all are INVALID_ARGUMENT too (never UNKNOWN).
+    code, err = tally.call(
         "WeightSync.PushWeights(raw bytes)",
         lambda: call(iter([header.SerializeToString(), raw]), timeout=TIMEOUT),
-        allowed=allowed,
     )
+    if not parses:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, err
     # One tensor of a 26-tensor model: never a valid update.
     assert code != grpc.StatusCode.OK
     receiver.check_intact()
@@ -721,3 +719,21 @@ def test_non_finite_weights_do_not_kill_the_server(tmp_path: Path, bad: float) -
         r.rollout.GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=3)
     finally:
         stop_receiver(r)
+
+
+def test_undecodable_bytes_are_invalid_argument(receiver: Receiver) -> None:
+    """Bytes that are not the request message get INVALID_ARGUMENT naming its type."""
+    negotiate = receiver.channel.unary_unary(
+        "/areal.v1.WeightSyncService/Negotiate", request_serializer=lambda b: b
+    )
+    push = receiver.channel.stream_unary(PUSH_WEIGHTS_METHOD, request_serializer=lambda b: b)
+    calls = {
+        "areal.v1.NegotiateRequest": lambda: negotiate(b"\xff", timeout=TIMEOUT),
+        "areal.v1.PushWeightsRequest": lambda: push(iter([b"\xff"]), timeout=TIMEOUT),
+    }
+    for type_name, send in calls.items():
+        with pytest.raises(grpc.RpcError) as info:
+            send()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, type_name
+        assert f"not a valid {type_name}" in info.value.details()
+    receiver.check_intact()

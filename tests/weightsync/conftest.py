@@ -240,11 +240,11 @@ def make_rollout() -> Iterator[MakeRollout]:
     def make(disk_root: str | Path | None = None, **kw: object) -> Rollout:
         engine = HFEngine(HFEngineConfig(model=MODEL, device="cpu"))
         rollout = RolloutServicer(engine, load_tokenizer(MODEL))
+        kw.setdefault("group_timeout_s", 60)
         ws = build_weight_sync_service(
             engine,
             WeightSyncConfig(
                 disk_root=str(disk_root) if disk_root else None,
-                group_timeout_s=60,
                 **kw,  # type: ignore[arg-type]
             ),
         )

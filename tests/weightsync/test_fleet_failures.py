@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
 
 import grpc
 import pytest
@@ -55,6 +60,83 @@ def test_failed_servers_are_reported_and_left_out_while_the_rest_update(
     assert len(good.greedy(PROMPT)) == 12
     # The refusing server keeps its weights and stays paused, out of rotation.
     assert stale.version() == 10_000 and stale.digests() == stale_digests and paused(stale)
+
+
+def _rollout_process() -> tuple[subprocess.Popen[str], str, threading.Event]:
+    """An ``areal-rollout`` process; the event is set when it was killed on joining a group."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_servers.rollout",
+            "--port=0",
+            "--model=builtin:micro",
+            "--log-level=INFO",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    line = proc.stdout.readline()
+    assert line.startswith("LISTENING "), line
+    killed = threading.Event()
+
+    def watch() -> None:
+        assert proc.stderr is not None
+        for text in proc.stderr:
+            # Killed the moment it starts joining the weight group: the other members are
+            # then in the rendezvous or the broadcasts, waiting for it.
+            if "joining weight group" in text and not killed.is_set():
+                proc.send_signal(signal.SIGKILL)
+                killed.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return proc, line.split()[1], killed
+
+
+@pytest.mark.timeout(90)
+def test_a_receiver_killed_mid_update_fails_alone_and_the_survivor_is_updated(
+    trainers: Trainers, make_rollout: MakeRollout
+) -> None:
+    # Every group timeout here (trainer 120 s, receivers 300 s) is longer than this test may
+    # run: the update must end because the dead member is noticed, not by a timeout.
+    survivor = make_rollout(group_timeout_s=300)
+    proc, dead, killed = _rollout_process()
+    try:
+        version = trainers.train_step()
+        result = asyncio.run(
+            update_fleet_weights(
+                trainers.addresses,
+                [survivor.address, dead],
+                methods=("distributed",),
+                timeout_s=120,
+                control_timeout_s=5,
+            )
+        )
+        assert killed.is_set() and proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+    assert result.failed_servers == [dead]
+    assert result.updated_servers == [survivor.address]
+    assert "unreachable" in {s.address: s.error for s in result.servers}[dead]
+    # The survivor took the version in the retry, without the dead member, and serves it.
+    assert survivor.version() == version and not paused(survivor)
+    assert len(survivor.greedy(PROMPT)) == 12
+
+    # The next update reaches it as usual (a fresh group of two).
+    version = trainers.train_step()
+    result = asyncio.run(
+        update_fleet_weights(
+            trainers.addresses, [survivor.address], methods=("distributed",), timeout_s=120
+        )
+    )
+    assert result.updated_servers == [survivor.address], [s.error for s in result.servers]
+    assert survivor.version() == version
 
 
 def test_mixed_fleet_negotiates_each_server_its_own_method(

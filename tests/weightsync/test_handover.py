@@ -88,3 +88,16 @@ def test_receiver_hands_over_to_engines_that_take_ownership(engine):
             pass
 
     assert not WeightSyncServicer(Legacy())._handover  # type: ignore[arg-type]
+
+
+def test_owned_load_hands_back_the_replaced_weights_nothing_uses_any_more(engine):
+    before = {k: v.data_ptr() for k, v in engine.model.state_dict().items()}
+    spare = asyncio.run(engine.load_weights(_fresh(7), version=1, owned=True))
+    in_use = {t.untyped_storage().data_ptr() for t in engine.model.state_dict().values()}
+    assert spare and set(spare) <= set(before)
+    for name, t in spare.items():
+        assert t.data_ptr() == before[name], name  # the weights version 0 was served from
+        assert t.untyped_storage().data_ptr() not in in_use, name
+    # Each storage once, even where two names shared it (tied embeddings).
+    assert len({t.untyped_storage().data_ptr() for t in spare.values()}) == len(spare)
+    assert asyncio.run(engine.load_weights(_fresh(8), version=2)) == {}  # copies: nothing back

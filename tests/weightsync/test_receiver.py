@@ -224,3 +224,25 @@ def test_negotiate_picks_the_first_acceptable_offer_or_lists_what_it_supports(
         grpc.StatusCode.FAILED_PRECONDITION,
     )
     assert r.version() == 0
+
+
+def test_updates_reuse_replaced_weights_and_a_broken_stream_still_leaves_them_serving(
+    make_rollout: MakeRollout,
+) -> None:
+    r = make_rollout()
+    push(r, push_messages(shifted(r, 0.01), version=1))
+    v1 = {k: v.data_ptr() for k, v in r.engine.model.state_dict().items()}
+    push(r, push_messages(shifted(r, 0.01), version=2))
+    served = r.digests()
+    # The next stream is received into the memory version 1 occupied; cut midway, it must
+    # not disturb version 2, which keeps serving.
+    messages = push_messages(shifted(r, 0.01), version=3)
+    expect_error(lambda: push(r, messages[: len(messages) // 2]), grpc.StatusCode.INVALID_ARGUMENT)
+    assert r.version() == 2 and r.digests() == served
+    new = shifted(r, 0.02)
+    push(r, push_messages(new, version=3))
+    now = r.engine.model.state_dict()
+    assert all(tensor_digest(now[k]) == tensor_digest(v) for k, v in new.items())
+    # Received in place: every tensor sits in the memory version 1 used (the cut stream
+    # gave back what it had taken).
+    assert [k for k in new if now[k].data_ptr() != v1[k]] == []

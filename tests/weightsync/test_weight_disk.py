@@ -77,3 +77,47 @@ def test_buckets_close_before_overflow_and_keep_order() -> None:
     assert plan_buckets([4, 4, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
     assert plan_buckets([4, 4, 4], 0) == [[0, 1, 2]]
     assert plan_buckets([], 8) == []
+
+
+def _corrupt_header(path: Path, edit) -> None:
+    """Rewrites a safetensors file's JSON header through ``edit`` (data left as it is)."""
+    import json
+
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: h["a"].update(data_offsets=[0, 10**9]),  # beyond the file
+        lambda h: h["a"].update(shape=[9, 4]),  # shape and byte range disagree
+        lambda h: h["b"].update(data_offsets=h["a"]["data_offsets"]),  # overlap
+        lambda h: h["a"].update(dtype="F8_E4M3_UNKNOWN"),
+        lambda h: h["c"].update(shape=[-5]),
+    ],
+)
+def test_a_lying_safetensors_header_is_refused_naming_the_field(tmp_path: Path, edit) -> None:
+    path = write_version(tmp_path, 1, [state(0)], 1)
+    _corrupt_header(next(path.glob("*.safetensors")), edit)
+    with pytest.raises(FieldError) as err:
+        load_version(tmp_path, "v00000001", field="path")
+    assert err.value.field == "path"
+
+
+def test_versions_are_read_into_given_buffers_of_matching_shape(tmp_path: Path) -> None:
+    sd = state(1)
+    write_version(tmp_path, 1, [sd], 1)
+    buffers = {
+        "a": torch.empty(8, 4),  # fits: read into it
+        "b": torch.empty(4, dtype=torch.bfloat16),  # wrong shape: fresh memory instead
+    }
+    a_ptr, b_ptr = buffers["a"].data_ptr(), buffers["b"].data_ptr()
+    back = load_version(tmp_path, "v00000001", buffers=buffers)
+    assert back["a"].data_ptr() == a_ptr and back["b"].data_ptr() != b_ptr
+    assert all(torch.equal(back[k], sd[k]) and back[k].dtype == sd[k].dtype for k in sd)
+    assert "a" not in buffers  # taken

@@ -1,6 +1,10 @@
 // An external agent in Node: takes a rollout lease from the coordinator, generates with the
 // rollout server the lease names, scores the samples itself, and submits them as a typed
 // TrajectoryGroup under the lease. One JSON line per episode on stdout; progress on stderr.
+// Tracing: the agent has no tracing SDK; it forwards the W3C trace context of the lease (the
+// coordinator's lease span) into Generate and into every trajectory, so the rollout server's
+// generate span, the coordinator's submission span and the training step that trains the
+// group join the lease's trace.
 //
 //   node clients/node-agent/dist/clients/node-agent/src/main.js \
 //     --coordinator 127.0.0.1:50051 --episodes 4 --group-size 4
@@ -9,7 +13,7 @@ import { parseArgs } from "node:util";
 
 import { credentials, Metadata, status as Code, type ServiceError } from "@grpc/grpc-js";
 
-import { type Trajectory, type TrajectoryGroup } from "../../../generated/ts/areal/v1/common";
+import { type TraceContext, type Trajectory, type TrajectoryGroup } from "../../../generated/ts/areal/v1/common";
 import {
   type AcquireRolloutResponse,
   CoordinatorServiceClient,
@@ -152,11 +156,18 @@ function releaseLease(coord: CoordinatorServiceClient, leaseId: string): Promise
   );
 }
 
+/** The trace id (32 hex digits) of a W3C traceparent, or "" when there is none. */
+function traceIdOf(tc: TraceContext | undefined): string {
+  const m = /^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$/.exec(tc?.traceparent ?? "");
+  return m ? m[1] : "";
+}
+
 function generate(
   rollout: RolloutServiceClient,
   inputIds: number[],
   opts: Options,
   requestId: string,
+  traceContext: TraceContext | undefined,
 ): Promise<GenerateResponse> {
   return new Promise((resolve, reject) =>
     rollout.generate(
@@ -172,7 +183,8 @@ function generate(
           ignoreEos: false,
         },
         requestId,
-        traceContext: undefined,
+        // The server's generate span becomes a child of the lease's span.
+        traceContext,
       },
       new Metadata(),
       { deadline: deadline() },
@@ -182,7 +194,14 @@ function generate(
 }
 
 /** One sample as a Trajectory: prompt positions carry logprob 0, version -1, no loss. */
-function toTrajectory(prompt: number[], c: Completion, r: number, taskId: string, groupId: string): Trajectory {
+function toTrajectory(
+  prompt: number[],
+  c: Completion,
+  r: number,
+  taskId: string,
+  groupId: string,
+  traceContext: TraceContext | undefined,
+): Trajectory {
   const n = c.outputIds.length;
   if (c.outputLogprobs.length !== n || c.outputVersions.length !== n) {
     throw new Error(`completion fields disagree: ${n} ids, ${c.outputLogprobs.length} logprobs, ${c.outputVersions.length} versions`);
@@ -196,7 +215,8 @@ function toTrajectory(prompt: number[], c: Completion, r: number, taskId: string
     promptLength: prompt.length,
     taskId,
     groupId,
-    traceContext: undefined,
+    // The coordinator parents its submission span on it, and the training step links to it.
+    traceContext,
     finishReason: c.finishReason,
   };
 }
@@ -218,6 +238,7 @@ function submit(
 interface EpisodeResult {
   episode: number;
   lease_id: string;
+  trace_id: string;
   policy_version: number;
   rollout_address: string;
   prompt: string;
@@ -248,13 +269,20 @@ async function episode(
       rollouts.set(lease.rolloutAddress, rollout);
     }
     const promptIds = encode(prompt.text);
-    const generated = await generate(rollout, promptIds, opts, leaseId);
+    const generated = await generate(rollout, promptIds, opts, leaseId, lease.traceContext);
     if (generated.completions.length !== opts.groupSize) {
       throw new Error(`Generate returned ${generated.completions.length} completions, asked for ${opts.groupSize}`);
     }
     const groupId = `${leaseId}-g`;
     const trajectories = generated.completions.map((c) =>
-      toTrajectory(promptIds, c, reward(decode(c.outputIds.slice(0, 1)), prompt.answer), leaseId, groupId),
+      toTrajectory(
+        promptIds,
+        c,
+        reward(decode(c.outputIds.slice(0, 1)), prompt.answer),
+        leaseId,
+        groupId,
+        lease.traceContext,
+      ),
     );
     group = { taskId: leaseId, groupId, trajectories };
     completions = generated.completions.map((c) => decode(c.outputIds));
@@ -269,6 +297,7 @@ async function episode(
     result: {
       episode: index,
       lease_id: leaseId,
+      trace_id: traceIdOf(lease.traceContext),
       policy_version: lease.policyVersion,
       rollout_address: lease.rolloutAddress,
       prompt: prompt.text,

@@ -31,18 +31,20 @@ class AcquireRolloutRequest(_message.Message):
     def __init__(self, producer_id: _Optional[str] = ..., group_size: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class RolloutLease(_message.Message):
-    __slots__ = ("lease_id", "policy_version", "deadline", "group_size", "rollout_address")
+    __slots__ = ("lease_id", "policy_version", "deadline", "group_size", "rollout_address", "trace_context")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     policy_version: int
     deadline: _timestamp_pb2.Timestamp
     group_size: int
     rollout_address: str
-    def __init__(self, lease_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., group_size: _Optional[int] = ..., rollout_address: _Optional[str] = ...) -> None: ...
+    trace_context: _common_pb2.TraceContext
+    def __init__(self, lease_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., group_size: _Optional[int] = ..., rollout_address: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class AcquireRolloutResponse(_message.Message):
     __slots__ = ("lease",)
@@ -165,3 +167,23 @@ class DeregisterWorkerResponse(_message.Message):
     REQUEUED_TASKS_FIELD_NUMBER: _ClassVar[int]
     requeued_tasks: int
     def __init__(self, requeued_tasks: _Optional[int] = ...) -> None: ...
+
+class ScaleRolloutFleetRequest(_message.Message):
+    __slots__ = ("servers",)
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    servers: int
+    def __init__(self, servers: _Optional[int] = ...) -> None: ...
+
+class ScaleRolloutFleetResponse(_message.Message):
+    __slots__ = ("added", "removed", "requeued_tasks", "servers", "policy_version")
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    REQUEUED_TASKS_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    added: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    removed: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    requeued_tasks: int
+    servers: int
+    policy_version: int
+    def __init__(self, added: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., requeued_tasks: _Optional[int] = ..., servers: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...

@@ -72,6 +72,11 @@ class CoordinatorServiceStub:
                 request_serializer=areal_dot_v1_dot_coordinator__pb2.DeregisterWorkerRequest.SerializeToString,
                 response_deserializer=areal_dot_v1_dot_coordinator__pb2.DeregisterWorkerResponse.FromString,
                 _registered_method=True)
+        self.ScaleRolloutFleet = channel.unary_unary(
+                '/areal.v1.CoordinatorService/ScaleRolloutFleet',
+                request_serializer=areal_dot_v1_dot_coordinator__pb2.ScaleRolloutFleetRequest.SerializeToString,
+                response_deserializer=areal_dot_v1_dot_coordinator__pb2.ScaleRolloutFleetResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -130,6 +135,17 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScaleRolloutFleet(self, request, context):
+        """Starts or stops rollout servers (through the run's launcher: local subprocesses or Ray
+        actors) until the run has the requested number. New servers are brought to the current
+        policy version before they enter rotation; removed ones (the most recently started
+        first) have their in-flight work re-queued. FAILED_PRECONDITION when the run cannot
+        start servers (attach mode, or a coordinator without a run).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +183,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.DeregisterWorker,
                     request_deserializer=areal_dot_v1_dot_coordinator__pb2.DeregisterWorkerRequest.FromString,
                     response_serializer=areal_dot_v1_dot_coordinator__pb2.DeregisterWorkerResponse.SerializeToString,
+            ),
+            'ScaleRolloutFleet': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleRolloutFleet,
+                    request_deserializer=areal_dot_v1_dot_coordinator__pb2.ScaleRolloutFleetRequest.FromString,
+                    response_serializer=areal_dot_v1_dot_coordinator__pb2.ScaleRolloutFleetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -361,6 +382,33 @@ class CoordinatorService:
             '/areal.v1.CoordinatorService/DeregisterWorker',
             areal_dot_v1_dot_coordinator__pb2.DeregisterWorkerRequest.SerializeToString,
             areal_dot_v1_dot_coordinator__pb2.DeregisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleRolloutFleet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/areal.v1.CoordinatorService/ScaleRolloutFleet',
+            areal_dot_v1_dot_coordinator__pb2.ScaleRolloutFleetRequest.SerializeToString,
+            areal_dot_v1_dot_coordinator__pb2.ScaleRolloutFleetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -108,10 +108,12 @@ class SaveCheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class LoadCheckpointRequest(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "min_policy_version")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    min_policy_version: int
+    def __init__(self, path: _Optional[str] = ..., min_policy_version: _Optional[int] = ...) -> None: ...
 
 class LoadCheckpointResponse(_message.Message):
     __slots__ = ("global_step", "policy_version")
@@ -140,7 +142,7 @@ class GetTrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetTrainerStatusResponse(_message.Message):
-    __slots__ = ("rank", "world_size", "policy_version", "global_step", "backend", "model", "busy")
+    __slots__ = ("rank", "world_size", "policy_version", "global_step", "backend", "model", "busy", "ready", "broken_reason")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,8 @@ class GetTrainerStatusResponse(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    BROKEN_REASON_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     policy_version: int
@@ -155,7 +159,9 @@ class GetTrainerStatusResponse(_message.Message):
     backend: str
     model: str
     busy: bool
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., policy_version: _Optional[int] = ..., global_step: _Optional[int] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., busy: _Optional[bool] = ...) -> None: ...
+    ready: bool
+    broken_reason: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., policy_version: _Optional[int] = ..., global_step: _Optional[int] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., busy: _Optional[bool] = ..., ready: _Optional[bool] = ..., broken_reason: _Optional[str] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
     __slots__ = ("rollout_addresses", "methods", "bucket_bytes", "timeout_seconds")

@@ -96,6 +96,13 @@ export interface RolloutLease {
   groupSize: number;
   /** Address (host:port) of a rollout server to generate against. */
   rolloutAddress: string;
+  /**
+   * Trace context of the lease (the coordinator's lease span, or the request's context when
+   * the coordinator is not traced). Pass it in GenerateRequest.trace_context and in each
+   * submitted Trajectory.trace_context so that the lease's generation, submission and
+   * training join one trace.
+   */
+  traceContext: TraceContext | undefined;
 }
 
 /** Result of AcquireRollout. */
@@ -220,6 +227,29 @@ export interface DeregisterWorkerResponse {
   requeuedTasks: number;
 }
 
+/** Request to resize the rollout fleet. */
+export interface ScaleRolloutFleetRequest {
+  /** Rollout servers wanted in the mesh, 1 to 64 (servers registered by hand count too). */
+  servers: number;
+}
+
+/** Result of ScaleRolloutFleet. */
+export interface ScaleRolloutFleetResponse {
+  /**
+   * Servers started and admitted; each is brought to its policy_version before it takes
+   * work.
+   */
+  added: WorkerInfo[];
+  /** Servers removed and stopped. */
+  removed: WorkerInfo[];
+  /** In-flight tasks of the removed servers that were re-queued. */
+  requeuedTasks: number;
+  /** Rollout servers in the mesh after the call. */
+  servers: number;
+  /** Policy version when the call returned. */
+  policyVersion: number;
+}
+
 function createBaseAcquireRolloutRequest(): AcquireRolloutRequest {
   return { producerId: "", groupSize: 0, traceContext: undefined };
 }
@@ -336,7 +366,14 @@ export const AcquireRolloutRequest: MessageFns<AcquireRolloutRequest> = {
 };
 
 function createBaseRolloutLease(): RolloutLease {
-  return { leaseId: "", policyVersion: 0, deadline: undefined, groupSize: 0, rolloutAddress: "" };
+  return {
+    leaseId: "",
+    policyVersion: 0,
+    deadline: undefined,
+    groupSize: 0,
+    rolloutAddress: "",
+    traceContext: undefined,
+  };
 }
 
 export const RolloutLease: MessageFns<RolloutLease> = {
@@ -355,6 +392,9 @@ export const RolloutLease: MessageFns<RolloutLease> = {
     }
     if (message.rolloutAddress !== "") {
       writer.uint32(42).string(message.rolloutAddress);
+    }
+    if (message.traceContext !== undefined) {
+      TraceContext.encode(message.traceContext, writer.uint32(50).fork()).join();
     }
     return writer;
   },
@@ -412,6 +452,14 @@ export const RolloutLease: MessageFns<RolloutLease> = {
             message.rolloutAddress = reader.string();
             continue;
           }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.traceContext = TraceContext.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -447,6 +495,11 @@ export const RolloutLease: MessageFns<RolloutLease> = {
         : isSet(object.rollout_address)
         ? globalThis.String(object.rollout_address)
         : "",
+      traceContext: isSet(object.traceContext)
+        ? TraceContext.fromJSON(object.traceContext)
+        : isSet(object.trace_context)
+        ? TraceContext.fromJSON(object.trace_context)
+        : undefined,
     };
   },
 
@@ -467,6 +520,9 @@ export const RolloutLease: MessageFns<RolloutLease> = {
     if (message.rolloutAddress !== "") {
       obj.rolloutAddress = message.rolloutAddress;
     }
+    if (message.traceContext !== undefined) {
+      obj.traceContext = TraceContext.toJSON(message.traceContext);
+    }
     return obj;
   },
 
@@ -480,6 +536,9 @@ export const RolloutLease: MessageFns<RolloutLease> = {
     message.deadline = object.deadline ?? undefined;
     message.groupSize = object.groupSize ?? 0;
     message.rolloutAddress = object.rolloutAddress ?? "";
+    message.traceContext = (object.traceContext !== undefined && object.traceContext !== null)
+      ? TraceContext.fromPartial(object.traceContext)
+      : undefined;
     return message;
   },
 };
@@ -1856,6 +1915,214 @@ export const DeregisterWorkerResponse: MessageFns<DeregisterWorkerResponse> = {
   },
 };
 
+function createBaseScaleRolloutFleetRequest(): ScaleRolloutFleetRequest {
+  return { servers: 0 };
+}
+
+export const ScaleRolloutFleetRequest: MessageFns<ScaleRolloutFleetRequest> = {
+  encode(message: ScaleRolloutFleetRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.servers !== 0) {
+      writer.uint32(8).int32(message.servers);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ScaleRolloutFleetRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseScaleRolloutFleetRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.servers = reader.int32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ScaleRolloutFleetRequest {
+    return { servers: isSet(object.servers) ? globalThis.Number(object.servers) : 0 };
+  },
+
+  toJSON(message: ScaleRolloutFleetRequest): unknown {
+    const obj: any = {};
+    if (message.servers !== 0) {
+      obj.servers = Math.round(message.servers);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ScaleRolloutFleetRequest>, I>>(base?: I): ScaleRolloutFleetRequest {
+    return ScaleRolloutFleetRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ScaleRolloutFleetRequest>, I>>(object: I): ScaleRolloutFleetRequest {
+    const message = createBaseScaleRolloutFleetRequest();
+    message.servers = object.servers ?? 0;
+    return message;
+  },
+};
+
+function createBaseScaleRolloutFleetResponse(): ScaleRolloutFleetResponse {
+  return { added: [], removed: [], requeuedTasks: 0, servers: 0, policyVersion: 0 };
+}
+
+export const ScaleRolloutFleetResponse: MessageFns<ScaleRolloutFleetResponse> = {
+  encode(message: ScaleRolloutFleetResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    for (const v of message.added) {
+      WorkerInfo.encode(v!, writer.uint32(10).fork()).join();
+    }
+    for (const v of message.removed) {
+      WorkerInfo.encode(v!, writer.uint32(18).fork()).join();
+    }
+    if (message.requeuedTasks !== 0) {
+      writer.uint32(24).int32(message.requeuedTasks);
+    }
+    if (message.servers !== 0) {
+      writer.uint32(32).int32(message.servers);
+    }
+    if (message.policyVersion !== 0) {
+      writer.uint32(40).int64(message.policyVersion);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ScaleRolloutFleetResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseScaleRolloutFleetResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.added.push(WorkerInfo.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.removed.push(WorkerInfo.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.requeuedTasks = reader.int32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.servers = reader.int32();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.policyVersion = longToNumber(reader.int64());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ScaleRolloutFleetResponse {
+    return {
+      added: globalThis.Array.isArray(object?.added) ? object.added.map((e: any) => WorkerInfo.fromJSON(e)) : [],
+      removed: globalThis.Array.isArray(object?.removed) ? object.removed.map((e: any) => WorkerInfo.fromJSON(e)) : [],
+      requeuedTasks: isSet(object.requeuedTasks)
+        ? globalThis.Number(object.requeuedTasks)
+        : isSet(object.requeued_tasks)
+        ? globalThis.Number(object.requeued_tasks)
+        : 0,
+      servers: isSet(object.servers) ? globalThis.Number(object.servers) : 0,
+      policyVersion: isSet(object.policyVersion)
+        ? globalThis.Number(object.policyVersion)
+        : isSet(object.policy_version)
+        ? globalThis.Number(object.policy_version)
+        : 0,
+    };
+  },
+
+  toJSON(message: ScaleRolloutFleetResponse): unknown {
+    const obj: any = {};
+    if (message.added?.length) {
+      obj.added = message.added.map((e) => WorkerInfo.toJSON(e));
+    }
+    if (message.removed?.length) {
+      obj.removed = message.removed.map((e) => WorkerInfo.toJSON(e));
+    }
+    if (message.requeuedTasks !== 0) {
+      obj.requeuedTasks = Math.round(message.requeuedTasks);
+    }
+    if (message.servers !== 0) {
+      obj.servers = Math.round(message.servers);
+    }
+    if (message.policyVersion !== 0) {
+      obj.policyVersion = Math.round(message.policyVersion);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ScaleRolloutFleetResponse>, I>>(base?: I): ScaleRolloutFleetResponse {
+    return ScaleRolloutFleetResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ScaleRolloutFleetResponse>, I>>(object: I): ScaleRolloutFleetResponse {
+    const message = createBaseScaleRolloutFleetResponse();
+    message.added = object.added?.map((e) => WorkerInfo.fromPartial(e)) || [];
+    message.removed = object.removed?.map((e) => WorkerInfo.fromPartial(e)) || [];
+    message.requeuedTasks = object.requeuedTasks ?? 0;
+    message.servers = object.servers ?? 0;
+    message.policyVersion = object.policyVersion ?? 0;
+    return message;
+  },
+};
+
 /**
  * The single controller of a run: staleness admission, batching, dispatch to trainers,
  * versions. External producers (agents in any language) take a lease, generate against a
@@ -1949,6 +2216,24 @@ export const CoordinatorServiceService = {
       Buffer.from(DeregisterWorkerResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): DeregisterWorkerResponse => DeregisterWorkerResponse.decode(value),
   },
+  /**
+   * Starts or stops rollout servers (through the run's launcher: local subprocesses or Ray
+   * actors) until the run has the requested number. New servers are brought to the current
+   * policy version before they enter rotation; removed ones (the most recently started
+   * first) have their in-flight work re-queued. FAILED_PRECONDITION when the run cannot
+   * start servers (attach mode, or a coordinator without a run).
+   */
+  scaleRolloutFleet: {
+    path: "/areal.v1.CoordinatorService/ScaleRolloutFleet" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ScaleRolloutFleetRequest): Buffer =>
+      Buffer.from(ScaleRolloutFleetRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ScaleRolloutFleetRequest => ScaleRolloutFleetRequest.decode(value),
+    responseSerialize: (value: ScaleRolloutFleetResponse): Buffer =>
+      Buffer.from(ScaleRolloutFleetResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ScaleRolloutFleetResponse => ScaleRolloutFleetResponse.decode(value),
+  },
 } as const;
 
 export interface CoordinatorServiceServer extends UntypedServiceImplementation {
@@ -1969,6 +2254,14 @@ export interface CoordinatorServiceServer extends UntypedServiceImplementation {
   registerWorker: handleUnaryCall<RegisterWorkerRequest, RegisterWorkerResponse>;
   /** Removes a worker from the mesh; its in-flight work is re-queued. */
   deregisterWorker: handleUnaryCall<DeregisterWorkerRequest, DeregisterWorkerResponse>;
+  /**
+   * Starts or stops rollout servers (through the run's launcher: local subprocesses or Ray
+   * actors) until the run has the requested number. New servers are brought to the current
+   * policy version before they enter rotation; removed ones (the most recently started
+   * first) have their in-flight work re-queued. FAILED_PRECONDITION when the run cannot
+   * start servers (attach mode, or a coordinator without a run).
+   */
+  scaleRolloutFleet: handleUnaryCall<ScaleRolloutFleetRequest, ScaleRolloutFleetResponse>;
 }
 
 export interface CoordinatorServiceClient extends Client {
@@ -2081,6 +2374,28 @@ export interface CoordinatorServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: DeregisterWorkerResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Starts or stops rollout servers (through the run's launcher: local subprocesses or Ray
+   * actors) until the run has the requested number. New servers are brought to the current
+   * policy version before they enter rotation; removed ones (the most recently started
+   * first) have their in-flight work re-queued. FAILED_PRECONDITION when the run cannot
+   * start servers (attach mode, or a coordinator without a run).
+   */
+  scaleRolloutFleet(
+    request: ScaleRolloutFleetRequest,
+    callback: (error: ServiceError | null, response: ScaleRolloutFleetResponse) => void,
+  ): ClientUnaryCall;
+  scaleRolloutFleet(
+    request: ScaleRolloutFleetRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ScaleRolloutFleetResponse) => void,
+  ): ClientUnaryCall;
+  scaleRolloutFleet(
+    request: ScaleRolloutFleetRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ScaleRolloutFleetResponse) => void,
   ): ClientUnaryCall;
 }
 

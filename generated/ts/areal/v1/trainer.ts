@@ -142,6 +142,12 @@ export interface SaveCheckpointResponse {
 export interface LoadCheckpointRequest {
   /** Directory written by SaveCheckpoint. */
   path: string;
+  /**
+   * Lowest policy version to continue from; 0 keeps the checkpoint's version. A restarted
+   * trainer group sets it above every version the rollout servers have served, because they
+   * refuse weights that are not newer than their own (the weights are the checkpoint's).
+   */
+  minPolicyVersion: number;
 }
 
 /** Result of loading a checkpoint. */
@@ -184,8 +190,16 @@ export interface GetTrainerStatusResponse {
   backend: string;
   /** Model name or local path. */
   model: string;
-  /** True while a step is running. */
+  /** True while a step (or another collective call: publish, checkpoint, export) is running. */
   busy: boolean;
+  /** True once the rank has joined its process group and built its model. */
+  ready: boolean;
+  /**
+   * Why the rank's process group is unusable (a collective failed: a peer died or timed
+   * out); empty while it works. A broken rank refuses collective calls with UNAVAILABLE
+   * until the trainer group is restarted.
+   */
+  brokenReason: string;
 }
 
 /** Request to publish the weights to rollout servers. */
@@ -1349,13 +1363,16 @@ export const SaveCheckpointResponse: MessageFns<SaveCheckpointResponse> = {
 };
 
 function createBaseLoadCheckpointRequest(): LoadCheckpointRequest {
-  return { path: "" };
+  return { path: "", minPolicyVersion: 0 };
 }
 
 export const LoadCheckpointRequest: MessageFns<LoadCheckpointRequest> = {
   encode(message: LoadCheckpointRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     if (message.path !== "") {
       writer.uint32(10).string(message.path);
+    }
+    if (message.minPolicyVersion !== 0) {
+      writer.uint32(16).int64(message.minPolicyVersion);
     }
     return writer;
   },
@@ -1381,6 +1398,14 @@ export const LoadCheckpointRequest: MessageFns<LoadCheckpointRequest> = {
             message.path = reader.string();
             continue;
           }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.minPolicyVersion = longToNumber(reader.int64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1394,13 +1419,23 @@ export const LoadCheckpointRequest: MessageFns<LoadCheckpointRequest> = {
   },
 
   fromJSON(object: any): LoadCheckpointRequest {
-    return { path: isSet(object.path) ? globalThis.String(object.path) : "" };
+    return {
+      path: isSet(object.path) ? globalThis.String(object.path) : "",
+      minPolicyVersion: isSet(object.minPolicyVersion)
+        ? globalThis.Number(object.minPolicyVersion)
+        : isSet(object.min_policy_version)
+        ? globalThis.Number(object.min_policy_version)
+        : 0,
+    };
   },
 
   toJSON(message: LoadCheckpointRequest): unknown {
     const obj: any = {};
     if (message.path !== "") {
       obj.path = message.path;
+    }
+    if (message.minPolicyVersion !== 0) {
+      obj.minPolicyVersion = Math.round(message.minPolicyVersion);
     }
     return obj;
   },
@@ -1411,6 +1446,7 @@ export const LoadCheckpointRequest: MessageFns<LoadCheckpointRequest> = {
   fromPartial<I extends Exact<DeepPartial<LoadCheckpointRequest>, I>>(object: I): LoadCheckpointRequest {
     const message = createBaseLoadCheckpointRequest();
     message.path = object.path ?? "";
+    message.minPolicyVersion = object.minPolicyVersion ?? 0;
     return message;
   },
 };
@@ -1717,7 +1753,17 @@ export const GetTrainerStatusRequest: MessageFns<GetTrainerStatusRequest> = {
 };
 
 function createBaseGetTrainerStatusResponse(): GetTrainerStatusResponse {
-  return { rank: 0, worldSize: 0, policyVersion: 0, globalStep: 0, backend: "", model: "", busy: false };
+  return {
+    rank: 0,
+    worldSize: 0,
+    policyVersion: 0,
+    globalStep: 0,
+    backend: "",
+    model: "",
+    busy: false,
+    ready: false,
+    brokenReason: "",
+  };
 }
 
 export const GetTrainerStatusResponse: MessageFns<GetTrainerStatusResponse> = {
@@ -1742,6 +1788,12 @@ export const GetTrainerStatusResponse: MessageFns<GetTrainerStatusResponse> = {
     }
     if (message.busy !== false) {
       writer.uint32(56).bool(message.busy);
+    }
+    if (message.ready !== false) {
+      writer.uint32(64).bool(message.ready);
+    }
+    if (message.brokenReason !== "") {
+      writer.uint32(74).string(message.brokenReason);
     }
     return writer;
   },
@@ -1815,6 +1867,22 @@ export const GetTrainerStatusResponse: MessageFns<GetTrainerStatusResponse> = {
             message.busy = reader.bool();
             continue;
           }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.ready = reader.bool();
+            continue;
+          }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.brokenReason = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1848,6 +1916,12 @@ export const GetTrainerStatusResponse: MessageFns<GetTrainerStatusResponse> = {
       backend: isSet(object.backend) ? globalThis.String(object.backend) : "",
       model: isSet(object.model) ? globalThis.String(object.model) : "",
       busy: isSet(object.busy) ? globalThis.Boolean(object.busy) : false,
+      ready: isSet(object.ready) ? globalThis.Boolean(object.ready) : false,
+      brokenReason: isSet(object.brokenReason)
+        ? globalThis.String(object.brokenReason)
+        : isSet(object.broken_reason)
+        ? globalThis.String(object.broken_reason)
+        : "",
     };
   },
 
@@ -1874,6 +1948,12 @@ export const GetTrainerStatusResponse: MessageFns<GetTrainerStatusResponse> = {
     if (message.busy !== false) {
       obj.busy = message.busy;
     }
+    if (message.ready !== false) {
+      obj.ready = message.ready;
+    }
+    if (message.brokenReason !== "") {
+      obj.brokenReason = message.brokenReason;
+    }
     return obj;
   },
 
@@ -1889,6 +1969,8 @@ export const GetTrainerStatusResponse: MessageFns<GetTrainerStatusResponse> = {
     message.backend = object.backend ?? "";
     message.model = object.model ?? "";
     message.busy = object.busy ?? false;
+    message.ready = object.ready ?? false;
+    message.brokenReason = object.brokenReason ?? "";
     return message;
   },
 };

@@ -1,0 +1,246 @@
+"""A whole run under mutual TLS and a bearer token, and what the run's servers refuse.
+
+One ``security`` section secures every process: the children the launcher starts (their
+servers, and trainer rank 0's calls to the rollout servers when weights move), the
+coordinator's own server, and every channel the coordinator opens. A client without the CA's
+certificate, or without the token, gets nothing from any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+from areal.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+
+from areal_grpc.cli import run_channel_options, run_server_options
+from areal_grpc.config import load_config
+from areal_grpc.coordinator.mesh import start_mesh
+from areal_grpc.coordinator.metrics import read_jsonl
+from areal_grpc.coordinator.pool import WorkPool
+from areal_grpc.coordinator.service import CoordinatorServicer
+from areal_grpc.errors import FieldError
+from areal_grpc.launch import health_status
+from areal_grpc.security import ClientTls
+from areal_grpc.server import (
+    ChannelOptions,
+    set_default_channel_options,
+    start_server,
+    sync_channel,
+)
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "run-token-42"
+# A tiny run: the built-in echo task, a few steps, no eval, checkpoint or export.
+SMALL_RUN = [
+    "data.task=echo",
+    "staleness.batch_size=2",
+    "staleness.group_size=2",
+    "staleness.max_staleness=1",
+    "eval.every_steps=0",
+    "checkpoint.every_steps=0",
+    "checkpoint.export_hf=false",
+    "output.plot=false",
+    "output.tensorboard=false",
+    "output.progress_bar=false",
+]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A throwaway CA, one certificate for every process of the run, a stranger, a token."""
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    # Children listen on 127.0.0.1 and are dialled by that address, so it must be a SAN.
+    node = ca.issue_cert("localhost", "127.0.0.1")
+    stranger = trustme.CA().issue_cert("localhost", "127.0.0.1")
+    files = {
+        "ca": d / "ca.pem",
+        "cert": d / "node.pem",
+        "key": d / "node.key",
+        "stranger_cert": d / "stranger.pem",
+        "stranger_key": d / "stranger.key",
+        "token": d / "token",
+    }
+    ca.cert_pem.write_to_path(files["ca"])
+    node.cert_chain_pems[0].write_to_path(files["cert"])
+    node.private_key_pem.write_to_path(files["key"])
+    stranger.cert_chain_pems[0].write_to_path(files["stranger_cert"])
+    stranger.private_key_pem.write_to_path(files["stranger_key"])
+    files["token"].write_text(TOKEN + "\n")
+    return {k: str(v) for k, v in files.items()}
+
+
+def security_overrides(pki: dict[str, str]) -> list[str]:
+    return [
+        f"security.tls_cert={pki['cert']}",
+        f"security.tls_key={pki['key']}",
+        f"security.tls_ca={pki['ca']}",
+        "security.mutual_tls=true",
+        f"security.auth_token_file={pki['token']}",
+    ]
+
+
+def test_a_whole_run_under_mutual_tls_and_a_token_trains(pki, tmp_path):
+    out = tmp_path / "run"
+    steps = 3
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("AREAL_AUTH_TOKEN", None)  # the token comes from the config's file only
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_grpc.coordinator",
+            f"output.dir={out}",
+            f"total_steps={steps}",
+            "trainer.ranks=2",
+            *SMALL_RUN,
+            *security_overrides(pki),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    print(proc.stdout, proc.stderr[-4000:])
+    assert proc.returncode == 0
+    assert f"done: {steps} steps, version {steps}" in proc.stdout
+    assert "mesh stopped cleanly" in proc.stdout
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    # Every step trained and was followed by a weight sync to the rollout server (the version
+    # advances only when the fleet update succeeded).
+    assert [r["version"] for r in train] == list(range(1, steps + 1))
+    assert all(r["sequences"] == 4 for r in train)
+
+
+def _expect_refused(address: str, opts: ChannelOptions, rpc: str) -> grpc.StatusCode:
+    """The status a client with ``opts`` gets for one status call of ``rpc``'s service."""
+    calls = {
+        "rollout": lambda ch: rollout_pb2_grpc.RolloutServiceStub(ch).GetRolloutStatus(
+            rollout_pb2.GetRolloutStatusRequest(), timeout=10
+        ),
+        "trainer": lambda ch: trainer_pb2_grpc.TrainerServiceStub(ch).GetTrainerStatus(
+            trainer_pb2.GetTrainerStatusRequest(), timeout=10
+        ),
+        "coordinator": lambda ch: coordinator_pb2_grpc.CoordinatorServiceStub(
+            ch
+        ).GetCoordinatorStatus(coordinator_pb2.GetCoordinatorStatusRequest(), timeout=10),
+    }
+    with sync_channel(address, opts) as ch:
+        try:
+            calls[rpc](ch)
+        except grpc.RpcError as err:
+            return err.code()  # type: ignore[attr-defined]
+    return grpc.StatusCode.OK
+
+
+def _clients(pki: dict[str, str]) -> dict[str, ChannelOptions]:
+    ca, cert, key = pki["ca"], pki["cert"], pki["key"]
+    return {
+        "plaintext": ChannelOptions(),
+        "tls_no_client_cert": ChannelOptions(tls=ClientTls(ca), auth_token=TOKEN),
+        "stranger_cert": ChannelOptions(
+            tls=ClientTls(ca, pki["stranger_cert"], pki["stranger_key"]), auth_token=TOKEN
+        ),
+        "mtls_no_token": ChannelOptions(tls=ClientTls(ca, cert, key)),
+        "mtls_wrong_token": ChannelOptions(tls=ClientTls(ca, cert, key), auth_token="nope"),
+        "authorised": ChannelOptions(tls=ClientTls(ca, cert, key), auth_token=TOKEN),
+    }
+
+
+EXPECTED = {
+    "plaintext": grpc.StatusCode.UNAVAILABLE,
+    "tls_no_client_cert": grpc.StatusCode.UNAVAILABLE,
+    "stranger_cert": grpc.StatusCode.UNAVAILABLE,
+    "mtls_no_token": grpc.StatusCode.UNAUTHENTICATED,
+    "mtls_wrong_token": grpc.StatusCode.PERMISSION_DENIED,
+    "authorised": grpc.StatusCode.OK,
+}
+
+
+def test_the_launched_servers_refuse_clients_without_certificate_or_token(pki, tmp_path):
+    cfg = load_config(None, ["trainer.ranks=1", *SMALL_RUN, *security_overrides(pki)])
+    # The test process probes health like the coordinator does: with the run's credentials.
+    previous = set_default_channel_options(run_channel_options(cfg.security))
+    try:
+        mesh = start_mesh(cfg, tmp_path / "logs")
+    finally:
+        set_default_channel_options(previous)
+    try:
+        targets = [(a, "rollout") for a in mesh.rollout_addresses] + [
+            (a, "trainer") for a in mesh.trainer_addresses
+        ]
+        for address, rpc in targets:
+            got = {name: _expect_refused(address, o, rpc) for name, o in _clients(pki).items()}
+            assert got == EXPECTED, (rpc, got)
+            # Health stays open to any client that completes the TLS handshake, never to
+            # plaintext.
+            assert health_status(address) == "UNREACHABLE"
+    finally:
+        assert set(mesh.stop().values()) == {0}
+
+
+def test_the_coordinator_server_uses_the_run_security(pki):
+    cfg = load_config(None, security_overrides(pki))
+
+    async def body() -> dict[str, grpc.StatusCode]:
+        servicer = CoordinatorServicer(WorkPool(batch_size=2, max_staleness=1))
+        running = await start_server(
+            [servicer.as_service()],
+            run_server_options(cfg.security, "127.0.0.1", 0),
+        )
+        try:
+            return {
+                name: await asyncio.to_thread(_expect_refused, running.address, o, "coordinator")
+                for name, o in _clients(pki).items()
+            }
+        finally:
+            await running.stop(0)
+
+    assert asyncio.run(body()) == EXPECTED
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("security.tls_cert={cert}", "security.tls_key"),
+        ("security.tls_key={key}", "security.tls_cert"),
+        ("security.tls_ca={ca}", "security.tls_cert"),
+        ("security.mutual_tls=true", "security.mutual_tls"),
+        ("security.auth_token_file={missing}", "security.auth_token_file"),
+        ("security.tls_ca={missing}", "security.tls_ca"),
+    ],
+)
+def test_incomplete_security_config_names_the_key(pki, tmp_path, override, key):
+    text = override.format(**pki, missing=tmp_path / "missing.pem")
+    with pytest.raises(FieldError) as info:
+        load_config(None, [text])
+    assert info.value.field == key
+
+
+def test_tls_without_the_ca_names_the_key(pki):
+    with pytest.raises(FieldError) as info:
+        load_config(None, [f"security.tls_cert={pki['cert']}", f"security.tls_key={pki['key']}"])
+    assert info.value.field == "security.tls_ca"
+
+
+def test_an_empty_token_file_names_the_key(tmp_path: Path):
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    with pytest.raises(FieldError) as info:
+        load_config(None, [f"security.auth_token_file={empty}"])
+    assert info.value.field == "security.auth_token_file"
