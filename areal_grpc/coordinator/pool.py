@@ -194,8 +194,18 @@ class WorkPool:
         """A fresh run begins at ``version`` (trainers attached from an earlier run may be at
         V > 0): capacity counts batches from here, as at version 0, instead of admitting
         ``(V + eta + 1) * B`` rollouts at once."""
-        self.staleness.on_version_recovered(version)
+        # Added, not set: external producers may have been accepted before the run started.
+        self._shift_accepted(version - self.version)
         self.set_version(version)
+
+    def _shift_accepted(self, versions: int) -> None:
+        """Counts ``versions`` batches as accepted: a version jump frees no capacity."""
+        if versions:
+            counters = dict(self.staleness.state_dict())
+            counters["accepted"] = max(
+                0, counters["accepted"] + versions * self.staleness.consumer_batch_size
+            )
+            self.staleness.load_state_dict(counters, requeue_running=False)
 
     # -- dataset work ------------------------------------------------------------------------
 
@@ -541,9 +551,6 @@ class WorkPool:
         self._demand.clear()
         self.load_state_dict(state)
         if version is not None and version != self.version:
-            counters = dict(self.staleness.state_dict())
-            shift = (version - self.version) * self.staleness.consumer_batch_size
-            counters["accepted"] = max(0, counters["accepted"] + shift)
-            self.staleness.load_state_dict(counters, requeue_running=False)
+            self._shift_accepted(version - self.version)
             self.version = version
             self.notify()

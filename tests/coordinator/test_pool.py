@@ -203,3 +203,13 @@ def test_a_run_starting_at_a_later_version_admits_one_window_not_all_versions():
     # And each later version frees exactly one more batch, as at version 0.
     later.set_version(8)
     assert later.capacity() == (1 + 1) * 2 + 2
+
+
+def test_groups_accepted_before_the_run_starts_keep_counting():
+    # External producers can submit before the loop starts; starting at version 3 adds three
+    # batches to what was accepted, it does not overwrite it.
+    pool = make_pool(batch=2, eta=1, concurrency=64)
+    pool.finish(pool.claim("s").task_id, group("p0"))
+    pool.start_at(3)
+    assert pool.staleness.stats().accepted == 1 + 3 * 2
+    assert pool.capacity() == (1 + 1) * 2 - 1
