@@ -170,6 +170,12 @@ def serve_main(
         # One line on stdout that launchers parse to learn the bound port.
         print(f"LISTENING {running.address}", flush=True)
         await serve_until_signal(running)
+        # Servicers with work outside gRPC calls (a trainer's collective job) finish it here,
+        # while the event loop still runs.
+        for svc in services:
+            aclose = getattr(svc.servicer, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     try:
         asyncio.run(run())

@@ -14,7 +14,9 @@ launcher can start the ranks one by one.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -177,7 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     default_port = DEFAULT_PORT + int(os.environ.get("LOCAL_RANK", "0"))
     parser = base_parser("areal-trainer", "Serve one trainer rank.", default_port)
     add_trainer_args(parser)
-    return serve_main(parser, build, argv)
+    code = serve_main(parser, build, argv)
+    # Everything worth keeping is on disk or sent by now. torch's C++ teardown of a gloo group
+    # whose peer left mid-collective can std::terminate (SIGABRT), so skip it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

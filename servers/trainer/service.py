@@ -177,6 +177,19 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.publisher.close()
 
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """After the server drained: lets the running job finish (bounded), then closes.
+
+        A TrainStep whose caller went away still runs its collectives with the other ranks;
+        exiting under it would leave gloo's threads mid-operation (std::terminate at exit).
+        """
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._executor.shutdown, wait=True), timeout_s)
+        except TimeoutError:
+            log.warning("a collective call is still running after %.0fs; exiting anyway", timeout_s)
+        self.publisher.close()
+
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         """Runs ``fn`` on the torch worker thread once the engine is ready."""
         await asyncio.wrap_future(self._ready)
