@@ -161,7 +161,8 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             sync = False
 
         async def restart_trainers(addresses: Sequence[str]) -> list[str]:
-            # A failed trainer group is replaced by fresh local ranks; mesh.json follows.
+            # A failed trainer group is replaced by fresh ranks (subprocesses or Ray actors);
+            # mesh.json follows.
             new = await asyncio.to_thread(mesh.restart_trainers, cfg)
             mesh.write(out_dir / "mesh.json")
             print(f"trainer group restarted: {new}", flush=True)
@@ -174,8 +175,8 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             out_dir,
             weight_sync=fleet_weight_sync if sync else None,
             # Attach mode (None): the ranks' own supervisor restarts them; the coordinator
-            # waits for them. The ray launcher has no trainer restart yet.
-            restart_trainers=restart_trainers if cfg.launcher.mode == "local" else None,
+            # waits for them.
+            restart_trainers=restart_trainers if cfg.launcher.mode != "attach" else None,
         )
 
         async def add(worker: Worker) -> None:

@@ -294,14 +294,7 @@ class RayMesh(Mesh):
         check()
         trainers = [s for s in servers if s.name.startswith("trainer-")]
         rollouts = [s for s in servers if s.name.startswith("rollout-")]
-        argvs: list[list[str]] = []
-        if trainers:
-            rank0 = trainers[0]
-            port = self._get([rank0.actor.free_port.remote()], "rendezvous port", timeout_s)[0]
-            master = rank0.node["node_ip"]
-            for rank, s in enumerate(trainers):
-                argv = _with_flag(trainer_argv(cfg, rank, port), "--master-addr", master)
-                argvs.append(_networked(argv, s.node["node_ip"]))
+        argvs = self._trainer_argvs(trainers, timeout_s) if trainers else []
         for i, s in enumerate(rollouts):
             argvs.append(_networked(rollout_argv(cfg, i), s.node["node_ip"]))
         self._next_rollout = len(rollouts)
@@ -325,6 +318,50 @@ class RayMesh(Mesh):
             ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items()),
             {s.name: s.node.get("node_id", "")[:8] for s in servers},
         )
+
+    def _trainer_argvs(self, trainers: list[_Server], timeout_s: float) -> list[list[str]]:
+        """The ranks' command lines: rank 0's node and a free port there are the rendezvous."""
+        assert self.cfg is not None
+        rank0 = trainers[0]
+        port = self._get([rank0.actor.free_port.remote()], "rendezvous port", timeout_s)[0]
+        master = rank0.node["node_ip"]
+        return [
+            _networked(
+                _with_flag(trainer_argv(self.cfg, rank, port), "--master-addr", master),
+                s.node["node_ip"],
+            )
+            for rank, s in enumerate(trainers)
+        ]
+
+    def restart_trainers(self, cfg: RunConfig) -> list[str]:
+        """Replaces the whole trainer group with fresh rank actors in the same bundles.
+
+        As :meth:`Mesh.restart_trainers`: a group that lost a rank cannot be reused, so every
+        rank is stopped (its actor too) and new ones rendezvous afresh; returns the addresses.
+        """
+        timeout_s = cfg.launcher.ray_start_timeout_s
+        with self._lock:
+            old = [s for s in self.servers.values() if s.name.startswith("trainer-")]
+        for server in old:
+            # Survivors may sit in a failed collective: a long drain would only delay this.
+            self._stop_one(server, grace_s=5.0)
+        bundle_of = {name: j for j, names in enumerate(bundle_layout(cfg)) for name in names}
+        trainers = [
+            self._new_actor(f"trainer-{r}", bundle_of[f"trainer-{r}"])
+            for r in range(cfg.trainer.ranks)
+        ]
+        nodes = self._get(
+            [s.actor.node.remote() for s in trainers], "placing the trainer actors", timeout_s
+        )
+        for s, node in zip(trainers, nodes, strict=True):
+            s.node = node
+        self._launch(trainers, self._trainer_argvs(trainers, timeout_s), timeout_s)
+        self.trainer_addresses[:] = [s.address for s in trainers]
+        wait_healthy(
+            [(a, TRAINER_SERVICE) for a in self.trainer_addresses],
+            timeout_s=cfg.trainer.restart_timeout_s,
+        )
+        return list(self.trainer_addresses)
 
     # -- the elastic fleet -------------------------------------------------------------------
 
@@ -384,9 +421,9 @@ class RayMesh(Mesh):
         with contextlib.suppress(Exception):
             ray.kill(server.actor)
 
-    def _stop_one(self, server: _Server) -> int:
+    def _stop_one(self, server: _Server, grace_s: float = STOP_GRACE_S) -> int:
         try:
-            code = int(ray.get(server.actor.stop.remote(), timeout=STOP_GRACE_S + 15.0))
+            code = int(ray.get(server.actor.stop.remote(grace_s), timeout=grace_s + 15.0))
         except (RayActorError, GetTimeoutError) as exc:
             # A dead actor took its server with it (PDEATHSIG); report it as failed.
             log.warning("%s: actor gone or stuck (%s); killing it", server.name, exc)

@@ -371,3 +371,33 @@ def test_bundles_hold_trainers_then_rollout_servers_in_contiguous_blocks():
         load_config(None, ["launcher.mode=ray", "launcher.ray_nodes=9"])
     with pytest.raises(FieldError, match=r"launcher\.ray_strategy"):
         load_config(None, ["launcher.ray_strategy=ANYWHERE"])
+
+
+def test_a_killed_trainer_rank_on_ray_is_replaced_by_new_actors_and_the_run_finishes(
+    ray_cluster, tmp_path
+):
+    steps = 8
+    out = tmp_path / "run"
+    overrides = [
+        o for o in run_overrides(tmp_path, steps, 1) if not o.startswith("checkpoint.every")
+    ]
+    overrides += ["checkpoint.every_steps=2", "trainer.health_interval_s=1"]
+    proc, _ = start_run(out, overrides + ray_overrides(ray_cluster))
+    try:
+        wait_for(lambda: trained_steps(out) >= 3)  # past the checkpoint of step 2
+        before = {s["name"]: s for s in json.loads((out / "mesh.json").read_text())["servers"]}
+        os.kill(before["trainer-1"]["pid"], signal.SIGKILL)
+    finally:
+        log = finish(proc)
+    assert proc.returncode == 0, log
+    assert "trainer group restarted" in log and f"done: {steps} steps" in log, log
+    after = {s["name"]: s for s in json.loads((out / "mesh.json").read_text())["servers"]}
+    # Both ranks are new processes in new actors (the survivor's group was broken too).
+    for rank in ("trainer-0", "trainer-1"):
+        assert after[rank]["pid"] != before[rank]["pid"]
+        assert after[rank]["actor_pid"] != before[rank]["actor_pid"]
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["kind"] for r in records].count("recovery") == 1
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, steps + 1))
+    assert alive_server_actors() == []
+    wait_for(lambda: not any(pid_running(p) for p in mesh_pids(out)), timeout=30)
