@@ -15,7 +15,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -108,6 +109,41 @@ def start_child(
     pump.start()
     log.info("%s listening on %s (pid %d)", name, address, proc.pid)
     return Child(name=name, process=proc, address=address, log_path=log_path, _pump=pump)
+
+
+def child_env() -> dict[str, str]:
+    """Environment of a mesh child: one OpenMP thread unless the user asked for more.
+
+    Every child assuming it owns all cores would oversubscribe a small machine.
+    """
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def start_children(
+    specs: Sequence[tuple[str, Sequence[str]]],
+    record: Callable[[Child], None],
+    *,
+    log_dir: Path | None = None,
+) -> None:
+    """Starts every ``(name, argv)`` at once (each takes seconds to import torch).
+
+    ``record`` gets each started child, in ``specs`` order and before any error is raised,
+    so a caller that records into what it stops still stops every child that started; then
+    the first failure is raised.
+    """
+    env = child_env()
+    errors: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
+        futures = [
+            pool.submit(start_child, name, argv, log_dir=log_dir, env=env) for name, argv in specs
+        ]
+        for fut in futures:
+            try:
+                record(fut.result())
+            except BaseException as exc:
+                errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def python_module_argv(module: str, *args: str) -> list[str]:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -24,7 +22,15 @@ from typing import Protocol
 from areal_grpc.cli import security_argv
 from areal_grpc.config import RunConfig
 from areal_grpc.errors import FieldError, PreconditionError
-from areal_grpc.launch import Child, health_status, python_module_argv, start_child, stop_children
+from areal_grpc.launch import (
+    Child,
+    child_env,
+    health_status,
+    python_module_argv,
+    start_child,
+    start_children,
+    stop_children,
+)
 from areal_grpc.tasks import TASKS
 
 __all__ = [
@@ -225,30 +231,16 @@ class Mesh:
         stop_children(old, grace_s=5.0)
         for child in old:
             self.children.remove(child)
-        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         port = free_port(cfg.launcher.host)
         started: list[Child] = []
-        errors: list[BaseException] = []
-        with ThreadPoolExecutor(max_workers=cfg.trainer.ranks) as pool:
-            futures = [
-                pool.submit(
-                    start_child,
-                    f"trainer-{r}",
-                    trainer_argv(cfg, r, port),
-                    log_dir=self.log_dir,
-                    env=env,
-                )
-                for r in range(cfg.trainer.ranks)
-            ]
-            for fut in futures:
-                try:
-                    started.append(fut.result())
-                except BaseException as exc:
-                    errors.append(exc)
-        # Recorded before any error is raised, so stop() still reaches every started child.
-        self.children.extend(started)
-        if errors:
-            raise errors[0]
+
+        def record(child: Child) -> None:
+            # Recorded as it comes up, so stop() reaches every started child on an error.
+            self.children.append(child)
+            started.append(child)
+
+        specs = [(f"trainer-{r}", trainer_argv(cfg, r, port)) for r in range(cfg.trainer.ranks)]
+        start_children(specs, record, log_dir=self.log_dir)  # recorded in rank order
         self.trainer_addresses[:] = [c.address for c in started]
         wait_healthy(
             [(a, TRAINER_SERVICE) for a in self.trainer_addresses],
@@ -301,33 +293,20 @@ def start_mesh(
             mesh.rollout_addresses[:] = cfg.launcher.rollout_addresses
             mesh.trainer_addresses[:] = cfg.launcher.trainer_addresses
         else:
-            env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             port = free_port(cfg.launcher.host)
             specs = [
                 (f"rollout-{i}", rollout_argv(cfg, i)) for i in range(cfg.rollout.num_servers)
             ] + [(f"trainer-{r}", trainer_argv(cfg, r, port)) for r in range(cfg.trainer.ranks)]
             check()
-            # All children start at once (each takes seconds to import torch); they are
-            # recorded as they come up, so a failure of one still stops the others.
-            with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-                futures = [
-                    pool.submit(start_child, name, argv, log_dir=log_dir, env=env)
-                    for name, argv in specs
-                ]
-                errors: list[BaseException] = []
-                for fut in futures:
-                    try:
-                        child = fut.result()
-                    except BaseException as exc:
-                        errors.append(exc)
-                        continue
-                    mesh.children.append(child)
-                    if child.name.startswith("rollout-"):
-                        mesh.rollout_addresses.append(child.address)
-                    else:
-                        mesh.trainer_addresses.append(child.address)
-                if errors:
-                    raise errors[0]
+
+            def record(child: Child) -> None:
+                mesh.children.append(child)
+                if child.name.startswith("rollout-"):
+                    mesh.rollout_addresses.append(child.address)
+                else:
+                    mesh.trainer_addresses.append(child.address)
+
+            start_children(specs, record, log_dir=log_dir)
         check()
         wait_healthy(
             [(a, ROLLOUT_SERVICE) for a in mesh.rollout_addresses]
@@ -407,12 +386,11 @@ class LocalFleet:
             raise PreconditionError(
                 f"rollout.sglang_urls has no URL for rollout server {index}: add one first"
             )
-        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         child = start_child(
             f"rollout-{index}",
             rollout_argv(self.cfg, index),
             log_dir=self.mesh.log_dir,
-            env=env,
+            env=child_env(),
         )
         try:
             wait_healthy([(child.address, ROLLOUT_SERVICE)], timeout_s=120.0)

@@ -55,7 +55,7 @@ from areal_grpc.coordinator.mesh import (
     wait_healthy,
 )
 from areal_grpc.errors import FieldError, PreconditionError
-from areal_grpc.launch import Child, start_child, stop_children
+from areal_grpc.launch import Child, child_env, start_child, stop_children
 from areal_grpc.security import is_loopback
 
 __all__ = ["RayMesh", "ServerActor", "bundle_layout", "start_ray_mesh"]
@@ -178,10 +178,6 @@ def _networked(argv: list[str], host: str) -> list[str]:
     return argv
 
 
-def _child_env() -> dict[str, str]:
-    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-
-
 @dataclass
 class _Server:
     """A server started through an actor."""
@@ -255,7 +251,7 @@ class RayMesh(Mesh):
     def _launch(self, servers: list[_Server], argvs: list[list[str]], timeout_s: float) -> None:
         assert self.log_dir is not None
         refs = [
-            s.actor.start.remote(s.name, argv, str(self.log_dir), _child_env(), timeout_s)
+            s.actor.start.remote(s.name, argv, str(self.log_dir), child_env(), timeout_s)
             for s, argv in zip(servers, argvs, strict=True)
         ]
         for s, ref in zip(servers, refs, strict=True):
