@@ -96,6 +96,19 @@ def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
     return out
 
 
+def retry_delay_s(error: grpc.RpcError) -> float | None:
+    """Seconds the server asks the caller to wait (``RetryInfo``); None when it says nothing."""
+    proto = rpc_status.from_call(error)  # type: ignore[arg-type]
+    if proto is None:
+        return None
+    for detail in proto.details:
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            return retry.retry_delay.ToNanoseconds() / 1e9
+    return None
+
+
 __all__ = [
     "FieldError",
     "PreconditionError",
@@ -103,6 +116,7 @@ __all__ = [
     "field_violations",
     "invalid_argument",
     "resource_exhausted",
+    "retry_delay_s",
     "status",
     "status_for_exception",
 ]

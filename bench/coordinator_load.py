@@ -69,8 +69,6 @@ from typing import Any
 import grpc
 from areal.v1 import common_pb2, coordinator_pb2
 from areal_clients.coordinator import CoordinatorClient
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from teardown import exit_on_sigterm
 
 from areal_grpc.config import load_config
@@ -79,6 +77,7 @@ from areal_grpc.coordinator.mesh import Mesh, start_mesh
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import NoCapacity, WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
+from areal_grpc.errors import retry_delay_s
 from areal_grpc.server import ServerOptions, start_server
 
 VOCAB = 384
@@ -110,16 +109,6 @@ def pct(xs: list[float], q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
-
-
-def retry_info_s(exc: grpc.aio.AioRpcError) -> float:
-    """The RetryInfo delay of a RESOURCE_EXHAUSTED reply (``RETRY_S`` without one)."""
-    status = rpc_status.from_call(exc)
-    retry = error_details_pb2.RetryInfo()
-    for detail in status.details if status is not None else []:
-        if detail.Unpack(retry):
-            return retry.retry_delay.ToNanoseconds() / 1e9
-    return RETRY_S
 
 
 def make_pool(args: argparse.Namespace) -> WorkPool:
@@ -277,7 +266,8 @@ def producer_process(
                         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                             refused += 1
                             if server_retry:
-                                delay = retry_info_s(exc)
+                                delay = retry_delay_s(exc)
+                                delay = RETRY_S if delay is None else delay
                         else:
                             errors[exc.code().name] += 1
                         await asyncio.sleep(delay)

@@ -26,8 +26,6 @@ import pytest
 from areal.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from areal_clients.coordinator import CoordinatorClient
 from areal_clients.rollout import RolloutClient
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -37,6 +35,7 @@ from areal_grpc import tracing
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
+from areal_grpc.errors import retry_delay_s
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import BackgroundServer, sync_channel
 
@@ -186,9 +185,9 @@ async def produce(address: str) -> tuple[str, int, str, int]:
                 except grpc.aio.AioRpcError as exc:
                     # A busy run says when to come back.
                     assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                    retry = error_details_pb2.RetryInfo()
-                    rpc_status.from_call(exc).details[0].Unpack(retry)
-                    await asyncio.sleep(retry.retry_delay.ToNanoseconds() / 1e9)
+                    delay = retry_delay_s(exc)
+                    assert delay is not None, exc
+                    await asyncio.sleep(delay)
             rollout = RolloutClient(lease.rollout_address)
             try:
                 ids = tokenizer.encode("ab=", add_special_tokens=False)

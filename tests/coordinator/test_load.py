@@ -32,14 +32,13 @@ import grpc
 import pytest
 from areal.v1 import common_pb2, coordinator_pb2
 from areal_clients.coordinator import CoordinatorClient
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from areal_grpc.config import load_config
 from areal_grpc.coordinator.loop import Coordinator
 from areal_grpc.coordinator.mesh import start_mesh
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.service import CoordinatorServicer
+from areal_grpc.errors import retry_delay_s
 from areal_grpc.server import ServerOptions, start_server
 
 pytestmark = pytest.mark.slow
@@ -81,14 +80,6 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def retry_delay_s(exc: grpc.aio.AioRpcError) -> float:
-    """The server's RetryInfo delay of a RESOURCE_EXHAUSTED reply."""
-    retry = error_details_pb2.RetryInfo()
-    status = rpc_status.from_call(exc)
-    assert status is not None and status.details and status.details[0].Unpack(retry), exc
-    return retry.retry_delay.ToNanoseconds() / 1e9
-
-
 @dataclass
 class Tally:
     """What the producers saw."""
@@ -117,8 +108,10 @@ async def producer(p: int, address: str, stop: asyncio.Event, tally: Tally) -> N
                     raise
                 tally.refused_ms.append((time.perf_counter() - t0) * 1e3)
                 tally.refused += 1
+                delay = retry_delay_s(exc)
+                assert delay is not None, exc
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), retry_delay_s(exc))
+                    await asyncio.wait_for(stop.wait(), delay)
                 continue
             tally.acquire_ms.append((time.perf_counter() - t0) * 1e3)
             tally.leased.append(lease.lease_id)

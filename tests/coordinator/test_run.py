@@ -27,12 +27,11 @@ from areal.v1 import (
 )
 from areal_clients.coordinator import CoordinatorClient
 from areal_clients.rollout import RolloutClient
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from areal_grpc.config import load_config
 from areal_grpc.coordinator.mesh import Mesh, start_mesh
 from areal_grpc.coordinator.metrics import read_jsonl
+from areal_grpc.errors import retry_delay_s
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import sync_channel
 
@@ -356,9 +355,9 @@ def test_an_external_producer_trains_through_a_lease_in_a_running_loop(tmp_path)
             except grpc.aio.AioRpcError as exc:
                 # A busy run says when to come back.
                 assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                retry = error_details_pb2.RetryInfo()
-                rpc_status.from_call(exc).details[0].Unpack(retry)
-                await asyncio.sleep(retry.retry_delay.ToNanoseconds() / 1e9)
+                delay = retry_delay_s(exc)
+                assert delay is not None, exc
+                await asyncio.sleep(delay)
         rollout = RolloutClient(lease.rollout_address)
         ids = tokenizer.encode("q=", add_special_tokens=False)
         reply = await rollout.generate(
