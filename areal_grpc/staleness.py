@@ -199,6 +199,12 @@ class StalenessManager:
         with self._lock:
             self._accepted = version * self.consumer_batch_size
 
+    def on_version_jump(self, versions: int) -> None:
+        """The version moved by ``versions`` without training: counts that many batches as
+        accepted, so the jump frees no capacity (AReaL's recovery defect inflated it)."""
+        with self._lock:
+            self._accepted = max(0, self._accepted + versions * self.consumer_batch_size)
+
     # -- snapshots and checkpoints -------------------------------------------------------------
 
     def stats(self) -> RolloutStats:

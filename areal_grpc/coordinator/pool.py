@@ -195,17 +195,8 @@ class WorkPool:
         V > 0): capacity counts batches from here, as at version 0, instead of admitting
         ``(V + eta + 1) * B`` rollouts at once."""
         # Added, not set: external producers may have been accepted before the run started.
-        self._shift_accepted(version - self.version)
+        self.staleness.on_version_jump(version - self.version)
         self.set_version(version)
-
-    def _shift_accepted(self, versions: int) -> None:
-        """Counts ``versions`` batches as accepted: a version jump frees no capacity."""
-        if versions:
-            counters = dict(self.staleness.state_dict())
-            counters["accepted"] = max(
-                0, counters["accepted"] + versions * self.staleness.consumer_batch_size
-            )
-            self.staleness.load_state_dict(counters, requeue_running=False)
 
     # -- dataset work ------------------------------------------------------------------------
 
@@ -551,6 +542,6 @@ class WorkPool:
         self._demand.clear()
         self.load_state_dict(state)
         if version is not None and version != self.version:
-            self._shift_accepted(version - self.version)
+            self.staleness.on_version_jump(version - self.version)
             self.version = version
             self.notify()
