@@ -139,6 +139,8 @@ class GroupParams:
     group_name: str
     backend: str = "gloo"
     timeout_s: float = 300.0
+    # nccl: this rank's GPU ("": the thread's current one).
+    device: str = ""
 
 
 class WeightGroup:
@@ -174,10 +176,16 @@ class WeightGroup:
             nccl = getattr(dist, "ProcessGroupNCCL", None)
             if nccl is None or not torch.cuda.is_available():
                 raise RuntimeError("the nccl backend needs a CUDA build of torch and a GPU")
+            self.device = (
+                torch.device(params.device)
+                if params.device
+                else torch.device("cuda", torch.cuda.current_device())
+            )
+            # The communicator binds to the current device of the thread that creates it.
+            torch.cuda.set_device(self.device)
             nopts = nccl.Options()
             nopts._timeout = timeout
             self.pg = nccl(store, params.rank, params.world_size, nopts)
-            self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             raise ValueError(f"unknown backend {params.backend!r}")
         # One collective now so both sides fail here, not on the first bucket, when a rank is
@@ -208,6 +216,19 @@ class WeightGroup:
             # An already broken group may refuse; there is nothing more to release then.
             with contextlib.suppress(Exception):
                 shutdown()
+
+
+def cuda_uuid(device: torch.device | str) -> str:
+    """The GPU's UUID ("" for a non-CUDA device): which physical GPU, across processes.
+
+    Indices are no good for that: each process may see other GPUs under CUDA_VISIBLE_DEVICES.
+    """
+    d = torch.device(device)
+    if d.type != "cuda" or not torch.cuda.is_available():
+        return ""
+    index = d.index if d.index is not None else torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
 def _local_ip_for(remote: str) -> str:

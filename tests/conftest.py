@@ -19,6 +19,17 @@ from areal_grpc.server import BackgroundServer, service
 torch.set_num_threads(1)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite runs on the CPU wherever it runs; ``-m gpu`` selects the GPU tests instead.
+
+    Hiding GPUs (before anything initialises CUDA) keeps every CPU test, and every server
+    process it starts, on the CPU even on a GPU machine, where "auto" devices would otherwise
+    put two trainer ranks on one GPU.
+    """
+    if "gpu" not in (config.option.markexpr or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 # -- a real OTLP trace receiver on loopback (tests of tracing) --------------------------------
 
 

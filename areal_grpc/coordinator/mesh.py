@@ -117,6 +117,36 @@ def rollout_argv(cfg: RunConfig, index: int) -> list[str]:
     return python_module_argv("areal_servers.rollout", *argv)
 
 
+def local_trainer_device(cfg: RunConfig, rank: int) -> str:
+    """Rank ``rank``'s device when every rank runs on this machine: a GPU each, or the CPU.
+
+    "auto" trains on the GPUs only when there is one per rank (NCCL refuses two ranks on one
+    GPU, and FSDP cannot mix CPU and GPU ranks); "cuda" insists on that.
+    """
+    t = cfg.trainer
+    if t.device == "cpu":
+        return "cpu"
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= t.ranks:
+        return f"cuda:{rank}"
+    if t.device == "cuda":
+        raise FieldError(
+            "trainer.ranks",
+            f"{t.ranks} ranks on trainer.device=cuda need a GPU each; this machine has {gpus}",
+        )
+    if gpus and rank == 0:
+        log.warning(
+            "trainer: %d ranks but %d GPU(s): training on the CPU (trainer.ranks=%d would "
+            "train on the GPUs)",
+            t.ranks,
+            gpus,
+            gpus,
+        )
+    return "cpu"
+
+
 def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
     """Command line of trainer rank ``rank``."""
     check_supported(cfg)
@@ -178,8 +208,9 @@ def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
     argv += ["--weights-timeout-s", repr(cfg.weight_sync.timeout_s)]
     if "disk" in cfg.weight_sync.methods:
         argv += ["--weights-root", weights_root(cfg)]
-    if t.device != "auto":
-        argv += ["--device", t.device]
+    device = local_trainer_device(cfg, rank) if cfg.launcher.mode == "local" else t.device
+    if device != "auto":
+        argv += ["--device", device]
     if p.eps_clip_higher is not None:
         argv += ["--eps-clip-higher", repr(p.eps_clip_higher)]
     if p.c_clip is not None:

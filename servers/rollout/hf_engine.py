@@ -126,6 +126,7 @@ class HFEngine(InferenceEngine):
             self.device
         )
         self._model.eval()
+        log.info("hf engine: %s on %s", self.model_name, self.device)
         tokenizer = load_tokenizer(self.config.model) if model is None else None
         mcfg = self._model.config
         self.vocab_size = int(mcfg.vocab_size)

@@ -58,6 +58,7 @@ from areal_grpc.weight_transfer import (
     GroupParams,
     PushMessage,
     WeightGroup,
+    cuda_uuid,
     decode_push_request,
     plan_buckets,
     run_in_thread,
@@ -188,8 +189,13 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 out.append(f"TRANSFER_METHOD_DISTRIBUTED (backends {', '.join(self.backends)})")
         return out
 
-    def _accept(self, i: int, offer: pb.TransferOption) -> pb.TransferOption | None:
-        """The plan for one offer, None when this server does not take it; FieldError if bad."""
+    def _accept(
+        self, i: int, offer: pb.TransferOption, declined: list[str]
+    ) -> pb.TransferOption | None:
+        """The plan for one offer, None when this server does not take it; FieldError if bad.
+
+        Offers this server could take but passes over are explained in ``declined``.
+        """
         where = f"offers[{i}]"
         m = offer.method
         if m == pb.TRANSFER_METHOD_UNSPECIFIED or m not in pb.TransferMethod.values():
@@ -218,6 +224,20 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             raise FieldError(f"{where}.distributed.backend", f"unknown backend {d.backend}")
         if backend not in self.backends:
             return None
+        if backend == "nccl" and not self._sglang and d.device_uuid:
+            mine = cuda_uuid(self._nccl_device())
+            if d.device_uuid == mine:
+                # NCCL refuses two ranks on one GPU: let a later offer (STREAM, DISK) win.
+                declined.append(
+                    f"{where}: NCCL from a sender on this server's own GPU ({mine}); NCCL "
+                    "cannot put two ranks on one GPU"
+                )
+                log.info(
+                    "declining NCCL from %s: it is on this server's GPU (%s)",
+                    d.master_address,
+                    mine,
+                )
+                return None
         w = f"{where}.distributed"
         if not d.master_address:
             raise FieldError(f"{w}.master_address", "must not be empty")
@@ -240,15 +260,24 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         plan.joined = current == params
         return pb.TransferOption(method=m, distributed=plan)
 
+    def _nccl_device(self) -> torch.device:
+        """The GPU NCCL receives on: the engine's when it runs on one, else the current one."""
+        device = getattr(self.engine, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return device
+        return torch.device("cuda", torch.cuda.current_device())
+
     def _group_params(self, d: pb.DistributedParams) -> GroupParams:
+        backend = BACKEND_NAMES[d.backend]
         return GroupParams(
             master_address=d.master_address,
             master_port=d.master_port,
             world_size=d.world_size,
             rank=d.rank_offset,
             group_name=d.group_name,
-            backend=BACKEND_NAMES[d.backend],
+            backend=backend,
             timeout_s=self.config.group_timeout_s,
+            device=str(self._nccl_device()) if backend == "nccl" and not self._sglang else "",
         )
 
     async def Negotiate(
@@ -259,8 +288,9 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             if not request.offers:
                 raise FieldError("offers", "must offer at least one method")
             plan_option = None
+            declined: list[str] = []
             for i, offer in enumerate(request.offers):
-                plan_option = self._accept(i, offer)
+                plan_option = self._accept(i, offer, declined)
                 if plan_option is not None:
                     break
         except FieldError as exc:
@@ -273,7 +303,8 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 status(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"none of the offered methods ({offered}) is acceptable; this server "
-                    f"supports: {'; '.join(self.supported()) or 'nothing'}",
+                    f"supports: {'; '.join(self.supported()) or 'nothing'}"
+                    + "".join(f"; declined {d}" for d in declined),
                 ),
             )
         assert plan_option is not None

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
@@ -111,17 +112,24 @@ class EngineConfig:
     microbatch: MicroBatchSpec = field(default_factory=MicroBatchSpec)
 
 
-def init_distributed(cfg: DistConfig) -> tuple[int, int]:
-    """Joins (or reuses) the default process group; returns (rank, world size)."""
+def init_distributed(cfg: DistConfig, device: torch.device | None = None) -> tuple[int, int]:
+    """Joins (or reuses) the default process group; returns (rank, world size).
+
+    With no backend configured, the group is nccl when this rank trains on ``device`` = a GPU
+    (default: :func:`resolve_device`), else gloo.
+    """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     rank = cfg.rank if cfg.rank is not None else int(os.environ.get("RANK", "0"))
     world = cfg.world_size if cfg.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     addr = cfg.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = cfg.master_port or int(os.environ.get("MASTER_PORT", "29500"))
-    backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = device if device is not None else resolve_device(None, rank)
+    backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", str(rank))))
+        if device.type != "cuda":
+            raise ValueError(f"the nccl backend needs a CUDA device, this rank trains on {device}")
+        torch.cuda.set_device(device)
     host = f"[{addr}]" if ":" in addr else addr
     dist.init_process_group(
         backend,
@@ -133,11 +141,33 @@ def init_distributed(cfg: DistConfig) -> tuple[int, int]:
     return rank, world
 
 
-def default_device() -> torch.device:
-    """cuda:<LOCAL_RANK> when CUDA is available, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+def resolve_device(device: str | None, rank: int = 0) -> torch.device:
+    """The rank's device: ``device`` when given (bare "cuda": cuda:<local rank>), else
+    cuda:<local rank> when CUDA is available, else CPU.
+
+    The local rank is LOCAL_RANK (torchrun sets it), else ``rank``. A local rank without a GPU
+    of its own is an error rather than a second rank on one GPU: NCCL refuses two ranks on
+    one device, and FSDP cannot mix CPU and GPU ranks.
+    """
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if device:
+        d = torch.device(device)
+        if d.type != "cuda":
+            return d
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
+        d = d if d.index is not None else torch.device("cuda", local)
+    elif torch.cuda.is_available():
+        d = torch.device("cuda", local)
+    else:
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if d.index is not None and d.index >= count:
+        raise ValueError(
+            f"this rank would train on {d}, but only {count} GPU(s) are visible: run at most "
+            f"one rank per GPU, or train on the CPU (--device cpu)"
+        )
+    return d
 
 
 def build_model(
@@ -150,16 +180,24 @@ def build_model(
     return model.to(device)
 
 
-def apply_fsdp(model: PreTrainedModel, mixed_precision: bool) -> PreTrainedModel:
-    """``fully_shard`` every decoder layer, then the root (embeddings, norm, head)."""
+def apply_fsdp(
+    model: PreTrainedModel, mixed_precision: bool, device: torch.device | None = None
+) -> PreTrainedModel:
+    """``fully_shard`` every decoder layer, then the root (embeddings, norm, head).
+
+    The mesh is on ``device``'s type (default: the model's): FSDP2's own default is the
+    machine's accelerator, which would move a CPU rank's parameters onto a GPU.
+    """
+    device = device if device is not None else next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mixed_precision
         else MixedPrecisionPolicy()
     )
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
@@ -237,7 +275,7 @@ class TrainerEngine:
             raise ValueError("fsdp=True needs a process group: call init_distributed first")
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
-        self.device = torch.device(cfg.device) if cfg.device else default_device()
+        self.device = resolve_device(cfg.device, self.rank)
         self.backend = dist.get_backend() if self.distributed else "none"
         self.tokenizer = load_tokenizer(cfg.model)
         self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
@@ -248,7 +286,7 @@ class TrainerEngine:
             mixed = cfg.mixed_precision
             if mixed is None:
                 mixed = self.device.type == "cuda"
-            apply_fsdp(self.model, mixed)
+            apply_fsdp(self.model, mixed, self.device)
         self.ref_model: PreTrainedModel | None = None
         if cfg.ppo.kl_ctl != 0.0:
             # The reference policy is the initial one; frozen, replicated (no gradients).
@@ -534,11 +572,15 @@ class TrainerEngine:
         ]
         if missing:
             raise ValueError(f"{meta_file} lacks {missing}")
+        reader = SafeFileSystemReader(path)
+        # Read here too, not only inside dcp.load: some torch releases catch the reader's
+        # error there and fail later with only "metadata is None".
+        reader.read_metadata()
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(
             state,
-            storage_reader=SafeFileSystemReader(path),
+            storage_reader=reader,
             planner=SafeLoadPlanner(),
             no_dist=not self.distributed,
         )

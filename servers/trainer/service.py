@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import pickle
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,6 +35,7 @@ from areal_servers.trainer.engine import (
     StepResult,
     TrainerEngine,
     init_distributed,
+    resolve_device,
 )
 from areal_servers.trainer.weight_publisher import (
     DEFAULT_METHODS,
@@ -141,13 +143,15 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(self, cfg: TrainerServiceConfig) -> None:
         self.cfg = cfg
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-torch")
+        # Resolved here, so a rank without a GPU of its own fails at start with a clear error.
+        self.device = resolve_device(cfg.engine.device, cfg.dist.rank or 0)
         self._busy = False
         self.engine: TrainerEngine | None = None
         # Building starts now so a launcher can start every rank before any is ready (the
         # process group's rendezvous waits for all of them).
         self._ready: Future[TrainerEngine] = self._executor.submit(self._build)
         # Rank 0's sender; it keeps the distributed weight group between publications.
-        self.publisher = WeightPublisher(cfg.weights)
+        self.publisher = WeightPublisher(cfg.weights, device=self.device)
         # Why the process group broke (None while it works). A collective that failed
         # unexpectedly (a peer died, a timeout) leaves the ranks at different points of the
         # collective sequence, so this rank refuses further collective calls at once instead
@@ -157,8 +161,8 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
 
     def _build(self) -> TrainerEngine:
         if self.cfg.distributed:
-            init_distributed(self.cfg.dist)
-        self.engine = TrainerEngine(self.cfg.engine)
+            init_distributed(self.cfg.dist, self.device)
+        self.engine = TrainerEngine(replace(self.cfg.engine, device=str(self.device)))
         log.info(
             "trainer rank %d/%d ready (%s, %s)",
             self.engine.rank,
@@ -432,7 +436,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
                 isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG
             ):
                 st = status(grpc.StatusCode.INVALID_ARGUMENT, f"path: {exc}")
-            elif type(exc).__name__ == "CheckpointException" or isinstance(exc, KeyError):
+            elif type(exc).__name__ == "CheckpointException" or isinstance(
+                exc, (KeyError, pickle.UnpicklingError, EOFError)
+            ):
                 st = status(
                     grpc.StatusCode.FAILED_PRECONDITION, f"path: unreadable checkpoint: {exc!r}"
                 )

@@ -52,6 +52,7 @@ from areal_grpc.weight_transfer import (
     PUSH_WEIGHTS_METHOD,
     GroupParams,
     WeightGroup,
+    cuda_uuid,
     encode_push_request,
     free_port,
     plan_buckets,
@@ -81,7 +82,7 @@ class PublisherConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     # Address the rollout servers use to reach rank 0's weight-group rendezvous.
     master_address: str = "127.0.0.1"
-    # "gloo" or "nccl"; None: nccl when CUDA is available, else gloo.
+    # "gloo" or "nccl"; None: nccl when the trainer's parameters are on a GPU, else gloo.
     backend: str | None = None
     # Seconds for a group rendezvous or one broadcast.
     group_timeout_s: float = 300.0
@@ -238,13 +239,23 @@ class SessionStats:
 class WeightPublisher:
     """Rank 0's sender: keeps the distributed group between publications."""
 
-    def __init__(self, config: PublisherConfig | None = None, sender_id: str = "") -> None:
+    def __init__(
+        self,
+        config: PublisherConfig | None = None,
+        sender_id: str = "",
+        device: torch.device | None = None,
+    ) -> None:
         self.config = config or PublisherConfig()
         self.sender_id = sender_id or f"trainer-{uuid.uuid4().hex[:8]}"
+        if device is None:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = self.config.backend
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = "nccl" if device.type == "cuda" else "gloo"
         self.backend = backend
+        self.device = device
+        # Receivers on this very GPU decline NCCL (it refuses two ranks on one device).
+        self.device_uuid = cuda_uuid(device) if backend == "nccl" else ""
         self._group: _GroupCache | None = None
         # A STREAM publication allocates and frees a ~1 MiB message buffer per chunk; keep
         # freed ones mapped instead of faulting fresh pages in for every message.
@@ -366,6 +377,7 @@ class PublishSession:
                     rank_offset=rank,
                     group_name=name,
                     bucket_bytes=self.bucket_bytes,
+                    device_uuid=self.publisher.device_uuid,
                 ),
             )
         return None
@@ -499,6 +511,7 @@ class PublishSession:
             group_name=name,
             backend=pub.backend,
             timeout_s=self.cfg.group_timeout_s,
+            device=str(pub.device) if pub.backend == "nccl" and pub.device.type == "cuda" else "",
         )
         addresses = [t.result.address for t in members]
         request = pb.UpdateFromDistributedRequest(

@@ -15,7 +15,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
-        reason="needs a CUDA GPU and the sglang package",
+        reason="needs a CUDA GPU (and -m gpu) and the sglang package",
     ),
 ]
 

@@ -1,7 +1,8 @@
 """Real parts for the weight-sync tests: trainer rank processes and in-process rollout servers.
 
 * ``trainers``: two ``areal-trainer`` processes (FSDP2 over gloo on loopback, builtin:micro)
-  shared by the whole directory, publishing DISK versions under ``weights_root``.
+  shared by the whole directory, publishing DISK versions under ``weights_root``;
+  ``start_trainers`` starts other such groups (on a GPU, say).
 * ``make_rollout``: a rollout server on loopback (real HFEngine + RolloutService +
   WeightSyncService) on a background event loop, stopped at the end of the test.
 """
@@ -82,6 +83,7 @@ class Trainers:
         """One real training step on both ranks; returns the new policy version."""
         version = self.version()
         rng = random.Random(self.step)
+        ranks = len(self.stubs)
         groups = []
         for g in range(2):
             group = common_pb2.TrajectoryGroup(group_id=f"s{self.step}g{g}")
@@ -110,16 +112,17 @@ class Trainers:
                 yield trainer_pb2.TrainStepRequest(group=g)
             yield trainer_pb2.TrainStepRequest(end=trainer_pb2.StepEnd())
 
-        def run(rank: int) -> trainer_pb2.StepStats:
+        def run(rank: int, shard: list[common_pb2.TrajectoryGroup]) -> trainer_pb2.StepStats:
             stats = None
-            for resp in self.stubs[rank].TrainStep(messages([groups[rank]]), timeout=RPC_TIMEOUT):
+            for resp in self.stubs[rank].TrainStep(messages(shard), timeout=RPC_TIMEOUT):
                 if resp.HasField("stats"):
                     stats = resp.stats
             assert stats is not None
             return stats
 
-        with ThreadPoolExecutor(2) as pool:
-            stats = list(pool.map(run, range(2)))
+        shards = [groups[r::ranks] for r in range(ranks)]
+        with ThreadPoolExecutor(ranks) as pool:
+            stats = list(pool.map(lambda r: run(r, shards[r]), range(ranks)))
         self.step += 1
         assert stats[0].policy_version == version + 1
         return version + 1
@@ -133,14 +136,15 @@ class Trainers:
                 trainer_pb2.ExportModelRequest(path=str(path)), timeout=RPC_TIMEOUT
             )
 
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(run, range(2)))
+        with ThreadPoolExecutor(len(self.stubs)) as pool:
+            list(pool.map(run, range(len(self.stubs))))
         return path
 
 
-@pytest.fixture(scope="session")
-def trainers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainers]:
-    base = tmp_path_factory.mktemp("trainers")
+def start_trainers(
+    base: Path, ranks: int = 2, device: str = "cpu", extra: tuple[str, ...] = ()
+) -> Trainers:
+    """``ranks`` real trainer processes (FSDP2; rank r on ``device``, "cuda" meaning cuda:r)."""
     weights_root = base / "weights"
     export_root = base / "export"
     weights_root.mkdir()
@@ -148,17 +152,18 @@ def trainers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainers]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     procs, addresses, stubs, channels = [], [], [], []
-    for r in range(2):
+    for r in range(ranks):
         cmd = [
             sys.executable,
             "-m",
             "areal_servers.trainer",
             "--port=0",
             f"--rank={r}",
-            "--world-size=2",
+            f"--world-size={ranks}",
             "--master-addr=127.0.0.1",
             f"--master-port={port}",
             f"--model={MODEL}",
+            f"--device={device if device != 'cuda' else f'cuda:{r}'}",
             "--torch-threads=1",
             # Large enough that one step visibly changes greedy outputs.
             "--lr=3e-3",
@@ -170,6 +175,7 @@ def trainers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainers]:
             "--weights-bucket-mb=0.1",
             "--weights-timeout-s=120",
             "--log-level=WARNING",
+            *extra,
         ]
         log = open(base / f"rank{r}.log", "w")  # noqa: SIM115 (lives with the process)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
@@ -181,17 +187,28 @@ def trainers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainers]:
         addresses.append(address)
         channels.append(channel)
         stubs.append(trainer_pb2_grpc.TrainerServiceStub(channel))
-    yield Trainers(procs, addresses, stubs, channels, weights_root, export_root)
-    for c in channels:
+    return Trainers(procs, addresses, stubs, channels, weights_root, export_root)
+
+
+def stop_trainers(t: Trainers) -> None:
+    """SIGTERM every rank, then kill what has not left within 30 s."""
+    for c in t.channels:
         c.close()
-    for p in procs:
+    for p in t.processes:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    for p in procs:
+    for p in t.processes:
         try:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+@pytest.fixture(scope="session")
+def trainers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainers]:
+    t = start_trainers(tmp_path_factory.mktemp("trainers"))
+    yield t
+    stop_trainers(t)
 
 
 @dataclass
@@ -237,8 +254,8 @@ MakeRollout = Callable[..., Rollout]
 def make_rollout() -> Iterator[MakeRollout]:
     started: list[Rollout] = []
 
-    def make(disk_root: str | Path | None = None, **kw: object) -> Rollout:
-        engine = HFEngine(HFEngineConfig(model=MODEL, device="cpu"))
+    def make(disk_root: str | Path | None = None, device: str = "cpu", **kw: object) -> Rollout:
+        engine = HFEngine(HFEngineConfig(model=MODEL, device=device))
         rollout = RolloutServicer(engine, load_tokenizer(MODEL))
         kw.setdefault("group_timeout_s", 60)
         ws = build_weight_sync_service(
@@ -278,4 +295,13 @@ def make_rollout() -> Iterator[MakeRollout]:
         r.server.stop()
 
 
-__all__ = ["MODEL", "RPC_TIMEOUT", "Rollout", "Trainers", "tensor_digest", "weight_sync_pb2"]
+__all__ = [
+    "MODEL",
+    "RPC_TIMEOUT",
+    "Rollout",
+    "Trainers",
+    "start_trainers",
+    "stop_trainers",
+    "tensor_digest",
+    "weight_sync_pb2",
+]

@@ -35,13 +35,13 @@ def exported_state_dict(path) -> dict:
     return out
 
 
-def reference_greedy(path, prompt: list[int], n: int = 12) -> list[int]:
+def reference_greedy(path, prompt: list[int], n: int = 12, device: str = "cpu") -> list[int]:
     """Greedy output of an hf engine loaded from the exported directory."""
 
     async def run() -> list[int]:
         from areal_servers.rollout.engine import SamplingConfig
 
-        engine = HFEngine(HFEngineConfig(model=str(path), device="cpu"))
+        engine = HFEngine(HFEngineConfig(model=str(path), device=device))
         try:
             result = await engine.generate(
                 prompt, SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True)

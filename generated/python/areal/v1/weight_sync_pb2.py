@@ -25,43 +25,43 @@ _sym_db = _symbol_database.Default()
 from areal.v1 import tensor_pb2 as areal_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61real/v1/weight_sync.proto\x12\x08\x61real.v1\x1a\x15\x61real/v1/tensor.proto\"\xd1\x01\n\x11\x44istributedParams\x12,\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1b.areal.v1.CollectiveBackend\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0brank_offset\x18\x05 \x01(\x05\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x03\x12\x0e\n\x06joined\x18\x08 \x01(\x08\"\'\n\x0cStreamParams\x12\x17\n\x0fmax_chunk_bytes\x18\x01 \x01(\x03\"\x1a\n\nDiskParams\x12\x0c\n\x04root\x18\x01 \x01(\t\"\xc8\x01\n\x0eTransferOption\x12(\n\x06method\x18\x01 \x01(\x0e\x32\x18.areal.v1.TransferMethod\x12\x32\n\x0b\x64istributed\x18\x02 \x01(\x0b\x32\x1b.areal.v1.DistributedParamsH\x00\x12(\n\x06stream\x18\x03 \x01(\x0b\x32\x16.areal.v1.StreamParamsH\x00\x12$\n\x04\x64isk\x18\x04 \x01(\x0b\x32\x14.areal.v1.DiskParamsH\x00\x42\x08\n\x06params\"O\n\x10NegotiateRequest\x12(\n\x06offers\x18\x01 \x03(\x0b\x32\x18.areal.v1.TransferOption\x12\x11\n\tsender_id\x18\x02 \x01(\t\"d\n\x11NegotiateResponse\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x18.areal.v1.TransferOption\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07plan_id\x18\x03 \x01(\t\"s\n\x12PushWeightsRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.areal.v1.PushWeightsHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.areal.v1.TensorChunkH\x00\x42\x06\n\x04kind\"g\n\x11PushWeightsHeader\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\"[\n\x13PushWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"N\n\x15UpdateFromDiskRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\"F\n\x16UpdateFromDiskResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\"\x84\x01\n\x1cUpdateFromDistributedRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.areal.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x03\"M\n\x1dUpdateFromDistributedResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r*\x88\x01\n\x0eTransferMethod\x12\x1f\n\x1bTRANSFER_METHOD_UNSPECIFIED\x10\x00\x12\x1f\n\x1bTRANSFER_METHOD_DISTRIBUTED\x10\x01\x12\x1a\n\x16TRANSFER_METHOD_STREAM\x10\x02\x12\x18\n\x14TRANSFER_METHOD_DISK\x10\x03*q\n\x11\x43ollectiveBackend\x12\"\n\x1e\x43OLLECTIVE_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_GLOO\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_NCCL\x10\x02\x32\xe6\x02\n\x11WeightSyncService\x12\x44\n\tNegotiate\x12\x1a.areal.v1.NegotiateRequest\x1a\x1b.areal.v1.NegotiateResponse\x12L\n\x0bPushWeights\x12\x1c.areal.v1.PushWeightsRequest\x1a\x1d.areal.v1.PushWeightsResponse(\x01\x12S\n\x0eUpdateFromDisk\x12\x1f.areal.v1.UpdateFromDiskRequest\x1a .areal.v1.UpdateFromDiskResponse\x12h\n\x15UpdateFromDistributed\x12&.areal.v1.UpdateFromDistributedRequest\x1a\'.areal.v1.UpdateFromDistributedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61real/v1/weight_sync.proto\x12\x08\x61real.v1\x1a\x15\x61real/v1/tensor.proto\"\xe6\x01\n\x11\x44istributedParams\x12,\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1b.areal.v1.CollectiveBackend\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0brank_offset\x18\x05 \x01(\x05\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x03\x12\x0e\n\x06joined\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"\'\n\x0cStreamParams\x12\x17\n\x0fmax_chunk_bytes\x18\x01 \x01(\x03\"\x1a\n\nDiskParams\x12\x0c\n\x04root\x18\x01 \x01(\t\"\xc8\x01\n\x0eTransferOption\x12(\n\x06method\x18\x01 \x01(\x0e\x32\x18.areal.v1.TransferMethod\x12\x32\n\x0b\x64istributed\x18\x02 \x01(\x0b\x32\x1b.areal.v1.DistributedParamsH\x00\x12(\n\x06stream\x18\x03 \x01(\x0b\x32\x16.areal.v1.StreamParamsH\x00\x12$\n\x04\x64isk\x18\x04 \x01(\x0b\x32\x14.areal.v1.DiskParamsH\x00\x42\x08\n\x06params\"O\n\x10NegotiateRequest\x12(\n\x06offers\x18\x01 \x03(\x0b\x32\x18.areal.v1.TransferOption\x12\x11\n\tsender_id\x18\x02 \x01(\t\"d\n\x11NegotiateResponse\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x18.areal.v1.TransferOption\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07plan_id\x18\x03 \x01(\t\"s\n\x12PushWeightsRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.areal.v1.PushWeightsHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.areal.v1.TensorChunkH\x00\x42\x06\n\x04kind\"g\n\x11PushWeightsHeader\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\"[\n\x13PushWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"N\n\x15UpdateFromDiskRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\"F\n\x16UpdateFromDiskResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\"\x84\x01\n\x1cUpdateFromDistributedRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.areal.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x03\"M\n\x1dUpdateFromDistributedResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r*\x88\x01\n\x0eTransferMethod\x12\x1f\n\x1bTRANSFER_METHOD_UNSPECIFIED\x10\x00\x12\x1f\n\x1bTRANSFER_METHOD_DISTRIBUTED\x10\x01\x12\x1a\n\x16TRANSFER_METHOD_STREAM\x10\x02\x12\x18\n\x14TRANSFER_METHOD_DISK\x10\x03*q\n\x11\x43ollectiveBackend\x12\"\n\x1e\x43OLLECTIVE_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_GLOO\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_NCCL\x10\x02\x32\xe6\x02\n\x11WeightSyncService\x12\x44\n\tNegotiate\x12\x1a.areal.v1.NegotiateRequest\x1a\x1b.areal.v1.NegotiateResponse\x12L\n\x0bPushWeights\x12\x1c.areal.v1.PushWeightsRequest\x1a\x1d.areal.v1.PushWeightsResponse(\x01\x12S\n\x0eUpdateFromDisk\x12\x1f.areal.v1.UpdateFromDiskRequest\x1a .areal.v1.UpdateFromDiskResponse\x12h\n\x15UpdateFromDistributed\x12&.areal.v1.UpdateFromDistributedRequest\x1a\'.areal.v1.UpdateFromDistributedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'areal.v1.weight_sync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERMETHOD']._serialized_start=1412
-  _globals['_TRANSFERMETHOD']._serialized_end=1548
-  _globals['_COLLECTIVEBACKEND']._serialized_start=1550
-  _globals['_COLLECTIVEBACKEND']._serialized_end=1663
+  _globals['_TRANSFERMETHOD']._serialized_start=1433
+  _globals['_TRANSFERMETHOD']._serialized_end=1569
+  _globals['_COLLECTIVEBACKEND']._serialized_start=1571
+  _globals['_COLLECTIVEBACKEND']._serialized_end=1684
   _globals['_DISTRIBUTEDPARAMS']._serialized_start=64
-  _globals['_DISTRIBUTEDPARAMS']._serialized_end=273
-  _globals['_STREAMPARAMS']._serialized_start=275
-  _globals['_STREAMPARAMS']._serialized_end=314
-  _globals['_DISKPARAMS']._serialized_start=316
-  _globals['_DISKPARAMS']._serialized_end=342
-  _globals['_TRANSFEROPTION']._serialized_start=345
-  _globals['_TRANSFEROPTION']._serialized_end=545
-  _globals['_NEGOTIATEREQUEST']._serialized_start=547
-  _globals['_NEGOTIATEREQUEST']._serialized_end=626
-  _globals['_NEGOTIATERESPONSE']._serialized_start=628
-  _globals['_NEGOTIATERESPONSE']._serialized_end=728
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=730
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=845
-  _globals['_PUSHWEIGHTSHEADER']._serialized_start=847
-  _globals['_PUSHWEIGHTSHEADER']._serialized_end=950
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=952
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1043
-  _globals['_UPDATEFROMDISKREQUEST']._serialized_start=1045
-  _globals['_UPDATEFROMDISKREQUEST']._serialized_end=1123
-  _globals['_UPDATEFROMDISKRESPONSE']._serialized_start=1125
-  _globals['_UPDATEFROMDISKRESPONSE']._serialized_end=1195
-  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_start=1198
-  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_end=1330
-  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_start=1332
-  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_end=1409
-  _globals['_WEIGHTSYNCSERVICE']._serialized_start=1666
-  _globals['_WEIGHTSYNCSERVICE']._serialized_end=2024
+  _globals['_DISTRIBUTEDPARAMS']._serialized_end=294
+  _globals['_STREAMPARAMS']._serialized_start=296
+  _globals['_STREAMPARAMS']._serialized_end=335
+  _globals['_DISKPARAMS']._serialized_start=337
+  _globals['_DISKPARAMS']._serialized_end=363
+  _globals['_TRANSFEROPTION']._serialized_start=366
+  _globals['_TRANSFEROPTION']._serialized_end=566
+  _globals['_NEGOTIATEREQUEST']._serialized_start=568
+  _globals['_NEGOTIATEREQUEST']._serialized_end=647
+  _globals['_NEGOTIATERESPONSE']._serialized_start=649
+  _globals['_NEGOTIATERESPONSE']._serialized_end=749
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=751
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=866
+  _globals['_PUSHWEIGHTSHEADER']._serialized_start=868
+  _globals['_PUSHWEIGHTSHEADER']._serialized_end=971
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=973
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1064
+  _globals['_UPDATEFROMDISKREQUEST']._serialized_start=1066
+  _globals['_UPDATEFROMDISKREQUEST']._serialized_end=1144
+  _globals['_UPDATEFROMDISKRESPONSE']._serialized_start=1146
+  _globals['_UPDATEFROMDISKRESPONSE']._serialized_end=1216
+  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_start=1219
+  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_end=1351
+  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_start=1353
+  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_end=1430
+  _globals['_WEIGHTSYNCSERVICE']._serialized_start=1687
+  _globals['_WEIGHTSYNCSERVICE']._serialized_end=2045
 # @@protoc_insertion_point(module_scope)

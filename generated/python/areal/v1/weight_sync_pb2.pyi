@@ -29,7 +29,7 @@ COLLECTIVE_BACKEND_GLOO: CollectiveBackend
 COLLECTIVE_BACKEND_NCCL: CollectiveBackend
 
 class DistributedParams(_message.Message):
-    __slots__ = ("backend", "master_address", "master_port", "world_size", "rank_offset", "group_name", "bucket_bytes", "joined")
+    __slots__ = ("backend", "master_address", "master_port", "world_size", "rank_offset", "group_name", "bucket_bytes", "joined", "device_uuid")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class DistributedParams(_message.Message):
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     backend: CollectiveBackend
     master_address: str
     master_port: int
@@ -46,7 +47,8 @@ class DistributedParams(_message.Message):
     group_name: str
     bucket_bytes: int
     joined: bool
-    def __init__(self, backend: _Optional[_Union[CollectiveBackend, str]] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., group_name: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., joined: _Optional[bool] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, backend: _Optional[_Union[CollectiveBackend, str]] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., group_name: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., joined: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class StreamParams(_message.Message):
     __slots__ = ("max_chunk_bytes",)

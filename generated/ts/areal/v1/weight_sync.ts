@@ -140,6 +140,12 @@ export interface DistributedParams {
    * world size and rank), so no rendezvous precedes the next update.
    */
   joined: boolean;
+  /**
+   * For COLLECTIVE_BACKEND_NCCL: the UUID of the sender's GPU (as nvidia-smi -L shows it).
+   * NCCL cannot place two ranks on one GPU, so a receiver on that same GPU declines the
+   * offer and a later one in the request (STREAM, DISK) is taken instead.
+   */
+  deviceUuid: string;
 }
 
 /** Parameters of a stream transfer. */
@@ -273,6 +279,7 @@ function createBaseDistributedParams(): DistributedParams {
     groupName: "",
     bucketBytes: 0,
     joined: false,
+    deviceUuid: "",
   };
 }
 
@@ -301,6 +308,9 @@ export const DistributedParams: MessageFns<DistributedParams> = {
     }
     if (message.joined !== false) {
       writer.uint32(64).bool(message.joined);
+    }
+    if (message.deviceUuid !== "") {
+      writer.uint32(74).string(message.deviceUuid);
     }
     return writer;
   },
@@ -382,6 +392,14 @@ export const DistributedParams: MessageFns<DistributedParams> = {
             message.joined = reader.bool();
             continue;
           }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.deviceUuid = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -428,6 +446,11 @@ export const DistributedParams: MessageFns<DistributedParams> = {
         ? globalThis.Number(object.bucket_bytes)
         : 0,
       joined: isSet(object.joined) ? globalThis.Boolean(object.joined) : false,
+      deviceUuid: isSet(object.deviceUuid)
+        ? globalThis.String(object.deviceUuid)
+        : isSet(object.device_uuid)
+        ? globalThis.String(object.device_uuid)
+        : "",
     };
   },
 
@@ -457,6 +480,9 @@ export const DistributedParams: MessageFns<DistributedParams> = {
     if (message.joined !== false) {
       obj.joined = message.joined;
     }
+    if (message.deviceUuid !== "") {
+      obj.deviceUuid = message.deviceUuid;
+    }
     return obj;
   },
 
@@ -473,6 +499,7 @@ export const DistributedParams: MessageFns<DistributedParams> = {
     message.groupName = object.groupName ?? "";
     message.bucketBytes = object.bucketBytes ?? 0;
     message.joined = object.joined ?? false;
+    message.deviceUuid = object.deviceUuid ?? "";
     return message;
   },
 };
