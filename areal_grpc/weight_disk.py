@@ -11,12 +11,13 @@ no pickle, no ``torch.load``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -24,7 +25,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from areal_grpc.errors import FieldError
-from areal_grpc.tensor_codec import fits_buffer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -57,7 +57,21 @@ class VersionWriter:
         w.path  # <root>/v00000007
     """
 
-    def __init__(self, root: str | os.PathLike[str], version: int, shard_count: int) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        version: int,
+        shard_count: int,
+        keep: int | None = None,
+    ) -> None:
+        """``keep``: the versions kept once this one is published (see :func:`prune_versions`).
+
+        Given, the older versions that pruning will delete then, except the newest one, go
+        while this one is written: before each shard, files of theirs of about its size are
+        deleted. The write then takes page-cache pages freed a moment earlier, which are much
+        cheaper than pages the kernel has not handed out before (on a virtual machine each of
+        those costs a fault in the host): 0.02 s instead of 0.08 s per 64 MiB here.
+        """
         if shard_count < 1:
             raise ValueError("shard_count must be >= 1")
         self.root = Path(root)
@@ -68,11 +82,29 @@ class VersionWriter:
         self._weight_map: dict[str, str] = {}
         self._total = 0
         self._shards = 0
+        self._keep = keep
+        # Files of versions due for pruning, largest first, and how many bytes they hold.
+        self._doomed: list[tuple[int, Path]] = []
 
     def __enter__(self) -> VersionWriter:
         self.root.mkdir(parents=True, exist_ok=True)
         self._tmp.mkdir()
+        if self._keep is not None:
+            existing = [p for v, p in list_versions(self.root) if v != self.version]
+            # The newest existing version stays whatever happens to this one.
+            for d in existing[: -max(self._keep - 1, 1)]:
+                self._doomed += [(f.stat().st_size, f) for f in d.glob("*.safetensors")]
+            self._doomed.sort(key=lambda sf: sf[0], reverse=True)
         return self
+
+    def _free_for(self, nbytes: int) -> None:
+        """Deletes doomed files holding about ``nbytes`` (at least one, while there are any)."""
+        freed = 0
+        while self._doomed and freed < nbytes:
+            size, f = self._doomed.pop(0)
+            with contextlib.suppress(OSError):
+                f.unlink()
+            freed += size
 
     def add_shard(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Writes the next shard file (tensors made contiguous CPU copies only if needed)."""
@@ -80,6 +112,7 @@ class VersionWriter:
             raise ValueError(f"more than the announced {self.shard_count} shards")
         name = shard_name(self._shards, self.shard_count)
         plain = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        self._free_for(sum(v.numel() * v.element_size() for v in plain.values()))
         save_file(plain, str(self._tmp / name), metadata={"format": "pt"})
         for k, v in plain.items():
             if k in self._weight_map:
@@ -230,44 +263,26 @@ def weight_files(directory: Path, root: Path, field: str = "path") -> list[Path]
     return files
 
 
-def _read_tensors(
-    path: Path, buffers: MutableMapping[str, torch.Tensor] | None
-) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of one safetensors file (safetensors validates the header and offsets).
 
-    A tensor with a buffer in ``buffers`` (same name, dtype and shape, contiguous CPU) is
-    copied into it (taken out of the mapping): memory already in use takes the copy without
-    the page faults of fresh memory. The others stay in safetensors' file mapping.
+    They stay in safetensors' private (copy-on-write) mapping of the file: nothing is copied,
+    pages come in from the page cache as they are first read, writing to a tensor never
+    reaches the file, and deleting the file later leaves the mapping intact.
     """
-    out: dict[str, torch.Tensor] = {}
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-            t = f.get_tensor(name)
-            buf = buffers.pop(name, None) if buffers is not None else None
-            if buf is not None and fits_buffer(buf, t.dtype, list(t.shape)):
-                buf.copy_(t)
-                t = buf
-            out[name] = t
-    return out
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
 
 
 def load_version(
-    root: str | os.PathLike[str],
-    path: str,
-    field: str = "path",
-    buffers: MutableMapping[str, torch.Tensor] | None = None,
+    root: str | os.PathLike[str], path: str, field: str = "path"
 ) -> dict[str, torch.Tensor]:
-    """The state dict stored at ``path`` under ``root`` (confined; safetensors only).
-
-    ``buffers``: tensors to read into by name, e.g. the weights the previous update replaced
-    (each taken out of the mapping when used): reading into memory already in use skips the
-    page faults of fresh memory. Tensors without one get fresh memory.
-    """
+    """The state dict stored at ``path`` under ``root`` (confined; safetensors only)."""
     directory = resolve_confined(root, path, field)
     out: dict[str, torch.Tensor] = {}
     for f in weight_files(directory, Path(root), field):
         try:
-            part = _read_tensors(f, buffers)
+            part = _read_tensors(f)
         except (OSError, ValueError, SafetensorError) as exc:
             raise FieldError(field, f"cannot read {f.name}: {exc}") from None
         dup = set(part) & set(out)

@@ -6,7 +6,8 @@ What runs (all on this machine, loopback):
 
 * A local Qwen2 config (hidden 1024, 8 layers, MLP 2816, byte vocabulary: ~104M parameters,
   float32, random init, no downloads) saved as an HF directory.
-* One ``areal-trainer`` process (world size 1, FSDP2 over gloo).
+* One ``areal-trainer`` process (world size 1, FSDP2 over gloo; DISK keeps 2 versions, the
+  trainer's default).
 * Per method, one rollout server process (hf engine + RolloutService + WeightSyncService),
   updated repeatedly as in a training run: the trainer takes a tiny step (not timed), then the
   coordinator's ``clients.fleet.update_fleet_weights`` moves the new version by that method.
@@ -17,11 +18,13 @@ Baselines, measured in the same run on the same bytes (the state dict the traine
 
 * stream: a raw TCP copy between two processes (``sendall`` from tensor memory,
   ``recv_into`` preallocated buffers, one ack at the end).
-* disk: ``safetensors.torch.save_file`` then ``load_file`` of the state dict.
+* disk: ``safetensors.torch.save_file`` then ``load_file`` of the state dict (``load_file``
+  maps the file, as our receiver does: neither copies the bytes again).
 * distributed: a bare ``torch.distributed`` gloo group of two fresh processes broadcasting
   the same tensors one by one (as the protocol does).
 
-Each method and baseline runs once unmeasured, then ``--reps`` times; each prints
+Each method runs once unmeasured, then ``--reps`` times; then its baseline, likewise (in a block
+of its own: see the comment in ``main``). Each method prints
 ``RESULT bench=weight_sync_<method> value=<s> unit=s baseline=<s> ratio=<r> target=1.3``
 (medians).
 """
@@ -304,7 +307,7 @@ def main() -> int:
                 f"--model={model_dir}",
                 "--torch-threads=1",
                 f"--weights-root={weights_root}",
-                "--weights-keep=1",
+                "--weights-keep=2",
                 "--log-level=WARNING",
             ),
             log_dir=base / "logs",
@@ -341,18 +344,22 @@ def main() -> int:
                     ready_timeout_s=300,
                 )
                 try:
-                    syncs, bases = [], []
+                    syncs = []
                     # One unmeasured round first: the first update of a process pays one-off
                     # costs (page faults of fresh buffers, connection set-up) once per run.
                     train()
                     time_sync(trainer.address, rollout.address, method)
-                    baseline_fn()
                     for _ in range(args.reps):
                         train()  # not timed: only makes the next version
                         syncs.append(time_sync(trainer.address, rollout.address, method))
-                        bases.append(baseline_fn())
                 finally:
                     stop_children([rollout])
+                # The baseline in a block of its own, after the syncs, likewise warmed up once:
+                # interleaved, each side would write into the page-cache pages the other just
+                # freed (cheap) and leave it pages never handed out before (a host fault each
+                # on a virtual machine), and the ratio would measure who went first.
+                baseline_fn()
+                bases = [baseline_fn() for _ in range(args.reps)]
                 value = statistics.median(syncs)
                 baseline = statistics.median(bases)
                 print(

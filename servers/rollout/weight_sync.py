@@ -18,8 +18,11 @@ Every update names the new policy version; one that is not newer than the served
 FAILED_PRECONDITION and changes nothing. Updates run one at a time.
 
 Received tensors are handed to the engine without a copy, and the weights they replace become
-the next update's receive buffers (``reuse_buffers``): STREAM chunks, DISK shards and
-DISTRIBUTED broadcasts land in memory already faulted in rather than in fresh pages. A sender
+the next update's receive buffers (``reuse_buffers``): STREAM chunks and DISTRIBUTED
+broadcasts land in memory already faulted in rather than in fresh pages. DISK shards need no
+buffer at all: safetensors maps each file privately (copy-on-write), and the mapped tensors
+are handed over as they are, so the served weights share the page cache the trainer wrote
+(pruning the directory later does not disturb a mapping). A sender
 that cancels a DISTRIBUTED update (another member died) makes this server drop the group at
 once; the blocked collective is left to its thread until the group timeout.
 """
@@ -164,13 +167,19 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             # freed ones mapped instead of faulting fresh pages in for every message.
             tc.tune_malloc()
 
-    async def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Swaps a freshly received state dict in (handed over where the engine allows)."""
+    async def _load(
+        self, state_dict: dict[str, torch.Tensor], version: int, keep_spare: bool = True
+    ) -> None:
+        """Swaps a freshly received state dict in (handed over where the engine allows).
+
+        ``keep_spare``: keep the replaced weights as the next update's receive buffers.
+        """
         if self._handover:
             spare = await self.engine.load_weights(  # type: ignore[call-arg,func-returns-value]
                 state_dict, version, owned=True
             )
-            if self.config.reuse_buffers and isinstance(spare, dict):
+            self._spare = {}
+            if keep_spare and self.config.reuse_buffers and isinstance(spare, dict):
                 self._spare = spare
         else:
             await self.engine.load_weights(state_dict, version)
@@ -488,10 +497,11 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     )
                     count = 0
                 else:
-                    state_dict = await asyncio.to_thread(
-                        load_version, root, str(directory), "path", self._spare
-                    )
-                    await self._load(state_dict, request.policy_version)
+                    # Mapped, not copied: nothing to receive into (see the module docstring).
+                    state_dict = await asyncio.to_thread(load_version, root, str(directory))
+                    # The weights a DISK update replaces may themselves be mapped files: as
+                    # receive buffers they would only copy-on-write, so they are let go.
+                    await self._load(state_dict, request.policy_version, keep_spare=False)
                     count = len(state_dict)
         except Exception as exc:
             await self._fail(context, exc)

@@ -491,7 +491,9 @@ class PublishSession:
     def _open_disk(self) -> None:
         if not self._of(pb.TRANSFER_METHOD_DISK) or not self.cfg.disk_root:
             return
-        writer = VersionWriter(self.cfg.disk_root, self.version, len(self.buckets))
+        writer = VersionWriter(
+            self.cfg.disk_root, self.version, len(self.buckets), keep=self.cfg.keep_versions
+        )
         try:
             writer.__enter__()
         except Exception as exc:

@@ -109,15 +109,61 @@ def test_a_lying_safetensors_header_is_refused_naming_the_field(tmp_path: Path, 
     assert err.value.field == "path"
 
 
-def test_versions_are_read_into_given_buffers_of_matching_shape(tmp_path: Path) -> None:
+def test_loaded_tensors_map_the_file_privately_and_outlive_its_pruning(tmp_path: Path) -> None:
     sd = state(1)
-    write_version(tmp_path, 1, [sd], 1)
-    buffers = {
-        "a": torch.empty(8, 4),  # fits: read into it
-        "b": torch.empty(4, dtype=torch.bfloat16),  # wrong shape: fresh memory instead
-    }
-    a_ptr, b_ptr = buffers["a"].data_ptr(), buffers["b"].data_ptr()
-    back = load_version(tmp_path, "v00000001", buffers=buffers)
-    assert back["a"].data_ptr() == a_ptr and back["b"].data_ptr() != b_ptr
+    path = write_version(tmp_path, 1, [sd], 1)
+    shard = next(path.glob("*.safetensors"))
+    on_disk = shard.read_bytes()
+    back = load_version(tmp_path, "v00000001")
     assert all(torch.equal(back[k], sd[k]) and back[k].dtype == sd[k].dtype for k in sd)
-    assert "a" not in buffers  # taken
+    # Served weights sit in the file's mapping (no copy was made) ...
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    ptr = back["a"].data_ptr()
+    mapped = [
+        m for m in maps if int(m.split("-")[0], 16) <= ptr < int(m.split()[0].split("-")[1], 16)
+    ]
+    assert mapped and mapped[0].endswith(str(shard)), mapped
+    # ... a private one: writing to a tensor never reaches the file ...
+    back["a"].add_(1.0)
+    assert shard.read_bytes() == on_disk
+    # ... and pruning the version directory leaves the tensors intact.
+    write_version(tmp_path, 2, [state(2)], 1)
+    prune_versions(tmp_path, 1)
+    assert not path.exists()
+    assert torch.equal(back["b"], sd["b"]) and torch.equal(back["a"], sd["a"] + 1.0)
+
+
+def halves(seed: int) -> list[dict[str, torch.Tensor]]:
+    sd = state(seed)
+    return [{"a": sd["a"]}, {"b": sd["b"], "c": sd["c"]}]
+
+
+def test_a_writer_given_keep_deletes_what_pruning_would_as_it_writes(tmp_path: Path) -> None:
+    for v in (1, 2, 3):
+        write_version(tmp_path, v, halves(v), 2)
+
+    def files(v: int) -> list[Path]:
+        return list((tmp_path / f"v{v:08d}").glob("*.safetensors"))
+
+    # keep=2: once version 4 is published, versions 1 and 2 go. While 4 is written, each
+    # shard first deletes at least its own size of their files (the largest first) ...
+    with VersionWriter(tmp_path, 4, 2, keep=2) as w:
+        w.add_shard(halves(4)[0])
+        assert len(files(1) + files(2)) == 3
+        w.add_shard(halves(4)[1])
+        assert len(files(1) + files(2)) == 2
+        # ... and the newest published version stays whole.
+        assert len(files(3)) == 2
+    prune_versions(tmp_path, 2)
+    assert [v for v, _ in list_versions(tmp_path)] == [3, 4]
+    back = load_version(tmp_path, "v00000004")
+    assert all(torch.equal(back[k], state(4)[k]) for k in back) and len(back) == 3
+
+
+def test_a_failed_write_leaves_the_newest_version_loadable(tmp_path: Path) -> None:
+    write_version(tmp_path, 1, halves(1), 2)
+    with pytest.raises(RuntimeError), VersionWriter(tmp_path, 2, 2, keep=1) as w:
+        w.add_shard(halves(2)[0])
+        raise RuntimeError("the trainer died mid-write")
+    assert [v for v, _ in list_versions(tmp_path)] == [1]
+    assert torch.equal(load_version(tmp_path, "v00000001")["a"], state(1)["a"])
