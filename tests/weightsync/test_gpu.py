@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-from areal_clients.fleet import update_fleet_weights
+from areal_clients.fleet import FleetUpdateResult, update_fleet_weights
 
 from .conftest import (
     MakeRollout,
@@ -52,6 +52,21 @@ def gpu_trainer_gloo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Train
     yield from _gpu_trainer(tmp_path_factory, "--weights-backend=gloo")
 
 
+def update(trainers: Trainers, rollouts, *methods: str) -> FleetUpdateResult:
+    """One fleet update of ``rollouts`` offering ``methods`` in that order."""
+    return asyncio.run(
+        update_fleet_weights(
+            trainers.addresses, [r.address for r in rollouts], methods=methods, timeout_s=120
+        )
+    )
+
+
+def took(result: FleetUpdateResult, method: str) -> None:
+    """Every server was updated, by ``method``."""
+    assert result.failed_servers == [], [s.error for s in result.servers]
+    assert {s.method for s in result.servers} == {method}
+
+
 def served_on(r, device: str) -> None:
     params = list(r.engine.model.parameters())
     assert params and all(p.device.type == device for p in params)
@@ -87,13 +102,7 @@ def test_method_moves_gpu_trainer_weights_into_gpu_servers(
 ) -> None:
     version = gpu_trainer.train_step()
     rollouts = [make_rollout(disk_root=gpu_trainer.weights_root, device="cuda") for _ in range(2)]
-    result = asyncio.run(
-        update_fleet_weights(
-            gpu_trainer.addresses, [r.address for r in rollouts], methods=(method,), timeout_s=120
-        )
-    )
-    assert result.failed_servers == [], [s.error for s in result.servers]
-    assert [s.method for s in result.servers] == [method, method]
+    took(update(gpu_trainer, rollouts, method), method)
     check_moved(gpu_trainer, rollouts, version, method)
 
 
@@ -104,23 +113,13 @@ def test_servers_on_the_trainers_gpu_decline_nccl_and_take_the_next_offer(
     addresses = [r.address for r in rollouts]
     version = gpu_trainer.train_step()
     # DISTRIBUTED alone: nothing acceptable, and the answer says why.
-    only = asyncio.run(
-        update_fleet_weights(
-            gpu_trainer.addresses, addresses, methods=("distributed",), timeout_s=120
-        )
-    )
+    only = update(gpu_trainer, rollouts, "distributed")
     assert only.failed_servers == addresses
     for s in only.servers:
         assert "FAILED_PRECONDITION" in s.error and "own GPU" in s.error, s.error
     assert [r.version() for r in rollouts] == [0, 0]  # the old weights still serve
     # DISTRIBUTED, then STREAM: the servers take STREAM.
-    result = asyncio.run(
-        update_fleet_weights(
-            gpu_trainer.addresses, addresses, methods=("distributed", "stream"), timeout_s=120
-        )
-    )
-    assert result.failed_servers == [], [s.error for s in result.servers]
-    assert [s.method for s in result.servers] == ["stream", "stream"]
+    took(update(gpu_trainer, rollouts, "distributed", "stream"), "stream")
     check_moved(gpu_trainer, rollouts, version, "declined-nccl")
 
 
@@ -130,16 +129,7 @@ def test_distributed_gloo_from_a_gpu_trainer_into_gpu_servers(
     rollouts = [make_rollout(device="cuda") for _ in range(2)]
     for _ in range(2):  # the second update reuses the group
         version = gpu_trainer_gloo.train_step()
-        result = asyncio.run(
-            update_fleet_weights(
-                gpu_trainer_gloo.addresses,
-                [r.address for r in rollouts],
-                methods=("distributed",),
-                timeout_s=120,
-            )
-        )
-        assert result.failed_servers == [], [s.error for s in result.servers]
-        assert [s.method for s in result.servers] == ["distributed"] * 2
+        took(update(gpu_trainer_gloo, rollouts, "distributed"), "distributed")
         assert [r.weight_sync._group.params.backend for r in rollouts] == ["gloo", "gloo"]
     check_moved(gpu_trainer_gloo, rollouts, version, "gloo")
 
@@ -152,15 +142,7 @@ def test_distributed_nccl_into_servers_on_another_gpu(
 ) -> None:
     rollouts = [make_rollout(device="cuda:1") for _ in range(2)]
     version = gpu_trainer.train_step()
-    result = asyncio.run(
-        update_fleet_weights(
-            gpu_trainer.addresses,
-            [r.address for r in rollouts],
-            methods=("distributed",),
-            timeout_s=120,
-        )
-    )
-    assert result.failed_servers == [], [s.error for s in result.servers]
+    took(update(gpu_trainer, rollouts, "distributed"), "distributed")
     assert [r.weight_sync._group.params.backend for r in rollouts] == ["nccl", "nccl"]
     check_moved(gpu_trainer, rollouts, version, "nccl")
 
