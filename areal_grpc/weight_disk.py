@@ -68,9 +68,10 @@ class VersionWriter:
 
         Given, the older versions that pruning will delete then, except the newest one, go
         while this one is written: before each shard, files of theirs of about its size are
-        deleted. The write then takes page-cache pages freed a moment earlier, which are much
-        cheaper than pages the kernel has not handed out before (on a virtual machine each of
-        those costs a fault in the host): 0.02 s instead of 0.08 s per 64 MiB here.
+        deleted. The write then reuses page-cache memory freed a moment earlier: on the
+        machines this was developed on (virtual machines), a write right after deleting as
+        much was several times faster than one that grows the page cache (why is not
+        established). ``bench/weight_sync.py`` measures the effect on a whole DISK sync.
         """
         if shard_count < 1:
             raise ValueError("shard_count must be >= 1")

@@ -355,9 +355,9 @@ def main() -> int:
                 finally:
                     stop_children([rollout])
                 # The baseline in a block of its own, after the syncs, likewise warmed up once:
-                # interleaved, each side would write into the page-cache pages the other just
-                # freed (cheap) and leave it pages never handed out before (a host fault each
-                # on a virtual machine), and the ratio would measure who went first.
+                # interleaved, each side writes into the page-cache memory the other just
+                # freed (cheap here) and leaves it to grow the page cache (several times
+                # dearer here), and the ratio measures who went first.
                 baseline_fn()
                 bases = [baseline_fn() for _ in range(args.reps)]
                 value = statistics.median(syncs)
