@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -253,11 +253,21 @@ def test_under_attach_mode_the_run_waits_for_the_group_its_supervisor_restarts(t
 # -- a rollout server stalls -----------------------------------------------------------------
 
 
-async def wait_until(predicate, what: str, timeout_s: float = 120.0) -> None:
+async def wait_until(
+    predicate: Callable[[], object],
+    what: str,
+    run: asyncio.Task[Any] | None = None,
+    timeout_s: float = 120.0,
+    poll_s: float = 0.1,
+) -> None:
+    """Polls ``predicate``; fails on ``timeout_s``, or at once when ``run`` has ended."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
+        if run is not None and run.done():
+            outcome = run.exception() or f"{run.result().steps} steps done"
+            raise AssertionError(f"the run ended before {what}: {outcome!r}")
         assert asyncio.get_running_loop().time() < deadline, f"not reached: {what}"
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(poll_s)
 
 
 @pytest.mark.slow
@@ -298,25 +308,29 @@ def test_a_stalled_rollout_server_loses_its_work_to_the_other_and_rejoins(tmp_pa
                     return state is not None and state[0]
 
                 def step() -> int:
-                    assert not run.done(), "the run ended before the scenario did"
                     return coord.pool.global_step
 
                 await wait_until(
                     lambda: step() >= 2 and coord.pool.running_on(frozen.address),
                     "a task on the server to freeze",
+                    run,
+                    # A task stays on a server for a few ms. Polled every 0.1 s, the first one
+                    # seen could come late in the run, which then ended before the server was
+                    # back (seen in CI).
+                    poll_s=0.001,
                 )
                 # No await in between: the tasks it holds now are the ones frozen with it.
                 seen["frozen_tasks"] = coord.pool.running_on(frozen.address)
                 os.kill(frozen.process.pid, signal.SIGSTOP)
-                await wait_until(lambda: not in_rotation(frozen.address), "frozen server out")
+                await wait_until(lambda: not in_rotation(frozen.address), "frozen server out", run)
                 seen["out_at"] = step()
                 # Nothing of ours is left waiting on the frozen server...
                 seen["running_on_frozen"] = coord.pool.running_on(frozen.address)
                 # ...and training goes on with the other server alone.
-                await wait_until(lambda: step() >= seen["out_at"] + 3, "progress without it")
+                await wait_until(lambda: step() >= seen["out_at"] + 3, "progress without it", run)
                 seen["live_in_rotation"] = in_rotation(live.address)
                 os.kill(frozen.process.pid, signal.SIGCONT)
-                await wait_until(lambda: in_rotation(frozen.address), "frozen server back")
+                await wait_until(lambda: in_rotation(frozen.address), "frozen server back", run)
                 seen["back_at"] = step()
                 result = await run
                 return result, seen, await served_versions(mesh.rollout_addresses)
