@@ -1,10 +1,15 @@
-"""Shared test set-up: one torch thread per process (CI has 2 cores); an OTLP receiver."""
+"""Shared test set-up: one torch thread per process (CI has 2 cores); an OTLP receiver; the
+coordinator command as a subprocess."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -83,3 +88,111 @@ def otlp_collector() -> Iterator[OtlpCollector]:
     with BackgroundServer([svc]) as receiver:
         collector.address = receiver.address
         yield collector
+
+
+# -- ``python -m areal_grpc.coordinator`` as a subprocess (tests of whole runs) ----------------
+
+
+class CoordinatorCommand:
+    """Runs ``python -m areal_grpc.coordinator`` as a user does; stops what tests leave running."""
+
+    # A short run on the built-in echo task: small batches, no eval, checkpoints or outputs.
+    SMALL_RUN = (
+        "data.task=echo",
+        "staleness.batch_size=2",
+        "staleness.group_size=2",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=0",
+        "checkpoint.export_hf=false",
+        "output.plot=false",
+        "output.tensorboard=false",
+    )
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen[str]] = []
+        self._seen: dict[subprocess.Popen[str], str] = {}
+
+    def start(
+        self,
+        out: Path,
+        *overrides: str,
+        resume: bool = False,
+        env: Mapping[str, str] | None = None,
+        unset_env: Sequence[str] = (),
+    ) -> subprocess.Popen[str]:
+        """The command writing to ``out``; stdout and stderr merged into ``proc.stdout``."""
+        argv = [sys.executable, "-m", "areal_grpc.coordinator"]
+        if resume:
+            argv.append("--resume")
+        argv += [f"output.dir={out}", "output.progress_bar=false", *overrides]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        for name in unset_env:
+            full_env.pop(name, None)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
+        )
+        self._procs.append(proc)
+        return proc
+
+    def address(self, proc: subprocess.Popen[str]) -> str:
+        """The address the run serves CoordinatorService at, from its ``COORDINATOR`` line."""
+        assert proc.stdout is not None
+        # Byte by byte from the pipe: nothing read past the line waits in proc.stdout's buffer,
+        # where finish() (communicate reads the pipe itself) would never see it.
+        fd = proc.stdout.fileno()
+        seen = bytearray()
+        line_start = 0
+        while byte := os.read(fd, 1):
+            seen += byte
+            if byte == b"\n":
+                line = seen[line_start:].decode()
+                line_start = len(seen)
+                if line.startswith("COORDINATOR "):
+                    self._seen[proc] = seen.decode()
+                    return line.split()[1]
+        proc.wait()
+        raise AssertionError("the run ended before serving:\n" + seen.decode())
+
+    def finish(self, proc: subprocess.Popen[str], timeout: float = 240) -> str:
+        """Waits for the run to end; its whole output (printed: pytest shows it on failure)."""
+        rest, _ = proc.communicate(timeout=timeout)
+        out = self._seen.pop(proc, "") + rest
+        print(out)
+        return out
+
+    def run(
+        self,
+        out: Path,
+        *overrides: str,
+        timeout: float = 300,
+        resume: bool = False,
+        env: Mapping[str, str] | None = None,
+        unset_env: Sequence[str] = (),
+    ) -> tuple[int, str]:
+        """A whole run: (exit code, output)."""
+        proc = self.start(out, *overrides, resume=resume, env=env, unset_env=unset_env)
+        log = self.finish(proc, timeout=timeout)
+        return proc.returncode, log
+
+    def close(self) -> None:
+        """Stops every run still going as Ctrl-C does (it stops its mesh too), else kills it."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self._procs.clear()
+        self._seen.clear()
+
+
+@pytest.fixture
+def coordinator_command() -> Iterator[CoordinatorCommand]:
+    """A :class:`CoordinatorCommand`; no run it started outlives the test."""
+    command = CoordinatorCommand()
+    try:
+        yield command
+    finally:
+        command.close()

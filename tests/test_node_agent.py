@@ -10,11 +10,9 @@ typed TrajectoryGroups; these tests check that the coordinator took them as sent
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -255,67 +253,39 @@ def test_agent_backs_off_while_no_capacity_and_fails_when_none_comes(rollout, ag
 
 
 @pytest.mark.slow
-def test_a_training_run_trains_on_the_agent_groups(agent, tmp_path):
+def test_a_training_run_trains_on_the_agent_groups(agent, tmp_path, coordinator_command):
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "areal_grpc.coordinator",
-            f"output.dir={out}",
-            "output.progress_bar=false",
-            "output.plot=false",
-            "output.tensorboard=false",
-            "data.task=echo",
-            # Longer than the test needs: it stops the run (Ctrl-C) once the agent's groups are
-            # trained, so how fast Node starts cannot race a fixed step count.
-            "total_steps=100000",
-            "staleness.batch_size=2",
-            "staleness.group_size=2",
-            "staleness.max_staleness=2",
-            "eval.every_steps=0",
-            "checkpoint.every_steps=0",
-            "checkpoint.export_hf=false",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    proc = coordinator_command.start(
+        out,
+        *coordinator_command.SMALL_RUN,
+        # Longer than the test needs: it stops the run (Ctrl-C) once the agent's groups are
+        # trained, so how fast Node starts cannot race a fixed step count.
+        "total_steps=100000",
+        "staleness.max_staleness=2",
     )
-    try:
-        assert proc.stdout is not None
-        address = ""
-        for line in proc.stdout:
-            if line.startswith("COORDINATOR "):
-                address = line.split()[1]
-                break
-        assert address, "the run did not print its coordinator address"
-        # Keep draining the run's output so it never blocks on a full pipe.
-        rest: list[str] = []
-        drain = threading.Thread(target=lambda: rest.extend(proc.stdout), daemon=True)
-        drain.start()
-        code, lines, stderr = run_agent(agent, address, "--episodes=2", "--group-size=2")
-        assert code == 0, stderr
-        lease_ids = {line["lease_id"] for line in lines}
+    address = coordinator_command.address(proc)
+    # Keep draining the run's output so it never blocks on a full pipe.
+    rest: list[str] = []
+    drain = threading.Thread(target=lambda: rest.extend(proc.stdout), daemon=True)
+    drain.start()
+    code, lines, stderr = run_agent(agent, address, "--episodes=2", "--group-size=2")
+    assert code == 0, stderr
+    lease_ids = {line["lease_id"] for line in lines}
 
-        def trained_ids() -> set[str]:
-            path = out / "batches.jsonl"
-            return (
-                {g["task_id"] for b in read_jsonl(path) for g in b["groups"]}
-                if path.exists()
-                else set()
-            )
+    def trained_ids() -> set[str]:
+        path = out / "batches.jsonl"
+        return (
+            {g["task_id"] for b in read_jsonl(path) for g in b["groups"]}
+            if path.exists()
+            else set()
+        )
 
-        deadline = time.monotonic() + 120
-        while not lease_ids <= trained_ids() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 130, "".join(rest)  # Ctrl-C: every child stopped
-        drain.join(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    deadline = time.monotonic() + 120
+    while not lease_ids <= trained_ids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, "".join(rest)  # Ctrl-C: every child stopped
+    drain.join(timeout=10)
 
     assert [line["response"] for line in lines] == [{"acceptedGroups": 1}] * 2
     trained = [g for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]

@@ -9,9 +9,6 @@ certificate, or without the token, gets nothing from any of them.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -95,31 +92,21 @@ def security_overrides(pki: dict[str, str]) -> list[str]:
     ]
 
 
-def test_a_whole_run_under_mutual_tls_and_a_token_trains(pki, tmp_path):
+def test_a_whole_run_under_mutual_tls_and_a_token_trains(pki, tmp_path, coordinator_command):
     out = tmp_path / "run"
     steps = 3
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("AREAL_AUTH_TOKEN", None)  # the token comes from the config's file only
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "areal_grpc.coordinator",
-            f"output.dir={out}",
-            f"total_steps={steps}",
-            "trainer.ranks=2",
-            *SMALL_RUN,
-            *security_overrides(pki),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
+    code, log = coordinator_command.run(
+        out,
+        f"total_steps={steps}",
+        "trainer.ranks=2",
+        *SMALL_RUN,
+        *security_overrides(pki),
         timeout=240,
+        unset_env=["AREAL_AUTH_TOKEN"],  # the token comes from the config's file only
     )
-    print(proc.stdout, proc.stderr[-4000:])
-    assert proc.returncode == 0
-    assert f"done: {steps} steps, version {steps}" in proc.stdout
-    assert "mesh stopped cleanly" in proc.stdout
+    assert code == 0
+    assert f"done: {steps} steps, version {steps}" in log
+    assert "mesh stopped cleanly" in log
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     # Every step trained and was followed by a weight sync to the rollout server (the version
     # advances only when the fleet update succeeded).

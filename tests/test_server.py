@@ -6,7 +6,6 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 
 import grpc
 import pytest
@@ -177,29 +176,14 @@ def test_entry_point_serves_and_drains_on_sigterm(tmp_path):
         stop_children([child])
 
 
-def test_main_command_brings_the_mesh_up_and_down(tmp_path):
+def test_main_command_brings_the_mesh_up_and_down(tmp_path, coordinator_command):
     # A two-step run of the real command on the local mesh (the full default run takes
     # minutes; tests/coordinator/ covers the loop in depth).
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "areal_grpc.coordinator",
-            f"output.dir={tmp_path}",
-            "total_steps=2",
-            "staleness.batch_size=2",
-            "staleness.group_size=2",
-            "eval.every_steps=0",
-            "checkpoint.export_hf=false",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "COORDINATOR 127.0.0.1:" in out.stdout
-    assert "done: 2 steps, version 2" in out.stdout
-    assert "mesh stopped cleanly" in out.stdout
+    code, log = coordinator_command.run(tmp_path, *coordinator_command.SMALL_RUN, "total_steps=2")
+    assert code == 0, log
+    assert "COORDINATOR 127.0.0.1:" in log
+    assert "done: 2 steps, version 2" in log
+    assert "mesh stopped cleanly" in log
     mesh = json.loads((tmp_path / "mesh.json").read_text())
     assert [c["name"] for c in mesh["children"]] == ["rollout-0", "trainer-0", "trainer-1"]
 

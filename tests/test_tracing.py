@@ -112,30 +112,17 @@ def test_server_process_exports_spans_over_otlp(tmp_path, otlp_collector):
     ), spans_by_service
 
 
-def test_one_training_run_is_one_connected_trace_across_the_mesh(tmp_path, otlp_collector):
-    import subprocess
-    import sys
-
-    env = {**__import__("os").environ, **otlp_collector.env()}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "areal_grpc.coordinator",
-            f"output.dir={tmp_path}",
-            "total_steps=2",
-            "staleness.batch_size=2",
-            "staleness.group_size=2",
-            "eval.every_steps=0",
-            "checkpoint.export_hf=false",
-            "weight_sync.methods=[stream]",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
+def test_one_training_run_is_one_connected_trace_across_the_mesh(
+    tmp_path, otlp_collector, coordinator_command
+):
+    code, log = coordinator_command.run(
+        tmp_path,
+        *coordinator_command.SMALL_RUN,
+        "total_steps=2",
+        "weight_sync.methods=[stream]",
+        env=otlp_collector.env(),
     )
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert code == 0, log
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not any(
         name == "areal-trainer" for name, _ in otlp_collector.spans()

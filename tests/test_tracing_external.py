@@ -12,10 +12,7 @@ clients do it.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -223,47 +220,24 @@ async def produce(address: str) -> tuple[str, int, str, int]:
 
 @pytest.mark.slow
 def test_an_external_producers_lease_is_one_trace_through_generate_submit_and_train(
-    tmp_path: Path, otlp_collector
+    tmp_path: Path, otlp_collector, coordinator_command
 ) -> None:
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "areal_grpc.coordinator",
-            f"output.dir={out}",
-            "output.progress_bar=false",
-            "output.plot=false",
-            "output.tensorboard=false",
-            "data.task=echo",
-            # Stopped with Ctrl-C once the producer's group is trained (how fast it gets a
-            # lease must not race a fixed step count).
-            "total_steps=100000",
-            "staleness.batch_size=2",
-            "staleness.group_size=2",
-            "eval.every_steps=0",
-            "checkpoint.every_steps=0",
-            "checkpoint.export_hf=false",
-            "weight_sync.methods=[stream]",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **otlp_collector.env()},
+    proc = coordinator_command.start(
+        out,
+        *coordinator_command.SMALL_RUN,
+        # Stopped with Ctrl-C once the producer's group is trained (how fast it gets a
+        # lease must not race a fixed step count).
+        "total_steps=100000",
+        "weight_sync.methods=[stream]",
+        env=otlp_collector.env(),
     )
     rest: list[str] = []
     # The producer's own spans go to the same receiver (service.name areal-test-agent).
     exporter = OTLPSpanExporter(endpoint=otlp_collector.address, insecure=True)
     tracing.init_tracing("areal-test-agent", SimpleSpanProcessor(exporter))
     try:
-        assert proc.stdout is not None
-        address = ""
-        for line in proc.stdout:
-            rest.append(line)
-            if line.startswith("COORDINATOR "):
-                address = line.split()[1]
-                break
-        assert address, "".join(rest)
+        address = coordinator_command.address(proc)
         drain = threading.Thread(target=lambda: rest.extend(proc.stdout), daemon=True)
         drain.start()
         lease_id, lease_version, rollout_address, root_span_id = asyncio.run(produce(address))
@@ -284,9 +258,6 @@ def test_an_external_producers_lease_is_one_trace_through_generate_submit_and_tr
         drain.join(timeout=10)
     finally:
         tracing.shutdown_tracing()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     step = trained_step()
 
     attr = otlp_collector.attr

@@ -243,12 +243,12 @@ class WeightPublisher:
         self,
         config: PublisherConfig | None = None,
         sender_id: str = "",
-        device: torch.device | None = None,
+        *,
+        device: torch.device,
     ) -> None:
+        """``device``: the rank's own (engine.resolve_device); the backend follows it."""
         self.config = config or PublisherConfig()
         self.sender_id = sender_id or f"trainer-{uuid.uuid4().hex[:8]}"
-        if device is None:
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = self.config.backend
         if backend is None:
             backend = "nccl" if device.type == "cuda" else "gloo"

@@ -9,9 +9,6 @@ by the next offered method.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,37 +23,18 @@ pytestmark = [
 STEPS = 6
 
 
-def run(out: Path, *overrides: str) -> str:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "areal_grpc.coordinator",
-            f"output.dir={out}",
-            "output.progress_bar=false",
-            f"total_steps={STEPS}",
-            "eval.every_steps=3",
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    print(proc.stdout, proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
-
-
 def trained_steps(out: Path) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("kind") == "train"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_default_run_trains_on_the_gpu(tmp_path: Path, ranks: int) -> None:
+def test_default_run_trains_on_the_gpu(tmp_path: Path, ranks: int, coordinator_command) -> None:
     out = tmp_path / f"ranks{ranks}"
-    text = run(out, f"trainer.ranks={ranks}")
+    code, text = coordinator_command.run(
+        out, f"total_steps={STEPS}", "eval.every_steps=3", f"trainer.ranks={ranks}", timeout=280
+    )
+    assert code == 0, text[-3000:]
     steps = trained_steps(out)
     assert len(steps) == STEPS
     logs = out / "logs"

@@ -40,27 +40,6 @@ pytestmark = pytest.mark.slow
 ECHO_PROMPTS = 36  # the built-in "echo" task: one epoch is 36 prompts
 
 
-def coordinator(out: Path, *overrides: str, resume: bool = False) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "areal_grpc.coordinator"]
-    if resume:
-        argv.append("--resume")
-    argv += [f"output.dir={out}", "output.progress_bar=false", *overrides]
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 240) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    # Shown by pytest when a later assertion fails: the coordinator's own account of the run.
-    print(out)
-    return out
-
-
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -94,7 +73,9 @@ def trained_items(out: Path) -> dict[int, list[str]]:
     return steps
 
 
-def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(tmp_path):
+def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(
+    tmp_path, coordinator_command
+):
     eta, batch, steps = 1, 4, 9
     overrides = [
         "data.task=echo",
@@ -111,14 +92,14 @@ def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(tmp
     mesh: Mesh = start_mesh(cfg, tmp_path / "mesh-logs")
     try:
         out = tmp_path / "run"
-        proc = coordinator(
+        proc = coordinator_command.start(
             out,
             *overrides,
             "launcher.mode=attach",
             f"launcher.rollout_addresses=[{','.join(mesh.rollout_addresses)}]",
             f"launcher.trainer_addresses=[{','.join(mesh.trainer_addresses)}]",
         )
-        log = finish(proc)
+        log = coordinator_command.finish(proc)
         assert proc.returncode == 0, log
         # Every rollout server was brought to the final version by the fleet weight sync.
         assert [rollout_version(a) for a in mesh.rollout_addresses] == [steps, steps]
@@ -151,7 +132,7 @@ def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(tmp
     assert "done: 9 steps, version 9" in log
 
 
-def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path):
+def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path, coordinator_command):
     # 40 steps x 2 prompts cross the 36-prompt epoch; the kill comes soon after the first
     # checkpoint (step 2), long before the end.
     steps = 40
@@ -167,15 +148,15 @@ def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path):
         "output.plot=false",
     ]
     reference = tmp_path / "uninterrupted"
-    proc = coordinator(reference, *overrides)
-    log = finish(proc)
+    proc = coordinator_command.start(reference, *overrides)
+    log = coordinator_command.finish(proc)
     assert proc.returncode == 0, log
     # eta = 0 is synchronous: every step trains samples of exactly the weights it updates.
     for b in read_jsonl(reference / "batches.jsonl"):
         assert all(g["min_version"] == g["head_version"] == b["version"] for g in b["groups"])
 
     out = tmp_path / "killed"
-    proc = coordinator(out, *overrides)
+    proc = coordinator_command.start(out, *overrides)
     # Kill the coordinator (no clean-up of any kind) once a checkpoint is committed.
     wait_for(lambda: (out / "checkpoints" / "latest").is_file())
     proc.send_signal(signal.SIGKILL)
@@ -187,8 +168,8 @@ def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path):
     killed_at = max(trained_items(out))
     assert killed_at < steps - 1
 
-    proc = coordinator(out, *overrides, resume=True)
-    log = finish(proc)
+    proc = coordinator_command.start(out, *overrides, resume=True)
+    log = coordinator_command.finish(proc)
     assert proc.returncode == 0, log
     assert "resumed from step " in log
     assert trained_items(out) == trained_items(reference)
@@ -199,33 +180,34 @@ def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path):
     assert (train[-1]["step"], train[-1]["version"]) == (steps, steps)
 
 
-def test_ctrl_c_stops_the_run_and_every_child(tmp_path):
+def test_ctrl_c_stops_the_run_and_every_child(tmp_path, coordinator_command):
     out = tmp_path / "run"
-    proc = coordinator(out, "total_steps=100000", "eval.every_steps=0")
+    proc = coordinator_command.start(out, "total_steps=100000", "eval.every_steps=0")
     wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size)
     children = json.loads((out / "mesh.json").read_text())["children"]
     assert len(children) == 3
     proc.send_signal(signal.SIGINT)
-    log = finish(proc, timeout=120)
+    log = coordinator_command.finish(proc, timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, log
     assert "mesh stopped cleanly" in log
     for child in children:
         wait_for(lambda pid=child["pid"]: not alive(pid), timeout=30)
 
 
-def test_bad_config_names_the_key(tmp_path):
+def test_bad_config_names_the_key(tmp_path, coordinator_command):
     for override, key in [
         ("trainer.lr=-1", "trainer.lr"),
         ("trainer.ppo.ppo_epochs=2", "trainer.ppo.ppo_epochs"),
         ("no_such.key=1", "no_such"),
     ]:
-        proc = coordinator(tmp_path, override)
-        log = finish(proc, timeout=60)
-        assert proc.returncode == 2, log
+        code, log = coordinator_command.run(tmp_path, override, timeout=60)
+        assert code == 2, log
         assert f"config error: {key}:" in log, log
 
 
-def test_a_dead_rollout_server_loses_no_work_and_a_registered_one_joins(tmp_path):
+def test_a_dead_rollout_server_loses_no_work_and_a_registered_one_joins(
+    tmp_path, coordinator_command
+):
     eta, batch, steps, group_size = 1, 2, 40, 2
     overrides = [
         "data.task=echo",
@@ -245,7 +227,7 @@ def test_a_dead_rollout_server_loses_no_work_and_a_registered_one_joins(tmp_path
     doomed, newcomer = mesh.children[1], mesh.children[2]
     try:
         out = tmp_path / "run"
-        proc = coordinator(
+        proc = coordinator_command.start(
             out,
             *overrides,
             "rollout.num_servers=2",
@@ -254,12 +236,7 @@ def test_a_dead_rollout_server_loses_no_work_and_a_registered_one_joins(tmp_path
             f"launcher.rollout_addresses=[{','.join(mesh.rollout_addresses[:2])}]",
             f"launcher.trainer_addresses=[{','.join(mesh.trainer_addresses)}]",
         )
-        assert proc.stdout is not None
-        address = ""
-        for line in proc.stdout:
-            if line.startswith("COORDINATOR "):
-                address = line.split()[1]
-                break
+        address = coordinator_command.address(proc)
         metrics = out / "metrics.jsonl"
         wait_for(lambda: metrics.is_file() and metrics.read_text().count('"train"') >= 2)
         doomed.process.kill()
@@ -283,7 +260,7 @@ def test_a_dead_rollout_server_loses_no_work_and_a_registered_one_joins(tmp_path
                 timeout=30,
             )
             assert reply.worker_id
-        log = finish(proc)
+        log = coordinator_command.finish(proc)
         assert proc.returncode == 0, log
         # The newcomer was brought level by the weight syncs and served the run.
         assert rollout_version(newcomer.address) == steps
@@ -325,9 +302,11 @@ def test_config_file_and_overrides_reach_the_run(tmp_path):
     assert f"max_staleness: {cfg.staleness.max_staleness}" in printed
 
 
-def test_an_external_producer_trains_through_a_lease_in_a_running_loop(tmp_path):
+def test_an_external_producer_trains_through_a_lease_in_a_running_loop(
+    tmp_path, coordinator_command
+):
     out = tmp_path / "run"
-    proc = coordinator(
+    proc = coordinator_command.start(
         out,
         "data.task=echo",
         "total_steps=60",
@@ -338,12 +317,7 @@ def test_an_external_producer_trains_through_a_lease_in_a_running_loop(tmp_path)
         "checkpoint.export_hf=false",
         "output.plot=false",
     )
-    assert proc.stdout is not None
-    address = ""
-    for line in proc.stdout:
-        if line.startswith("COORDINATOR "):
-            address = line.split()[1]
-            break
+    address = coordinator_command.address(proc)
     tokenizer = load_tokenizer("builtin:micro")
 
     async def agent() -> str:
@@ -383,7 +357,7 @@ def test_an_external_producer_trains_through_a_lease_in_a_running_loop(tmp_path)
         return lease.lease_id
 
     lease_id = asyncio.run(agent())
-    log = finish(proc)
+    log = coordinator_command.finish(proc)
     assert proc.returncode == 0, log
     groups = [g for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
     trained = [g for g in groups if g["task_id"] == lease_id]

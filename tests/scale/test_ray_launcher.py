@@ -14,8 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -71,7 +69,6 @@ def run_overrides(tmp_path: Path, steps: int, rollout_servers: int) -> list[str]
         "checkpoint.every_steps=0",
         "checkpoint.export_hf=false",
         "output.plot=false",
-        "output.progress_bar=false",
         f"weight_sync.disk_root={tmp_path / 'weights'}",
     ]
 
@@ -84,31 +81,6 @@ def ray_overrides(cluster: Cluster) -> list[str]:
         "launcher.ray_nodes=2",
         "security.allow_plaintext=true",
     ]
-
-
-def start_run(out: Path, overrides: list[str]) -> tuple[subprocess.Popen[str], str]:
-    """``python -m areal_grpc.coordinator`` and the address it serves CoordinatorService at."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_grpc.coordinator", f"output.dir={out}", *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("COORDINATOR "):
-            return proc, line.split()[1]
-    proc.wait()
-    raise AssertionError("the run ended before serving:\n" + "".join(seen))
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 240) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    print(out)  # shown by pytest when an assertion below fails
-    return out
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 180.0) -> None:
@@ -144,19 +116,24 @@ def alive_server_actors() -> list[dict[str, Any]]:
     ]
 
 
-def test_ray_launcher_places_servers_on_both_nodes_trains_and_leaves_nothing(ray_cluster, tmp_path):
+def test_ray_launcher_places_servers_on_both_nodes_trains_and_leaves_nothing(
+    ray_cluster, tmp_path, coordinator_command
+):
     steps = 5
     out = tmp_path / "run"
-    proc, _ = start_run(out, run_overrides(tmp_path, steps, 2) + ray_overrides(ray_cluster))
+    proc = coordinator_command.start(
+        out, *run_overrides(tmp_path, steps, 2), *ray_overrides(ray_cluster)
+    )
+    coordinator_command.address(proc)
     try:
-        # start_run returned once the coordinator serves: mesh.json is written (the mesh is
-        # healthy) and teardown is seconds away at least.
+        # The coordinator serves: mesh.json is written (the mesh is healthy) and teardown is
+        # seconds away at least.
         mesh = json.loads((out / "mesh.json").read_text())
         # What Ray says about placement while the mesh runs.
         actors = alive_server_actors()
         table = ray.util.placement_group_table()[mesh["placement_group"]]
     finally:
-        log = finish(proc)
+        log = coordinator_command.finish(proc)
     assert proc.returncode == 0, log
     assert f"done: {steps} steps, version {steps}" in log, log
     assert trained_steps(out) == steps
@@ -218,7 +195,7 @@ def scale(address: str, servers: int) -> coordinator_pb2.ScaleRolloutFleetRespon
 
 @pytest.mark.parametrize("launcher", ["local", "ray"])
 def test_a_server_added_mid_run_serves_the_current_version_and_removal_loses_nothing(
-    launcher, request, tmp_path
+    launcher, request, tmp_path, coordinator_command
 ):
     # Steps take a fraction of a second here and a server seconds to start, so the run is
     # open-ended and stopped with Ctrl-C (SIGINT) once the fleet has grown and shrunk.
@@ -227,7 +204,8 @@ def test_a_server_added_mid_run_serves_the_current_version_and_removal_loses_not
     if launcher == "ray":
         overrides += ray_overrides(request.getfixturevalue("ray_cluster"))
     out = tmp_path / "run"
-    proc, address = start_run(out, overrides)
+    proc = coordinator_command.start(out, *overrides)
+    address = coordinator_command.address(proc)
     try:
         wait_for(lambda: trained_steps(out) >= 2)
         with pytest.raises(grpc.RpcError) as err:
@@ -274,7 +252,7 @@ def test_a_server_added_mid_run_serves_the_current_version_and_removal_loses_not
     finally:
         if proc.poll() is None and proc.returncode is None:
             proc.send_signal(signal.SIGINT)
-        log = finish(proc)
+        log = coordinator_command.finish(proc)
     assert proc.returncode == 130, log
     assert "mesh stopped" in log, log
     if launcher == "ray":
@@ -374,7 +352,7 @@ def test_bundles_hold_trainers_then_rollout_servers_in_contiguous_blocks():
 
 
 def test_a_killed_trainer_rank_on_ray_is_replaced_by_new_actors_and_the_run_finishes(
-    ray_cluster, tmp_path
+    ray_cluster, tmp_path, coordinator_command
 ):
     steps = 8
     out = tmp_path / "run"
@@ -382,13 +360,14 @@ def test_a_killed_trainer_rank_on_ray_is_replaced_by_new_actors_and_the_run_fini
         o for o in run_overrides(tmp_path, steps, 1) if not o.startswith("checkpoint.every")
     ]
     overrides += ["checkpoint.every_steps=2", "trainer.health_interval_s=1"]
-    proc, _ = start_run(out, overrides + ray_overrides(ray_cluster))
+    proc = coordinator_command.start(out, *overrides, *ray_overrides(ray_cluster))
+    coordinator_command.address(proc)
     try:
         wait_for(lambda: trained_steps(out) >= 3)  # past the checkpoint of step 2
         before = {s["name"]: s for s in json.loads((out / "mesh.json").read_text())["servers"]}
         os.kill(before["trainer-1"]["pid"], signal.SIGKILL)
     finally:
-        log = finish(proc)
+        log = coordinator_command.finish(proc)
     assert proc.returncode == 0, log
     assert "trainer group restarted" in log and f"done: {steps} steps" in log, log
     after = {s["name"]: s for s in json.loads((out / "mesh.json").read_text())["servers"]}
