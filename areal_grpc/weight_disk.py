@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -82,7 +83,10 @@ class VersionWriter:
         self._tmp = self.root / f"{_TMP_PREFIX}{version_dir_name(version)}-{uuid.uuid4().hex[:8]}"
         self._weight_map: dict[str, str] = {}
         self._total = 0
-        self._shards = 0
+        self._shards = 0  # shards begun (named in the order add_shard is called)
+        self._written = 0
+        # add_shard may run in several threads at once (shards are independent files).
+        self._lock = threading.Lock()
         self._keep = keep
         # Files of versions due for pruning, largest first, and how many bytes they hold.
         self._doomed: list[tuple[int, Path]] = []
@@ -108,19 +112,25 @@ class VersionWriter:
             freed += size
 
     def add_shard(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Writes the next shard file (tensors made contiguous CPU copies only if needed)."""
-        if self._shards >= self.shard_count:
-            raise ValueError(f"more than the announced {self.shard_count} shards")
-        name = shard_name(self._shards, self.shard_count)
+        """Writes the next shard file (tensors made contiguous CPU copies only if needed).
+
+        Thread-safe: shards are independent files, and writing two at once uses two cores.
+        """
         plain = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        self._free_for(sum(v.numel() * v.element_size() for v in plain.values()))
+        with self._lock:
+            if self._shards >= self.shard_count:
+                raise ValueError(f"more than the announced {self.shard_count} shards")
+            name = shard_name(self._shards, self.shard_count)
+            self._shards += 1
+            for k in plain:
+                if k in self._weight_map:
+                    raise ValueError(f"tensor {k!r} written twice")
+                self._weight_map[k] = name
+            self._free_for(sum(v.numel() * v.element_size() for v in plain.values()))
         save_file(plain, str(self._tmp / name), metadata={"format": "pt"})
-        for k, v in plain.items():
-            if k in self._weight_map:
-                raise ValueError(f"tensor {k!r} written twice")
-            self._weight_map[k] = name
-            self._total += v.numel() * v.element_size()
-        self._shards += 1
+        with self._lock:
+            self._total += sum(v.numel() * v.element_size() for v in plain.values())
+            self._written += 1
 
     def write_config(self, config: Mapping[str, object] | str) -> None:
         """Writes ``config.json`` from a dict or from JSON text (``config.to_json_string()``)."""
@@ -128,10 +138,10 @@ class VersionWriter:
         (self._tmp / "config.json").write_text(text)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is not None or self._shards != self.shard_count:
+        if exc_type is not None or self._written != self.shard_count:
             shutil.rmtree(self._tmp, ignore_errors=True)
             if exc_type is None:
-                raise ValueError(f"wrote {self._shards} of {self.shard_count} announced shards")
+                raise ValueError(f"wrote {self._written} of {self.shard_count} announced shards")
             return
         index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
         (self._tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))

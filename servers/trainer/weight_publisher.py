@@ -4,7 +4,8 @@ Every rank runs :func:`gather_buckets` (the FSDP all-gathers are collective): pa
 materialised one at a time with ``DTensor.full_tensor()`` and grouped into buckets of at most
 ``bucket_bytes``; only rank 0 keeps them. Rank 0 hands each bucket to a :class:`PublishSession`
 as soon as it is gathered, with at most one bucket in flight while the next is gathered, so
-the full model never exists twice on rank 0 (at most two buckets do).
+the full model never exists twice on rank 0 (at most two buckets do, plus, for DISK, the
+buckets whose shard files are still being written: ``disk_writers`` at most).
 
 A session negotiates with every rollout server (methods in the caller's preference order),
 then moves each bucket by the plan each server accepted:
@@ -12,8 +13,8 @@ then moves each bucket by the plan each server accepted:
 * STREAM: one ``PushWeights`` call per server; each chunk is encoded once and written to every
   stream server.
 * DISK: rank 0 writes the bucket as the next shard of a versioned safetensors directory
-  (atomic rename when complete, then ``UpdateFromDisk`` on each disk server; older versions
-  beyond ``keep_versions`` are deleted).
+  (``disk_writers`` shard files at once; atomic rename when complete, then ``UpdateFromDisk``
+  on each disk server; older versions beyond ``keep_versions`` are deleted).
 * DISTRIBUTED: a private process group (rank 0 here, the servers at their rank offsets) is
   formed once and reused while its members stay the same; each server gets the metadata
   (``UpdateFromDistributed``), then every tensor is broadcast in order.
@@ -90,6 +91,9 @@ class PublisherConfig:
     timeout_s: float = 600.0
     # Largest PushWeights chunk this sender offers.
     max_chunk_bytes: int = MAX_CHUNK_BYTES
+    # DISK shard files written at once, each by its own thread (>= 1). A bucket is held until
+    # its shard is written: up to this many gathered buckets besides the one being gathered.
+    disk_writers: int = 2
 
 
 @dataclass
@@ -335,6 +339,9 @@ class PublishSession:
             )
         self._tensor_index = 0
         self._disk: VersionWriter | None = None
+        self._disk_writes: list[asyncio.Task[None]] = []
+        self._disk_slots = asyncio.Semaphore(max(1, self.cfg.disk_writers))
+        self._disk_error = ""
         self._group: WeightGroup | None = None
         self._group_error: str = ""
         # Set when a DISTRIBUTED member's call fails: the group can no longer complete.
@@ -645,12 +652,22 @@ class PublishSession:
             await writing
 
     async def _disk_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
-        writer = self._disk
-        assert writer is not None
+        # Returns once the shard's write has started: up to cfg.disk_writers shards are
+        # written at once while the next buckets are gathered (a write is mostly copying
+        # into the page cache, which a second core speeds up).
+        await self._disk_slots.acquire()
+        self._disk_writes.append(asyncio.create_task(self._write_shard(bucket)))
+
+    async def _write_shard(self, bucket: dict[str, torch.Tensor]) -> None:
         try:
-            await asyncio.to_thread(writer.add_shard, bucket)
+            writer = self._disk
+            if writer is not None and not self._disk_error:
+                await asyncio.to_thread(writer.add_shard, bucket)
         except Exception as exc:
-            self._abort_disk(f"writing the version directory: {exc}")
+            # The writer is aborted once no other write of it is running (see _close_disk).
+            self._disk_error = self._disk_error or f"writing the version directory: {exc}"
+        finally:
+            self._disk_slots.release()
 
     def _abort_disk(self, error: str) -> None:
         if self._disk is not None:
@@ -719,8 +736,13 @@ class PublishSession:
         await asyncio.gather(*(finish(t) for t in self.targets))
 
     async def _close_disk(self) -> None:
+        await asyncio.gather(*self._disk_writes)
+        self._disk_writes.clear()
         writer = self._disk
         if writer is None:
+            return
+        if self._disk_error:
+            self._abort_disk(self._disk_error)
             return
         try:
             if self.config_json is not None:

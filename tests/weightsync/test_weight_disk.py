@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,34 @@ def test_a_failed_write_publishes_nothing(tmp_path: Path) -> None:
     # Fewer shards than announced is not a complete version either.
     with pytest.raises(ValueError), VersionWriter(tmp_path, 3, shard_count=2) as w:
         w.add_shard({"a": torch.zeros(2)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shards_written_from_several_threads_at_once_make_one_exact_version(
+    tmp_path: Path,
+) -> None:
+    # The trainer writes up to PublisherConfig.disk_writers shards at once.
+    shards = [
+        {f"t{i}.{j}": torch.full((64, 64), float(i * 10 + j)) for j in range(3)} for i in range(8)
+    ]
+    with VersionWriter(tmp_path, 5, len(shards)) as w, ThreadPoolExecutor(4) as pool:
+        list(pool.map(w.add_shard, shards))
+    back = load_version(tmp_path, "v00000005")
+    expected = {k: v for shard in shards for k, v in shard.items()}
+    assert back.keys() == expected.keys()
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+    assert len(list((tmp_path / "v00000005").glob("*.safetensors"))) == len(shards)
+
+
+def test_a_shard_failing_beside_others_publishes_nothing(tmp_path: Path) -> None:
+    good = [{f"t{i}": torch.zeros(256, 256)} for i in range(4)]
+    # Whichever of the two "t0" shards comes second fails.
+    with (
+        pytest.raises(ValueError, match="written twice"),
+        VersionWriter(tmp_path, 2, 5) as w,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        list(pool.map(w.add_shard, [*good, {"t0": torch.ones(2)}]))
     assert list(tmp_path.iterdir()) == []
 
 
