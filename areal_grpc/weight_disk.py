@@ -117,6 +117,7 @@ class VersionWriter:
         Thread-safe: shards are independent files, and writing two at once uses two cores.
         """
         plain = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        nbytes = sum(v.numel() * v.element_size() for v in plain.values())
         with self._lock:
             if self._shards >= self.shard_count:
                 raise ValueError(f"more than the announced {self.shard_count} shards")
@@ -126,10 +127,10 @@ class VersionWriter:
                 if k in self._weight_map:
                     raise ValueError(f"tensor {k!r} written twice")
                 self._weight_map[k] = name
-            self._free_for(sum(v.numel() * v.element_size() for v in plain.values()))
+            self._free_for(nbytes)
         save_file(plain, str(self._tmp / name), metadata={"format": "pt"})
         with self._lock:
-            self._total += sum(v.numel() * v.element_size() for v in plain.values())
+            self._total += nbytes
             self._written += 1
 
     def write_config(self, config: Mapping[str, object] | str) -> None:

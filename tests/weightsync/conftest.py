@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -52,6 +53,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def nccl_offer(**params: Any) -> weight_sync_pb2.TransferOption:
+    """A DISTRIBUTED offer over NCCL; ``params`` override the DistributedParams defaults (a
+    sender at 127.0.0.1:29999, world size 2, the receiver at rank 1, group "g")."""
+    fields: dict[str, Any] = {
+        "backend": weight_sync_pb2.COLLECTIVE_BACKEND_NCCL,
+        "master_address": "127.0.0.1",
+        "master_port": 29999,
+        "world_size": 2,
+        "rank_offset": 1,
+        "group_name": "g",
+    }
+    return weight_sync_pb2.TransferOption(
+        method=weight_sync_pb2.TRANSFER_METHOD_DISTRIBUTED,
+        distributed=weight_sync_pb2.DistributedParams(**(fields | params)),
+    )
 
 
 def tensor_digest(t: torch.Tensor) -> str:

@@ -19,6 +19,7 @@ from areal_clients.fleet import FleetUpdateResult, update_fleet_weights
 from .conftest import (
     MakeRollout,
     Trainers,
+    nccl_offer,
     start_trainers,
     stop_trainers,
     tensor_digest,
@@ -153,18 +154,7 @@ def test_negotiate_names_the_shared_gpu_when_nccl_is_all_that_is_offered(
     from areal_grpc.weight_transfer import cuda_uuid
 
     r = make_rollout(device="cuda")
-    offer = weight_sync_pb2.TransferOption(
-        method=weight_sync_pb2.TRANSFER_METHOD_DISTRIBUTED,
-        distributed=weight_sync_pb2.DistributedParams(
-            backend=weight_sync_pb2.COLLECTIVE_BACKEND_NCCL,
-            master_address="127.0.0.1",
-            master_port=29999,
-            world_size=2,
-            rank_offset=1,
-            group_name="g",
-            device_uuid=cuda_uuid("cuda:0"),
-        ),
-    )
+    offer = nccl_offer(device_uuid=cuda_uuid("cuda:0"))
     with pytest.raises(grpc.RpcError) as err:
         r.sync.Negotiate(weight_sync_pb2.NegotiateRequest(offers=[offer]), timeout=30)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -20,7 +20,7 @@ from areal_grpc.errors import field_violations
 from areal_grpc.weight_disk import write_version
 from areal_grpc.weight_transfer import PUSH_WEIGHTS_METHOD, encode_push_request
 
-from .conftest import RPC_TIMEOUT, MakeRollout, Rollout, tensor_digest
+from .conftest import RPC_TIMEOUT, MakeRollout, Rollout, nccl_offer, tensor_digest
 
 PROMPT = [5, 17, 42, 99, 7]
 
@@ -171,17 +171,7 @@ def test_negotiate_picks_the_first_acceptable_offer_or_lists_what_it_supports(
     stream = pb.TransferOption(
         method=pb.TRANSFER_METHOD_STREAM, stream=pb.StreamParams(max_chunk_bytes=8 << 20)
     )
-    nccl = pb.TransferOption(
-        method=pb.TRANSFER_METHOD_DISTRIBUTED,
-        distributed=pb.DistributedParams(
-            backend=pb.COLLECTIVE_BACKEND_NCCL,
-            master_address="127.0.0.1",
-            master_port=29999,
-            world_size=2,
-            rank_offset=1,
-            group_name="g",
-        ),
-    )
+    nccl = nccl_offer()
     reply = r.sync.Negotiate(pb.NegotiateRequest(offers=[stream, disk]), timeout=RPC_TIMEOUT)
     assert reply.plan.method == pb.TRANSFER_METHOD_STREAM
     assert reply.plan.stream.max_chunk_bytes == 1 << 20  # clamped to the contract's limit

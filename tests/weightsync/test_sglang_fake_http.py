@@ -27,6 +27,8 @@ from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_syn
 from areal_grpc.errors import field_violations
 from areal_grpc.server import BackgroundServer, sync_channel
 
+from .conftest import nccl_offer
+
 TIMEOUT = 30.0
 
 
@@ -77,19 +79,14 @@ def sglang(tmp_path: Path) -> Iterator[tuple[FakeSGLangHTTP, pb_grpc.WeightSyncS
     fake.close()
 
 
-def nccl_offer(rank: int = 1, world: int = 3) -> pb.TransferOption:
-    return pb.TransferOption(
-        method=pb.TRANSFER_METHOD_DISTRIBUTED,
-        distributed=pb.DistributedParams(
-            backend=pb.COLLECTIVE_BACKEND_NCCL,
-            master_address="10.0.0.5",
-            master_port=29123,
-            world_size=world,
-            rank_offset=rank,
-            group_name="areal-weights-test",
-            bucket_bytes=4096,
-        ),
-    )
+# The group SGLang is asked to join (checked field by field in its payloads below).
+GROUP = {
+    "master_address": "10.0.0.5",
+    "master_port": 29123,
+    "world_size": 3,
+    "group_name": "areal-weights-test",
+    "bucket_bytes": 4096,
+}
 
 
 SPECS = [
@@ -102,10 +99,10 @@ SPECS = [
 def test_sglang_fake_http_distributed_update_payloads(sglang) -> None:
     fake, stub = sglang
     gloo = pb.TransferOption()
-    gloo.CopyFrom(nccl_offer())
+    gloo.CopyFrom(nccl_offer(**GROUP))
     gloo.distributed.backend = pb.COLLECTIVE_BACKEND_GLOO
     # SGLang's weight groups are NCCL: a gloo offer is passed over for the nccl one.
-    plan = stub.Negotiate(pb.NegotiateRequest(offers=[gloo, nccl_offer()]), timeout=TIMEOUT)
+    plan = stub.Negotiate(pb.NegotiateRequest(offers=[gloo, nccl_offer(**GROUP)]), timeout=TIMEOUT)
     assert plan.plan.method == pb.TRANSFER_METHOD_DISTRIBUTED
     assert plan.plan.distributed.backend == pb.COLLECTIVE_BACKEND_NCCL
     assert not plan.plan.distributed.joined
@@ -155,7 +152,7 @@ def test_sglang_fake_http_distributed_update_payloads(sglang) -> None:
 
     # The same group again: SGLang already belongs to it, so no second init.
     fake.posts.clear()
-    plan2 = stub.Negotiate(pb.NegotiateRequest(offers=[nccl_offer()]), timeout=TIMEOUT)
+    plan2 = stub.Negotiate(pb.NegotiateRequest(offers=[nccl_offer(**GROUP)]), timeout=TIMEOUT)
     assert plan2.plan.distributed.joined and plan2.policy_version == 1
     stub.UpdateFromDistributed(
         pb.UpdateFromDistributedRequest(
