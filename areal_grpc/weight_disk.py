@@ -3,10 +3,11 @@
 A published version is a Hugging Face style directory ``<root>/v<version:08d>`` holding
 ``config.json``, one or more ``*.safetensors`` shards and ``model.safetensors.index.json``.
 It is written under a hidden temporary name and renamed into place, so a reader never sees a
-half-written version. Readers resolve a requested path against *their own* root and refuse
-anything that leads outside it (``..``, absolute paths elsewhere, symlinks pointing out),
-with a :class:`~areal_grpc.errors.FieldError` naming the field. Only safetensors are read:
-no pickle, no ``torch.load``.
+half-written version. Every version carries the project's marker file, and only marked
+directories are replaced or pruned (:mod:`areal_grpc.paths`). Readers resolve a requested path
+against *their own* root and refuse anything that leads outside it (``..`` escapes, absolute
+paths elsewhere, symlinks pointing out), with a :class:`~areal_grpc.errors.FieldError`
+naming the field. Only safetensors are read: no pickle, no ``torch.load``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from areal_grpc.errors import FieldError
+from areal_grpc.paths import (
+    check_replaceable,
+    is_marked,
+    remove_owned,
+    replace_dir,
+    resolve_inside,
+    write_marker,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -93,7 +102,10 @@ class VersionWriter:
 
     def __enter__(self) -> VersionWriter:
         self.root.mkdir(parents=True, exist_ok=True)
+        # Refused before anything is written: a version directory we did not write stays.
+        check_replaceable(self.path)
         self._tmp.mkdir()
+        write_marker(self._tmp, "weights")
         if self._keep is not None:
             existing = [p for v, p in list_versions(self.root) if v != self.version]
             # The newest existing version stays whatever happens to this one.
@@ -147,14 +159,8 @@ class VersionWriter:
         index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
         (self._tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
         _fsync_dir(self._tmp)
-        if self.path.exists():
-            # Re-publishing a version (e.g. a retried update) replaces it as a whole.
-            old = self.root / f"{_TMP_PREFIX}old-{uuid.uuid4().hex[:8]}"
-            self.path.rename(old)
-            self._tmp.rename(self.path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            self._tmp.rename(self.path)
+        # Re-publishing a version (e.g. a retried update) replaces it as a whole.
+        replace_dir(self._tmp, self.path)
         _fsync_dir(self.root)
 
 
@@ -189,14 +195,17 @@ def write_version(
 
 
 def list_versions(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Published versions under ``root`` as (version, path), oldest first."""
+    """Versions published by the project under ``root`` as (version, path), oldest first.
+
+    Only directories carrying the project's marker count: nothing else is ever pruned.
+    """
     base = Path(root)
     if not base.is_dir():
         return []
     found = []
     for entry in base.iterdir():
         m = _VERSION_DIR.match(entry.name)
-        if m and entry.is_dir() and not entry.is_symlink():
+        if m and is_marked(entry):
             found.append((int(m.group(1)), entry))
     return sorted(found)
 
@@ -211,38 +220,18 @@ def prune_versions(root: str | os.PathLike[str], keep: int) -> list[Path]:
     for entry in base.iterdir() if base.is_dir() else ():
         # Leftovers of writers that died mid-write; a live writer's directory is younger
         # than the newest published version only while it runs, so only old ones go.
-        if entry.name.startswith(_TMP_PREFIX) and versions:
+        if entry.name.startswith(_TMP_PREFIX) and versions and is_marked(entry):
             newest = versions[-1][1].stat().st_mtime
             if entry.stat().st_mtime < newest:
                 doomed.append(entry)
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_owned(path)
     return doomed
 
 
 def resolve_confined(root: str | os.PathLike[str], path: str, field: str = "path") -> Path:
-    """``path`` (relative to ``root`` or absolute inside it) resolved; FieldError otherwise.
-
-    Refuses empty paths, any ``..`` component, absolute paths outside ``root`` and paths that
-    leave ``root`` through a symlink (checked on the fully resolved path).
-    """
-    if not path:
-        raise FieldError(field, "must not be empty")
-    if "\x00" in path:
-        raise FieldError(field, "contains a NUL byte")
-    base = Path(root).resolve()
-    candidate = Path(path)
-    if ".." in candidate.parts:
-        raise FieldError(field, f"{path!r} contains '..'")
-    if not candidate.is_absolute():
-        candidate = base / candidate
-    elif not (
-        candidate.is_relative_to(base) or candidate.is_relative_to(Path(os.path.abspath(root)))
-    ):
-        raise FieldError(field, f"{path!r} is outside the weights root")
-    resolved = candidate.resolve()
-    if not resolved.is_relative_to(base):
-        raise FieldError(field, f"{path!r} leads outside the weights root (through a symlink)")
+    """``path`` resolved strictly inside ``root`` (see :func:`resolve_inside`); a directory."""
+    resolved = resolve_inside([Path(root)], path, field)
     if not resolved.is_dir():
         raise FieldError(field, f"{path!r} is not a directory under the weights root")
     return resolved

@@ -160,7 +160,15 @@ EXPECTED = {
 
 
 def test_the_launched_servers_refuse_clients_without_certificate_or_token(pki, tmp_path):
-    cfg = load_config(None, ["trainer.ranks=1", *SMALL_RUN, *security_overrides(pki)])
+    cfg = load_config(
+        None,
+        [
+            "trainer.ranks=1",
+            *SMALL_RUN,
+            *security_overrides(pki),
+            f"output.dir={tmp_path / 'run'}",
+        ],
+    )
     # The test process probes health like the coordinator does: with the run's credentials.
     previous = set_default_channel_options(run_channel_options(cfg.security))
     try:

@@ -40,7 +40,8 @@ from areal_grpc.coordinator.loop import (
 )
 from areal_grpc.coordinator.mesh import check_supported, fleet_launcher, new_mesh, start_mesh
 from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
-from areal_grpc.errors import FieldError
+from areal_grpc.errors import FieldError, PreconditionError
+from areal_grpc.paths import check_replaceable
 from areal_grpc.server import set_default_channel_options, start_server
 
 __all__ = ["main", "parse_args", "run"]
@@ -264,6 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_supported(cfg)
         if cfg.launcher.mode == "ray":
             new_mesh(cfg, Path(cfg.output.dir))  # names the missing ray extra early
+        if cfg.checkpoint.export_hf:
+            # Found now, not after the whole run: the export replaces only its own directory.
+            try:
+                check_replaceable(Path(cfg.output.dir).resolve() / "model", "the model export")
+            except PreconditionError as exc:
+                raise FieldError("output.dir", str(exc)) from None
     except FieldError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -294,6 +301,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if received:
                 return 128 + received[0]
             raise
+        except FieldError as exc:
+            # A setting found wrong while the mesh starts (a child's arguments, Ray
+            # placement): the same one line and status as config validation.
+            print(f"config error: {exc}", file=sys.stderr, flush=True)
+            return 2
         except TrainerGroupFailed as exc:
             # Expected failure mode (no checkpoint, restarts used up, ranks never came back):
             # one line saying why, not a traceback; committed checkpoints allow --resume.

@@ -234,7 +234,7 @@ class Coordinator:
         self.endpoints = [_Endpoint(a, RolloutClient(a)) for a in rollout_addresses]
         self.trainers = [TrainerClient(a) for a in trainer_addresses]
         self.checkpoints = CheckpointStore(
-            Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+            (Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints").resolve()
         )
         self.sampling = common_pb2.SamplingParams(
             temperature=cfg.rollout.sampling.temperature,

@@ -83,6 +83,17 @@ def weights_root(cfg: RunConfig) -> str:
     return str(Path(root).resolve())
 
 
+def trainer_path_roots(cfg: RunConfig) -> list[str]:
+    """Where trainer ranks may write checkpoints and exports: the run's output directory, and
+    the checkpoint directory when it lies elsewhere (resolved: children may start elsewhere)."""
+    roots = [Path(cfg.output.dir).resolve()]
+    if cfg.checkpoint.dir:
+        ck = Path(cfg.checkpoint.dir).resolve()
+        if not ck.is_relative_to(roots[0]):
+            roots.append(ck)
+    return [str(r) for r in roots]
+
+
 def rollout_argv(cfg: RunConfig, index: int) -> list[str]:
     """Command line of rollout server ``index``."""
     r = cfg.rollout
@@ -206,6 +217,8 @@ def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
         repr(cfg.rollout.sampling.temperature or 1.0),
     ]
     argv += ["--weights-timeout-s", repr(cfg.weight_sync.timeout_s)]
+    for root in trainer_path_roots(cfg):
+        argv += ["--path-root", root]
     if "disk" in cfg.weight_sync.methods:
         argv += ["--weights-root", weights_root(cfg)]
     device = local_trainer_device(cfg, rank) if cfg.launcher.mode == "local" else t.device

@@ -60,7 +60,13 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     g.add_argument("--mixed-precision", choices=["auto", "on", "off"], default="auto")
     g.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
-    g.add_argument("--path-root", default=None, help="confine checkpoint/export paths here")
+    g.add_argument(
+        "--path-root",
+        action="append",
+        default=[],
+        help="checkpoint/export paths must lie inside this directory (repeatable; relative "
+        "paths are relative to the first; default: ./areal-files/trainer)",
+    )
     g = parser.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, default=1e-5)
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -159,7 +165,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerServiceConfig:
         engine=engine,
         dist=dist_cfg,
         distributed=not args.no_fsdp,
-        path_root=args.path_root,
+        path_roots=tuple(args.path_root),
         weights=weights,
     )
 

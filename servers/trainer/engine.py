@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from areal_grpc.model import load_model, load_tokenizer, save_pretrained
+from areal_grpc.paths import check_replaceable, remove_owned, replace_dir, write_marker
 
 # Progress callback: (phase, micro-batches done, micro-batches total).
 Progress = Callable[[str, int, int], None]
@@ -508,15 +509,19 @@ class TrainerEngine:
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         return {k: v.detach().cpu() for k, v in full.items()}
 
-    def _replace_dir(self, tmp: Path, final: Path) -> None:
-        """Rank 0 swaps ``tmp`` into ``final`` (old contents removed only after the swap)."""
-        old = None
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-            final.rename(old)
-        tmp.rename(final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    @staticmethod
+    def checkpoint_tmp(final: Path) -> Path:
+        """Where the ranks write a checkpoint before it is renamed to ``final`` (same on all)."""
+        return final.with_name(f".{final.name}.tmp")
+
+    @classmethod
+    def check_checkpoint_target(cls, final: Path) -> None:
+        """PreconditionError unless ``final`` and its temporary directory may be (re)written.
+
+        Only directories the project wrote are replaced (see :mod:`areal_grpc.paths`).
+        """
+        check_replaceable(final)
+        check_replaceable(cls.checkpoint_tmp(final))
 
     def save_checkpoint(self, path: str, global_step: int | None = None) -> None:
         """Sharded DCP checkpoint of model, optimizer, scheduler, version and step (collective).
@@ -526,10 +531,14 @@ class TrainerEngine:
         checkpoint or the complete new one.
         """
         final = Path(path)
-        tmp = final.with_name(final.name + ".tmp")
+        tmp = self.checkpoint_tmp(final)
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            # Checked by every rank before the call (the service), checked again here for
+            # direct callers: a leftover temporary directory is removed only if it is ours.
+            self.check_checkpoint_target(final)
+            remove_owned(tmp)
             tmp.mkdir(parents=True)
+            write_marker(tmp, "checkpoint")
         self.barrier()
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save(
@@ -550,7 +559,7 @@ class TrainerEngine:
                 "model": self.cfg.model,
             }
             (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
-            self._replace_dir(tmp, final)
+            replace_dir(tmp, final)
         self.barrier()
 
     def load_checkpoint(self, path: str, min_version: int = 0) -> tuple[int, int]:
@@ -605,9 +614,15 @@ class TrainerEngine:
         full = self.full_state_dict()
         if self.rank == 0:
             final = Path(path)
-            tmp = final.with_name(final.name + f".tmp-{uuid.uuid4().hex[:8]}")
+            check_replaceable(final)
+            tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
             plain = load_model(self.cfg.model, seed=self.cfg.seed)
             plain.load_state_dict({k: v.float() for k, v in full.items()})
-            save_pretrained(plain, self.tokenizer, tmp)
-            self._replace_dir(tmp, final)
+            try:
+                save_pretrained(plain, self.tokenizer, tmp)
+                write_marker(tmp, "export")
+                replace_dir(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         self.barrier()

@@ -54,6 +54,7 @@ from areal_grpc.errors import (
     status,
     status_for_exception,
 )
+from areal_grpc.paths import check_replaceable, open_roots, resolve_inside
 from areal_grpc.trajectory import groups_to_batch
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,9 @@ class TrainerServiceConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     # Join a process group (False: a single plain process, for tools and tests).
     distributed: bool = True
-    # When set, checkpoint and export paths must lie under this directory.
-    path_root: str | None = None
+    # Checkpoint and export paths must lie inside one of these (none: the default root under
+    # the working directory, see areal_grpc.paths); the first is where relative paths point.
+    path_roots: tuple[str, ...] = ()
     # How PublishWeights sends weights (disk root, bucket size, group address).
     weights: PublisherConfig = field(default_factory=PublisherConfig)
 
@@ -152,6 +154,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         self._ready: Future[TrainerEngine] = self._executor.submit(self._build)
         # Rank 0's sender; it keeps the distributed weight group between publications.
         self.publisher = WeightPublisher(cfg.weights, device=self.device)
+        self.roots = open_roots(cfg.path_roots, "trainer")
         # Why the process group broke (None while it works). A collective that failed
         # unexpectedly (a peer died, a timeout) leaves the ranks at different points of the
         # collective sequence, so this rank refuses further collective calls at once instead
@@ -225,19 +228,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         finally:
             self._busy = False
 
-    def _check_path(self, path: str, where: str = "path") -> str:
-        if not path:
-            raise FieldError(where, "must not be empty")
-        if self.cfg.path_root is not None:
-            root = Path(self.cfg.path_root).resolve()
-            resolved = Path(path).resolve()
-            if not resolved.is_relative_to(root):
-                raise FieldError(where, f"{path!r} is outside the allowed root {str(root)!r}")
-            if resolved == root:
-                # Writers replace their target directory whole: the root itself would lose
-                # everything else under it.
-                raise FieldError(where, f"{path!r} is the root itself; name a directory in it")
-        return path
+    def _check_path(self, path: str, where: str = "path") -> Path:
+        """``path`` resolved inside this server's roots (FieldError naming ``where`` if not)."""
+        return resolve_inside(self.roots, path, where)
 
     # -- TrainStep ----------------------------------------------------------------------------
 
@@ -460,8 +453,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             # Validation failures here are identical on every rank (same request), so no rank
             # is left waiting in the checkpoint's collectives.
             path = self._check_path(request.path)
-            engine.save_checkpoint(path, request.global_step or None)
-            return trainer_pb2.SaveCheckpointResponse(path=path, policy_version=engine.version)
+            engine.check_checkpoint_target(path)
+            engine.save_checkpoint(str(path), request.global_step or None)
+            return trainer_pb2.SaveCheckpointResponse(path=str(path), policy_version=engine.version)
 
         return await self._unary(context, job)
 
@@ -478,7 +472,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
                 raise FieldError(
                     "min_policy_version", f"must be >= 0, got {request.min_policy_version}"
                 )
-            step, version = engine.load_checkpoint(path, request.min_policy_version)
+            step, version = engine.load_checkpoint(str(path), request.min_policy_version)
             return trainer_pb2.LoadCheckpointResponse(global_step=step, policy_version=version)
 
         return await self._unary(context, job)
@@ -492,8 +486,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             engine = self.engine
             assert engine is not None
             path = self._check_path(request.path)
-            engine.export_hf(path)
-            return trainer_pb2.ExportModelResponse(path=path, policy_version=engine.version)
+            check_replaceable(path)
+            engine.export_hf(str(path))
+            return trainer_pb2.ExportModelResponse(path=str(path), policy_version=engine.version)
 
         return await self._unary(context, job)
 

@@ -434,7 +434,7 @@ def test_load_checkpoint_continues_from_min_policy_version_and_names_a_bad_one(t
             TrainerServiceConfig(
                 engine=EngineConfig(model="builtin:micro", fsdp=False, device="cpu"),
                 distributed=False,
-                path_root=str(tmp_path),
+                path_roots=(str(tmp_path),),
             )
         )
         running = await start_server(

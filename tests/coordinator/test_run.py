@@ -88,10 +88,12 @@ def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(
         f"weight_sync.disk_root={tmp_path / 'weights'}",
         "checkpoint.every_steps=0",
     ]
-    cfg = load_config(None, overrides)
+    out = tmp_path / "run"
+    # The servers' root is the run's output directory: there the coordinator's checkpoints
+    # and export go.
+    cfg = load_config(None, [*overrides, f"output.dir={out}"])
     mesh: Mesh = start_mesh(cfg, tmp_path / "mesh-logs")
     try:
-        out = tmp_path / "run"
         proc = coordinator_command.start(
             out,
             *overrides,
@@ -222,11 +224,11 @@ def test_a_dead_rollout_server_loses_no_work_and_a_registered_one_joins(
         "checkpoint.export_hf=false",
         "output.plot=false",
     ]
-    cfg = load_config(None, overrides)
+    out = tmp_path / "run"
+    cfg = load_config(None, [*overrides, f"output.dir={out}"])
     mesh = start_mesh(cfg, tmp_path / "mesh-logs")
     doomed, newcomer = mesh.children[1], mesh.children[2]
     try:
-        out = tmp_path / "run"
         proc = coordinator_command.start(
             out,
             *overrides,

@@ -26,6 +26,7 @@ from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from hypothesis import given
 from hypothesis import strategies as st
 
+from areal_grpc.paths import is_marked
 from areal_grpc.server import BackgroundServer, service
 
 from .conftest import DOCUMENTED, Tally, fuzz
@@ -142,7 +143,7 @@ def start_trainer(root: Path) -> Trainer:
             microbatch=MicroBatchSpec(max_tokens_per_mb=MAX_TOKENS),
         ),
         distributed=False,
-        path_root=str(root),
+        path_roots=(str(root),),
     )
     svc = TrainerService(cfg)
     svc.wait_ready(TIMEOUT)
@@ -452,17 +453,19 @@ def test_train_step_broken_streams(trainer: Trainer, tally: Tally, sent, how) ->
 
 # ---------------------------------------------------------------- checkpoints and export
 
-# Fixed relative paths only: a random relative path resolves against the working directory
-# (the repository), where nothing must ever be written.
-OUTSIDE = ["ckpt", "./ckpt", "runs/x", "/", "/etc", "/tmp", "/dev/null", "~", "../outside"]
+OUTSIDE = ["/", "/etc", "/tmp", "/dev/null", "../outside", "../../x", "./../x"]
+# Relative paths are relative to the server's root, never to its working directory.
+RELATIVE = ["ckpt", "./ckpt", "runs/x", "~", "runs/../ckpt"]
 
 
 @st.composite
 def hostile_paths(draw: st.DrawFn, root: Path) -> tuple[str, bool]:
     """(path, inside the root): traversal, outside, NUL, missing, plain names under the root."""
-    kind = draw(st.sampled_from(["outside", "traversal", "nul", "empty", "inside"]))
+    kind = draw(st.sampled_from(["outside", "relative", "traversal", "nul", "empty", "inside"]))
     if kind == "outside":
         return draw(st.sampled_from(OUTSIDE)), False
+    if kind == "relative":
+        return draw(st.sampled_from(RELATIVE)), True
     if kind == "traversal":
         depth = draw(st.integers(1, 4))
         return str(root) + "/.." * depth + "/" + draw(st.sampled_from(["outside", "x", ""])), False
@@ -493,6 +496,14 @@ def test_checkpoint_and_export_paths(
     trainer: Trainer, tally: Tally, rpc, data, global_step
 ) -> None:
     path, inside = data.draw(hostile_paths(trainer.root))
+    target = (trainer.root / path).resolve() if inside else None
+    # Only a missing or empty directory, or one the project wrote, may be (re)written.
+    foreign = (
+        target is not None
+        and target.exists()
+        and not is_marked(target)
+        and (not target.is_dir() or any(target.iterdir()))
+    )
     if rpc == "save":
         fn = lambda: trainer.stub.SaveCheckpoint(  # noqa: E731
             trainer_pb2.SaveCheckpointRequest(path=path, global_step=global_step), timeout=TIMEOUT
@@ -508,6 +519,8 @@ def test_checkpoint_and_export_paths(
     code, resp = tally.call(f"Trainer.{rpc.capitalize()}", fn)
     if not inside:
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (path, code)
+    elif rpc in ("save", "export") and foreign:
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, (path, code)
     elif rpc in ("save", "export"):
         assert code == grpc.StatusCode.OK, (path, code)
         assert resp.policy_version == trainer.version and Path(resp.path).is_dir()

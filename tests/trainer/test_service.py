@@ -54,8 +54,8 @@ class Rank:
     channel: grpc.Channel
 
 
-def start_ranks(log_dir: Path, world: int = 2) -> list[Rank]:
-    """Starts ``world`` areal-trainer processes and waits for each to print LISTENING."""
+def start_ranks(log_dir: Path, root: Path, world: int = 2) -> list[Rank]:
+    """Starts ``world`` areal-trainer processes (paths confined to ``root``); waits for each."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     ranks = []
@@ -76,6 +76,7 @@ def start_ranks(log_dir: Path, world: int = 2) -> list[Rank]:
             f"--max-tokens-per-mb={MAX_TOKENS}",
             "--collective-timeout-s=120",
             "--log-level=WARNING",
+            f"--path-root={root}",
         ]
         log = open(log_dir / f"rank{r}.log", "w")  # noqa: SIM115 (lives with the process)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
@@ -98,7 +99,7 @@ def stop_ranks(ranks: list[Rank], kill: bool = False) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Iterator[list[Rank]]:
-    pair = start_ranks(tmp_path_factory.mktemp("ranks"))
+    pair = start_ranks(tmp_path_factory.mktemp("ranks"), tmp_path_factory.getbasetemp())
     yield pair
     stop_ranks(pair)
 
@@ -323,14 +324,16 @@ def test_a_cancelled_stream_on_one_rank_releases_the_others(ranks, make_batch):
     assert all(r[1].policy_version == version + 1 for r in res)
 
 
-def test_checkpoint_then_kill_then_resume_equals_uninterrupted_run(ranks, make_batch, tmp_path):
+def test_checkpoint_then_kill_then_resume_equals_uninterrupted_run(
+    ranks, make_batch, tmp_path, tmp_path_factory
+):
     version = status(ranks[0]).policy_version
     ckpt = tmp_path / "ckpt"
     saved = collective(
         ranks, "SaveCheckpoint", trainer_pb2.SaveCheckpointRequest(path=str(ckpt), global_step=7)
     )
     assert {s.policy_version for s in saved} == {version}
-    assert ckpt.is_dir() and not (tmp_path / "ckpt.tmp").exists()
+    assert ckpt.is_dir() and not (tmp_path / ".ckpt.tmp").exists()
     groups = to_groups(make_batch(seed=13))
     shards = [groups[1:], groups[:1]]
     step = [step_messages(7, version, s) for s in shards]
@@ -338,7 +341,7 @@ def test_checkpoint_then_kill_then_resume_equals_uninterrupted_run(ranks, make_b
     uninterrupted = export(ranks, tmp_path / "uninterrupted")
 
     stop_ranks(ranks, kill=True)
-    fresh = start_ranks(tmp_path)
+    fresh = start_ranks(tmp_path, tmp_path_factory.getbasetemp())
     try:
         missing = trainer_pb2.LoadCheckpointRequest(path=str(tmp_path / "missing"))
         with pytest.raises(grpc.RpcError) as err:

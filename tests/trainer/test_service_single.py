@@ -53,7 +53,7 @@ async def scenario(tmp_path) -> None:
             microbatch=MicroBatchSpec(max_tokens_per_mb=16),
         ),
         distributed=False,
-        path_root=str(tmp_path),
+        path_roots=(str(tmp_path),),
     )
     servicer = TrainerService(cfg)
     running = await start_server(

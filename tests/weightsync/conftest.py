@@ -188,6 +188,7 @@ def start_trainers(
             "--behav-imp-weight-cap=0",
             "--collective-timeout-s=120",
             f"--weights-root={weights_root}",
+            f"--path-root={export_root}",
             "--weights-keep=2",
             # Small buckets so even the micro model travels in several of them.
             "--weights-bucket-mb=0.1",

@@ -154,6 +154,9 @@ def test_disk_paths_outside_the_root_are_refused_naming_path(
         "/etc",
         "v00000009",
         "",
+        ".",
+        str(root),
+        "v00000009/../../outside/v00000001",
     ):
         err = expect_error(lambda p=path: disk_update(r, p, 1), grpc.StatusCode.INVALID_ARGUMENT)
         assert [f for f, _ in field_violations(err)] == ["path"], path

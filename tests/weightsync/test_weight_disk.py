@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_grpc.errors import FieldError
+from areal_grpc.errors import FieldError, PreconditionError
+from areal_grpc.paths import MARKER_NAME
 from areal_grpc.weight_disk import (
     VersionWriter,
     list_versions,
@@ -33,6 +34,7 @@ def test_versions_are_written_in_shards_and_read_back_exactly(tmp_path: Path) ->
     path = write_version(tmp_path, 7, [{"a": sd["a"]}, {"b": sd["b"], "c": sd["c"]}], 2, {"x": 1})
     assert path == tmp_path / "v00000007"
     assert sorted(p.name for p in path.iterdir()) == [
+        MARKER_NAME,
         "config.json",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
@@ -196,3 +198,24 @@ def test_a_failed_write_leaves_the_newest_version_loadable(tmp_path: Path) -> No
         raise RuntimeError("the trainer died mid-write")
     assert [v for v, _ in list_versions(tmp_path)] == [1]
     assert torch.equal(load_version(tmp_path, "v00000001")["a"], state(1)["a"])
+
+
+def test_directories_the_project_did_not_write_are_never_replaced_or_pruned(
+    tmp_path: Path,
+) -> None:
+    """A version-named directory without the marker is refused and survives pruning."""
+    sd = state(0)
+    foreign = tmp_path / "v00000002"
+    foreign.mkdir()
+    (foreign / "mine.txt").write_text("a user's file")
+    with pytest.raises(PreconditionError, match="did not write"):
+        write_version(tmp_path, 2, [sd], 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002"]
+    for v in (3, 4, 5):
+        write_version(tmp_path, v, [sd], 1)
+    prune_versions(tmp_path, keep=1)
+    assert (foreign / "mine.txt").read_text() == "a user's file"
+    assert [v for v, _ in list_versions(tmp_path)] == [5]
+    # A directory that is ours is replaced whole when its version is written again.
+    write_version(tmp_path, 5, [state(1)], 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002", "v00000005"]
