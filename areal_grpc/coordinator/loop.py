@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import json
 import logging
 import math
 import time
@@ -52,6 +51,7 @@ from areal_grpc.coordinator.dataloader import PromptLoader
 from areal_grpc.coordinator.mesh import TRAINER_SERVICE, max_new_tokens
 from areal_grpc.coordinator.metrics import MetricsWriter, plot_curves
 from areal_grpc.coordinator.pool import Finished, Work, WorkPool
+from areal_grpc.data import load_file
 from areal_grpc.dispatch import balance_ratio, dispatch_groups
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.launch import health_status
@@ -149,16 +149,20 @@ def _describe(exc: BaseException) -> str:
 
 
 def load_items(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
-    """The items of ``split`` ("train" / "eval"): a built-in task or a JSONL file."""
+    """The items of ``split`` ("train" / "eval"): a built-in task, or JSONL / Parquet files."""
     if cfg.data.path is None:
         return task_dataset(cfg.data.task, split, cfg.model.seed)
-    path = Path(cfg.data.path)
-    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if split == "eval" and cfg.data.eval_path is not None:
+        items, key = load_file(cfg.data.eval_path, "data.eval_path"), "eval"
+    else:
+        items, key = load_file(cfg.data.path, "data.path"), "train"
     for i, item in enumerate(items):
         item.setdefault("task", cfg.data.task)
-        item.setdefault("id", f"{cfg.data.task}-{i}")
-    # A file has no split of its own: its first 10% is held out for eval (none when the
-    # file is too small to spare any; eval then reuses the first item).
+        item.setdefault("id", f"{cfg.data.task}-{key}-{i}")
+    if cfg.data.eval_path is not None:
+        return items
+    # One file and no held-out one: its first 10% is held out for eval (none when the file
+    # is too small to spare any; eval then reuses the first item).
     n_eval = len(items) // 10
     if split == "eval":
         return items[: max(1, n_eval)]
@@ -243,7 +247,9 @@ class Coordinator:
             max_new_tokens=max_new_tokens(cfg),
         )
         params = struct_pb2.Struct()
-        params.update({"reward_fn": cfg.rollout.reward})
+        params.update({"reward_fn": cfg.rollout.reward, "chat_template": cfg.rollout.chat_template})
+        if cfg.rollout.system_prompt is not None:
+            params.update({"system_prompt": cfg.rollout.system_prompt})
         self.workflow_params = params
         # Submissions pause while weights are synced (AReaL: rollout.pause() before the
         # update, resume() after the version bump).

@@ -118,7 +118,11 @@ def rollout_argv(cfg: RunConfig, index: int) -> list[str]:
         r.workflow,
         "--max-new-tokens",
         str(max_new_tokens(cfg)),
+        "--torch-threads",
+        str(r.torch_threads),
     ]
+    if r.max_batch_tokens is not None:
+        argv += ["--max-batch-tokens", str(r.max_batch_tokens)]
     argv += ["--weight-methods", ",".join(cfg.weight_sync.methods)]
     if "disk" in cfg.weight_sync.methods:
         argv += ["--weights-root", weights_root(cfg)]
@@ -185,7 +189,7 @@ def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
         "--seed",
         str(cfg.model.seed),
         "--torch-threads",
-        "1",
+        str(t.torch_threads),
         "--lr",
         repr(t.lr),
         "--weight-decay",

@@ -6,6 +6,7 @@ import argparse
 import json
 from collections.abc import Sequence
 
+import torch
 from areal.v1 import rollout_pb2, rollout_pb2_grpc
 from areal_servers.rollout.engine import InferenceEngine
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
@@ -28,6 +29,13 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--engine", choices=["hf", "sglang"], default="hf")
     parser.add_argument("--device", default="auto", help="hf engine device: auto, cpu, cuda")
     parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=0,
+        help="KV cache budget in token slots (rows x longest prompt+max_new_tokens; 0: none)",
+    )
+    parser.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--sglang-url", default="", help="attach the sglang engine to this URL")
     parser.add_argument("--default-workflow", default="rlvr")
     parser.add_argument(
@@ -66,6 +74,7 @@ def create_engine(args: argparse.Namespace) -> InferenceEngine:
             seed=args.seed,
             device=args.device,
             max_running_requests=args.max_running_requests,
+            max_batch_tokens=args.max_batch_tokens or None,
         )
     )
 
@@ -86,6 +95,8 @@ def create_rollout_servicer(args: argparse.Namespace) -> RolloutServicer:
 
 async def build(args: argparse.Namespace) -> Sequence[Service]:
     """The services of a rollout server."""
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
     rollout = create_rollout_servicer(args)
     start = getattr(rollout.engine, "start", None)
     if start is not None:

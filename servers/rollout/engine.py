@@ -175,6 +175,8 @@ class InferenceEngine(abc.ABC):
     vocab_size: int = 0
     #: Longest prompt + output the model accepts.
     max_context: int = 0
+    #: Longest prompt + output one request may take of the server's memory budget (0: none).
+    max_request_tokens: int = 0
     eos_token_id: int | None = None
     pad_token_id: int | None = None
 
@@ -260,6 +262,13 @@ class InferenceEngine(abc.ABC):
                     f"{ids_field}[{i}]",
                     f"token id {tok} is outside the vocabulary (size {self.vocab_size})",
                 )
+        limit = self.max_request_tokens
+        if limit and len(input_ids) + params.max_new_tokens > limit:
+            raise FieldError(
+                max_new_field,
+                f"prompt ({len(input_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the server's max_batch_tokens ({limit})",
+            )
         if self.max_context and len(input_ids) >= self.max_context:
             raise FieldError(
                 ids_field,

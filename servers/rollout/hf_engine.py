@@ -60,6 +60,10 @@ class HFEngineConfig:
     device: str = "auto"
     # Requests decoded together; more wait in a queue.
     max_running_requests: int = 256
+    # Bound on the KV cache, in token slots: rows x the longest row's prompt + max_new_tokens
+    # (rows are padded to the longest). Requests wait until they fit; one that never could
+    # is INVALID_ARGUMENT naming this limit. None: only max_running_requests bounds it.
+    max_batch_tokens: int | None = None
 
 
 @dataclass(eq=False)
@@ -89,6 +93,11 @@ class _Batch:
     cache: DynamicCache | None = None
     # [B, T] 1 where the cache holds a real token (left padding is 0).
     mask: torch.Tensor | None = None
+
+
+def _slots(req: _Request) -> int:
+    """KV cache slots a request may need: its prompt and every token it may generate."""
+    return len(req.prompt) + req.params.max_new_tokens
 
 
 def _resolve(fut: concurrent.futures.Future, value: object) -> None:
@@ -131,12 +140,20 @@ class HFEngine(InferenceEngine):
         mcfg = self._model.config
         self.vocab_size = int(mcfg.vocab_size)
         self.max_context = int(getattr(mcfg, "max_position_embeddings", 0) or 0)
+        self.max_request_tokens = self.config.max_batch_tokens or 0
         self.eos_token_id = (
             tokenizer.eos_token_id if tokenizer is not None else getattr(mcfg, "eos_token_id", None)
         )
         self.pad_token_id = (
             tokenizer.pad_token_id if tokenizer is not None else getattr(mcfg, "pad_token_id", 0)
         )
+        # Generation ends at any end-of-turn token: chat models list theirs in the
+        # generation config (e.g. <|im_end|> beside <|endoftext|>).
+        ends = getattr(getattr(self._model, "generation_config", None), "eos_token_id", None)
+        ends = [ends] if isinstance(ends, int) else list(ends or [])
+        if self.eos_token_id is not None:
+            ends.append(int(self.eos_token_id))
+        self.end_token_ids = frozenset(int(t) for t in ends)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(self.config.seed)
 
@@ -202,8 +219,8 @@ class HFEngine(InferenceEngine):
         params.validate()
         self.check_prompt(input_ids, params)
         stops = set(params.stop_token_ids)
-        if not params.ignore_eos and self.eos_token_id is not None:
-            stops.add(int(self.eos_token_id))
+        if not params.ignore_eos:
+            stops |= self.end_token_ids
         req = _Request(
             rid=next(self._ids),
             prompt=[int(t) for t in input_ids],
@@ -456,7 +473,7 @@ class HFEngine(InferenceEngine):
                 self._cond.wait()
             room = self.config.max_running_requests - len(self._batch.requests)
             admitted: list[_Request] = []
-            while self._pending and room > 0:
+            while self._pending and room > 0 and self._fits_locked(admitted, self._pending[0]):
                 admitted.append(self._pending.popleft())
                 room -= 1
             self._admitting = admitted
@@ -472,6 +489,15 @@ class HFEngine(InferenceEngine):
             if self._batch.requests:
                 self._decode(version)
         return True
+
+    def _fits_locked(self, admitted: list[_Request], req: _Request) -> bool:
+        """Whether ``req`` joins the batch within ``max_batch_tokens`` (a lone row always does)."""
+        budget = self.config.max_batch_tokens
+        rows = [*self._batch.requests, *admitted]
+        if budget is None or not rows:
+            return True
+        longest = max(_slots(r) for r in [*rows, req])
+        return (len(rows) + 1) * longest <= budget
 
     def _interrupt_all_locked(self) -> None:
         interrupted = 0

@@ -65,10 +65,76 @@ class Workflow(Protocol):
 _PROMPT_FIELDS = ("task.data.input_ids", "task.sampling.max_new_tokens")
 
 
+@dataclass(frozen=True)
+class ChatSettings:
+    """Whether prompts go through the model's chat template, and the system message."""
+
+    # "auto": when the tokenizer has a template; "on": required; "off": raw text.
+    mode: str = "auto"
+    system_prompt: str | None = None
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> ChatSettings:
+        """From workflow params ``chat_template`` and ``system_prompt``."""
+        mode = _param(params, "chat_template", str, "auto")
+        if mode not in ("auto", "on", "off"):
+            raise FieldError(
+                "task.workflow_params.chat_template", f"must be auto, on or off, got {mode!r}"
+            )
+        system = params.get("system_prompt")
+        if system is not None and not isinstance(system, str):
+            raise FieldError("task.workflow_params.system_prompt", "must be a string")
+        return cls(mode, system or None)
+
+    def active(self, tokenizer: PreTrainedTokenizerBase) -> bool:
+        """True when prompts are chat-formatted for ``tokenizer``."""
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if self.mode == "on" and not has_template:
+            raise FieldError(
+                "task.workflow_params.chat_template", "the model's tokenizer has no chat template"
+            )
+        return self.mode != "off" and has_template
+
+    def messages(self, item: Mapping[str, Any], text: str | None) -> list[dict[str, Any]]:
+        """The conversation of an item: its ``messages``, or one user turn of ``text``."""
+        if "messages" in item:
+            raw = item["messages"]
+            if not isinstance(raw, Sequence) or isinstance(raw, str):
+                raise FieldError("task.data.messages", "must be a list of {role, content}")
+            msgs = []
+            for i, m in enumerate(raw):
+                if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
+                    raise FieldError(f"task.data.messages[{i}]", "needs role and content")
+                msgs.append(dict(m))
+        else:
+            msgs = [{"role": "user", "content": text}]
+        if self.system_prompt and msgs[0].get("role") != "system":
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
+
+
+def _prompt_text(item: Mapping[str, Any], prompt_key: str) -> str:
+    value = item.get(prompt_key)
+    if value is None and prompt_key == "prompt":
+        # GSM8K's shape names the prompt "question".
+        value = item.get("question")
+    if not isinstance(value, str) or not value:
+        raise FieldError(f"task.data.{prompt_key}", "missing or not a non-empty string")
+    return value
+
+
 def prompt_ids_of(
-    ctx: EpisodeContext, item: Mapping[str, Any], prompt_key: str = "prompt"
+    ctx: EpisodeContext,
+    item: Mapping[str, Any],
+    prompt_key: str = "prompt",
+    chat: ChatSettings | None = None,
 ) -> tuple[str, list[int]]:
-    """The prompt text and token ids of a dataset item (``input_ids`` wins when present)."""
+    """The prompt text and token ids of a dataset item (``input_ids`` wins when present).
+
+    With the chat template active the text is the rendered conversation (system message,
+    the item's ``messages`` or one user turn), ending in the assistant's generation prompt.
+    """
+    chat = chat or ChatSettings()
     if "input_ids" in item:
         raw = item["input_ids"]
         if not isinstance(raw, Sequence) or isinstance(raw, str):
@@ -81,19 +147,40 @@ def prompt_ids_of(
         # Checked before decoding: the tokenizer cannot decode ids outside its vocabulary.
         ctx.engine.check_prompt(ids, ctx.sampling, *_PROMPT_FIELDS)
         text = ctx.tokenizer.decode(ids, skip_special_tokens=True)
-    elif "messages" in item and getattr(ctx.tokenizer, "chat_template", None):
+    elif chat.active(ctx.tokenizer):
+        plain = None if "messages" in item else _prompt_text(item, prompt_key)
         text = ctx.tokenizer.apply_chat_template(
-            list(item["messages"]), tokenize=False, add_generation_prompt=True
+            chat.messages(item, plain), tokenize=False, add_generation_prompt=True
         )
         ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     else:
-        value = item.get(prompt_key)
-        if not isinstance(value, str) or not value:
-            raise FieldError(f"task.data.{prompt_key}", "missing or not a non-empty string")
-        text = value
+        text = _prompt_text(item, prompt_key)
         ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     ctx.engine.check_prompt(ids, ctx.sampling, *_PROMPT_FIELDS)
     return text, ids
+
+
+_PLACEHOLDER = "\x00areal-reply\x00"
+
+
+def chat_turn_ids(tokenizer: PreTrainedTokenizerBase, content: str, after_stop: bool) -> list[int]:
+    """Token ids that close the assistant's turn, add a user turn and open the next reply.
+
+    Rendered by the model's own template around a placeholder reply; ``after_stop``: the
+    reply already ended with the end-of-turn token, which is then not repeated.
+    """
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": _PLACEHOLDER},
+        {"role": "user", "content": content},
+    ]
+    full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    tail = full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
+    eos = tokenizer.eos_token
+    if after_stop and isinstance(eos, str) and eos and tail.startswith(eos):
+        tail = tail[len(eos) :]
+    return tokenizer.encode(tail, add_special_tokens=False)
 
 
 async def call_reward(
@@ -169,7 +256,8 @@ class RLVRWorkflow:
     """n samples of one prompt, generated concurrently, each scored by a reward function.
 
     Params: ``reward_fn`` (default ``"task"``: the reward of ``item["task"]``),
-    ``prompt_key`` (default ``"prompt"``).
+    ``prompt_key`` (default ``"prompt"``, falling back to ``"question"``), ``chat_template``
+    (``auto`` / ``on`` / ``off``) and ``system_prompt``.
     """
 
     name: ClassVar[str] = "rlvr"
@@ -177,6 +265,7 @@ class RLVRWorkflow:
     def __init__(self, params: Mapping[str, Any]) -> None:
         self.reward_name = _param(params, "reward_fn", str, "task")
         self.prompt_key = _param(params, "prompt_key", str, "prompt")
+        self.chat = ChatSettings.from_params(params)
         try:
             self.reward_fn = get_reward_fn(self.reward_name)
         except ValueError as exc:
@@ -186,7 +275,7 @@ class RLVRWorkflow:
         self, ctx: EpisodeContext, item: Mapping[str, Any]
     ) -> common_pb2.TrajectoryGroup | None:
         """Generates ``ctx.group_size`` samples and scores them."""
-        text, ids = prompt_ids_of(ctx, item, self.prompt_key)
+        text, ids = prompt_ids_of(ctx, item, self.prompt_key, self.chat)
         cfg = episode_sampling(ctx)
 
         async def one() -> common_pb2.Trajectory:
@@ -215,7 +304,9 @@ class MultiTurnWorkflow:
     sample that is right at turn t (0-based) is ``reward * turn_discount ** t``.
 
     Params: ``reward_fn`` (default ``"task"``), ``max_turns`` (default 2), ``turn_discount``
-    (default 0.9), ``feedback`` (default ``"\\nWrong, try again.\\n"``), ``prompt_key``.
+    (default 0.9), ``feedback`` (default ``"\\nWrong, try again.\\n"``; with a chat template
+    it is a user turn, default "Wrong, try again."), ``prompt_key``, ``chat_template``,
+    ``system_prompt``.
     """
 
     name: ClassVar[str] = "multi_turn"
@@ -226,6 +317,7 @@ class MultiTurnWorkflow:
         self.max_turns = _param(params, "max_turns", int, 2)
         self.turn_discount = _param(params, "turn_discount", float, 0.9)
         self.feedback = _param(params, "feedback", str, "\nWrong, try again.\n")
+        self.chat = ChatSettings.from_params(params)
         if self.max_turns < 1:
             raise FieldError(
                 "task.workflow_params.max_turns", f"must be >= 1, got {self.max_turns}"
@@ -243,8 +335,9 @@ class MultiTurnWorkflow:
         self, ctx: EpisodeContext, item: Mapping[str, Any]
     ) -> common_pb2.TrajectoryGroup | None:
         """Runs ``ctx.group_size`` conversations concurrently."""
-        text, ids = prompt_ids_of(ctx, item, self.prompt_key)
-        feedback_ids = ctx.tokenizer.encode(self.feedback, add_special_tokens=False)
+        text, ids = prompt_ids_of(ctx, item, self.prompt_key, self.chat)
+        chat = self.chat.active(ctx.tokenizer)
+        plain_feedback = ctx.tokenizer.encode(self.feedback, add_special_tokens=False)
         cfg = episode_sampling(ctx)
         engine = ctx.engine
 
@@ -272,6 +365,15 @@ class MultiTurnWorkflow:
                 reward = score * self.turn_discount**turn
                 if score > 0 or turn == self.max_turns - 1:
                     break
+                if chat:
+                    # The reply's turn is closed and the feedback is a user turn, both as
+                    # the model's own template writes them.
+                    stopped = (
+                        bool(gen.output_ids) and gen.output_ids[-1] == ctx.tokenizer.eos_token_id
+                    )
+                    feedback_ids = chat_turn_ids(ctx.tokenizer, self.feedback.strip(), stopped)
+                else:
+                    feedback_ids = plain_feedback
                 # Feedback must leave room for at least one more model token.
                 if engine.max_context and len(context) + len(feedback_ids) >= engine.max_context:
                     break
@@ -342,6 +444,7 @@ __all__ = [
     "ACCEPT_FILTERS",
     "WORKFLOWS",
     "AcceptFn",
+    "ChatSettings",
     "EpisodeContext",
     "MultiTurnWorkflow",
     "RLVRWorkflow",
@@ -350,6 +453,7 @@ __all__ = [
     "accept_nonuniform",
     "build_workflow",
     "call_reward",
+    "chat_turn_ids",
     "episode_sampling",
     "get_accept_filter",
     "make_trajectory",

@@ -535,3 +535,31 @@ def test_the_process_exits_cleanly_with_requests_in_flight_and_no_close():
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert "exiting" in proc.stdout
     assert "terminate called" not in proc.stderr
+
+
+async def test_max_batch_tokens_bounds_the_running_rows_and_refuses_what_never_fits():
+    """A KV budget of 2 rows (4-token prompts + 16 new tokens each = 20 slots, budget 40):
+    never more than 2 rows decode at once, every request finishes, and one that alone
+    exceeds the budget is a FieldError naming max_new_tokens and the limit."""
+    eng = HFEngine(HFEngineConfig(model="builtin:micro", seed=0, max_batch_tokens=40))
+    try:
+        params = SamplingConfig(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+        with pytest.raises(FieldError) as info:
+            await eng.generate([5, 6, 7, 8], params.with_updates(max_new_tokens=37))
+        assert info.value.field == "sampling.max_new_tokens"
+        assert "max_batch_tokens (40)" in str(info.value)
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, eng.status().running)
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
+        results = await asyncio.gather(*(eng.generate([5, 6, 7, 8 + i], params) for i in range(6)))
+        watcher.cancel()
+        assert [len(r.output_ids) for r in results] == [16] * 6
+        assert peak == 2
+    finally:
+        await eng.close()

