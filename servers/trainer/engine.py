@@ -58,6 +58,15 @@ from transformers import PreTrainedModel
 from areal_grpc.model import load_model, load_tokenizer, save_pretrained
 from areal_grpc.paths import check_replaceable, remove_owned, replace_dir, write_marker
 
+
+def _has_dropout(model: torch.nn.Module) -> bool:
+    """True when ``model`` drops anything in training mode (modules or attention dropout)."""
+    config = getattr(model, "config", None)
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0.0:
+        return True
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+
+
 # Progress callback: (phase, micro-batches done, micro-batches total).
 Progress = Callable[[str, int, int], None]
 
@@ -289,6 +298,8 @@ class TrainerEngine:
                 mixed = self.device.type == "cuda"
             apply_fsdp(self.model, mixed, self.device)
         self.ref_model: PreTrainedModel | None = None
+        # Dropout makes a training forward differ from the proximal (eval) one.
+        self._has_dropout = _has_dropout(self.model)
         if cfg.ppo.kl_ctl != 0.0:
             # The reference policy is the initial one; frozen, replicated (no gradients).
             self.ref_model = build_model(cfg.model, cfg.seed, self.device, self.dtype).eval()
@@ -366,14 +377,21 @@ class TrainerEngine:
         n_mb = len(mbs)
         report("received", 0, n_mb)
 
-        # 1. Proximal (and reference) log-probs with the current weights, no grad.
-        self.model.eval()
-        with torch.no_grad():
-            for k, (_, mb) in enumerate(mbs):
-                mb["prox_logp"] = self._forward_logprobs(self.model, mb)[0]
-                if self.ref_model is not None:
-                    mb["ref_logp"] = self._forward_logprobs(self.ref_model, mb)[0]
-                report("logprobs", k + 1, n_mb)
+        # 1. Proximal (and reference) log-probs with the current weights, no grad. The
+        # proximal policy is the weights before this step's single update: every micro-batch's
+        # training forward below runs with exactly those weights, so without dropout its
+        # detached log-probs *are* the proximal ones and this extra forward is skipped
+        # (a quarter of the step's compute).
+        recompute = self._has_dropout
+        if recompute or self.ref_model is not None:
+            self.model.eval()
+            with torch.no_grad():
+                for k, (_, mb) in enumerate(mbs):
+                    if recompute:
+                        mb["prox_logp"] = self._forward_logprobs(self.model, mb)[0]
+                    if self.ref_model is not None:
+                        mb["ref_logp"] = self._forward_logprobs(self.ref_model, mb)[0]
+                    report("logprobs", k + 1, n_mb)
 
         # 2. Advantages for the whole shard (batch-level statistics are all-reduced).
         ref_full = None
@@ -421,7 +439,7 @@ class TrainerEngine:
             logp, entropy = self._forward_logprobs(self.model, mb)
             loss, mb_stats = ppo_loss(
                 logp,
-                mb["prox_logp"],
+                mb["prox_logp"] if recompute else logp.detach(),
                 mb["logprobs"],
                 mb["advantages"],
                 mb["train_mask"],

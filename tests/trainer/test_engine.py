@@ -177,3 +177,22 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(make_batch):
     r0, r1 = plain.train_step(batch), penalised.train_step(batch)
     assert max_diff(params(plain), params(penalised)) > 1e-6
     assert r0.extra["advantage_mean"] != pytest.approx(r1.extra["advantage_mean"], abs=1e-6)
+
+
+def test_skipping_the_proximal_forward_changes_nothing_without_dropout(make_batch):
+    """The proximal policy is the weights before the step: with no dropout the training
+    forward's detached log-probs equal a separate no-grad forward's, so two steps with and
+    without that forward end at the same weights (and the skip is taken by default)."""
+    torch.manual_seed(0)
+    batch = make_batch(n_groups=4, group_size=2, seed=3)
+    skipping = TrainerEngine(config(fsdp=False, max_tokens=32))
+    recomputing = TrainerEngine(config(fsdp=False, max_tokens=32))
+    assert not skipping._has_dropout
+    recomputing._has_dropout = True
+    phases: list[str] = []
+    for _ in range(2):
+        a = skipping.train_step(batch, lambda phase, done, total: phases.append(phase))
+        b = recomputing.train_step(batch)
+        assert abs(a.loss - b.loss) < 1e-6 and abs(a.grad_norm - b.grad_norm) < 1e-5
+    assert "logprobs" not in phases
+    assert max_diff(params(skipping), params(recomputing)) < 1e-6
