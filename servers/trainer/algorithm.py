@@ -218,6 +218,16 @@ def trainable_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> tor
     return mask
 
 
+def logprobs_of(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each target, entropy of its distribution) for aligned logits [..., V]."""
+    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
 def token_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,11 +235,31 @@ def token_logprobs(
 
     Position 0 has no predicting logits and gets 0 in both.
     """
-    logits = logits[:, :-1].float() / temperature
-    logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    logp, entropy = logprobs_of(logits[:, :-1], input_ids[:, 1:], temperature)
     return F.pad(logp, (1, 0)), F.pad(entropy, (1, 0))
+
+
+def masked_token_logprobs(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` at the positions of ``mask`` only (0 elsewhere), [B, S].
+
+    ``forward(keep)`` returns the logits of the positions where the boolean ``keep`` [B, S]
+    is set, flattened [N, V] (transformers' ``logits_to_keep``). Only the tokens trained on
+    go through the vocabulary projection and the log-softmax: with prompts most of each
+    sequence, that is most of the step's vocabulary work and memory.
+    """
+    target = mask.bool().clone()
+    target[:, 0] = False  # token 0 has no predictor
+    keep = torch.zeros_like(target)
+    keep[:, :-1] = target[:, 1:]
+    rows, cols = target.nonzero(as_tuple=True)
+    logp, entropy = logprobs_of(forward(keep), input_ids[rows, cols], temperature)
+    zeros = torch.zeros(input_ids.shape, dtype=logp.dtype, device=logp.device)
+    return zeros.index_put((rows, cols), logp), zeros.index_put((rows, cols), entropy)
 
 
 @dataclass

@@ -38,8 +38,8 @@ from areal_servers.trainer.algorithm import (
     LossStats,
     PPOConfig,
     compute_advantages,
+    masked_token_logprobs,
     ppo_loss,
-    token_logprobs,
     trainable_mask,
 )
 from areal_servers.trainer.microbatch import Batch, MicroBatchSpec, split_microbatches
@@ -336,10 +336,19 @@ class TrainerEngine:
     def _forward_logprobs(
         self, model: torch.nn.Module, mb: Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(
-            input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False
-        ).logits
-        return token_logprobs(logits, mb["input_ids"], self.cfg.ppo.temperature)
+        """Log-probs and entropies of the trained tokens of ``mb`` (0 elsewhere), [B, S]."""
+
+        def forward(keep: torch.Tensor) -> torch.Tensor:
+            return model(
+                input_ids=mb["input_ids"],
+                attention_mask=mb["attention_mask"],
+                use_cache=False,
+                logits_to_keep=keep,
+            ).logits
+
+        return masked_token_logprobs(
+            forward, mb["input_ids"], mb["train_mask"], self.cfg.ppo.temperature
+        )
 
     def train_step(self, batch: Batch | None, progress: Progress | None = None) -> StepResult:
         """One PPO step on this rank's shard (``None``: empty shard). Collective."""

@@ -16,6 +16,7 @@ from areal_servers.trainer.algorithm import (
     RewardConfig,
     compute_advantages,
     kl_estimate,
+    masked_token_logprobs,
     normalize,
     ppo_loss,
     shape_rewards,
@@ -312,3 +313,33 @@ def test_microbatch_losses_sum_to_the_global_token_mean():
         -adv * torch.exp(theta - prox), -adv * torch.exp(theta - prox).clamp(0.8, 1.2)
     )
     assert whole.item() == pytest.approx(float(per_token[mask].mean()), abs=1e-6)
+
+
+def test_masked_token_logprobs_equal_the_full_ones_where_trained_with_the_same_gradient():
+    """Only the trained positions go through the vocabulary: their log-probs, entropies and
+    gradients equal the full computation's; every other position is 0."""
+    torch.manual_seed(0)
+    b, s, v, h = 3, 7, 11, 5
+    hidden = torch.randn(b, s, h, requires_grad=True)
+    head = torch.randn(v, h)
+    ids = torch.randint(0, v, (b, s))
+    mask = torch.rand(b, s) > 0.4
+    mask[:, 0] = True  # position 0 is never trained, even when masked in
+
+    full_lp, full_ent = token_logprobs(hidden @ head.T, ids, temperature=0.7)
+    calls = []
+
+    def forward(keep):
+        calls.append(keep.clone())
+        return hidden[keep] @ head.T
+
+    lp, ent = masked_token_logprobs(forward, ids, mask, temperature=0.7)
+    trained = mask.clone()
+    trained[:, 0] = False
+    assert int(calls[0].sum()) == int(trained.sum())
+    torch.testing.assert_close(lp[trained], full_lp[trained])
+    torch.testing.assert_close(ent[trained], full_ent[trained])
+    assert not lp[~trained].any() and not ent[~trained].any()
+    (g_masked,) = torch.autograd.grad((lp * 1.3).sum(), hidden)
+    (g_full,) = torch.autograd.grad((full_lp * trained * 1.3).sum(), hidden)
+    torch.testing.assert_close(g_masked, g_full)
