@@ -133,6 +133,11 @@ class RolloutConfig:
     # not answer within health_timeout_s) is treated like a stalled one.
     health_interval_s: float = 5.0
     health_timeout_s: float = 5.0
+    # Restarts of rollout servers that died (their process is gone, or they stayed out of
+    # rotation too long), over the whole run and all servers; local and Ray launchers only.
+    max_restarts: int = 3
+    # With no server left in rotation for this long, the run fails instead of waiting forever.
+    no_server_timeout_s: float = 300.0
 
 
 @dataclass
@@ -485,6 +490,8 @@ def validate_config(cfg: RunConfig) -> None:
     _positive("rollout.episode_timeout_s", r.episode_timeout_s)
     _at_least("rollout.health_interval_s", r.health_interval_s, 0.0)
     _positive("rollout.health_timeout_s", r.health_timeout_s)
+    _at_least("rollout.max_restarts", r.max_restarts, 0)
+    _positive("rollout.no_server_timeout_s", r.no_server_timeout_s)
 
     t = cfg.trainer
     _at_least("trainer.ranks", t.ranks, 1)

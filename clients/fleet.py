@@ -123,11 +123,13 @@ async def update_fleet_weights(
     """Pause all rollout servers, publish from every trainer rank, confirm, resume.
 
     ``methods`` is the preference order offered to each server; ``bucket_bytes`` 0 uses the
-    trainer's default. Pause, status and resume calls each get ``control_timeout_s``.
+    trainer's default. Pause, status and resume calls each get ``control_timeout_s``, but
+    never more than ``timeout_s``: a server that stalls gets the update's own deadline.
     Raises ValueError for bad arguments and :class:`FleetUpdateError` when a trainer rank
     fails (after resuming the paused servers on their old weights).
     """
     start = time.monotonic()
+    control_timeout_s = min(control_timeout_s, timeout_s)
     if not trainer_addresses:
         raise ValueError("trainer_addresses must not be empty")
     if len(set(rollout_addresses)) != len(rollout_addresses):

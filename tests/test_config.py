@@ -124,6 +124,8 @@ def test_bad_override_names_the_key(override, field, words):
         ("rollout.engine=vllm", "rollout.engine"),
         ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
         ("rollout.max_concurrent_rollouts=0", "rollout.max_concurrent_rollouts"),
+        ("rollout.max_restarts=-1", "rollout.max_restarts"),
+        ("rollout.no_server_timeout_s=0", "rollout.no_server_timeout_s"),
         ("staleness.max_staleness=-1", "staleness.max_staleness"),
         ("staleness.batch_size=0", "staleness.batch_size"),
         ("weight_sync.methods=[]", "weight_sync.methods"),

@@ -35,6 +35,7 @@ from areal_grpc.cli import run_channel_options, run_server_options
 from areal_grpc.config import RunConfig, load_config, to_yaml
 from areal_grpc.coordinator.loop import (
     Coordinator,
+    RolloutFleetLost,
     TrainerGroupFailed,
     fleet_available,
     fleet_weight_sync,
@@ -49,6 +50,14 @@ from areal_grpc.server import set_default_channel_options, start_server
 __all__ = ["main", "parse_args", "run"]
 
 log = logging.getLogger("areal_grpc.coordinator")
+
+# RolloutReport.state -> the wire's RolloutServerState.
+ROLLOUT_STATES = {
+    "serving": coordinator_pb2.ROLLOUT_SERVER_STATE_SERVING,
+    "joining": coordinator_pb2.ROLLOUT_SERVER_STATE_JOINING,
+    "restarting": coordinator_pb2.ROLLOUT_SERVER_STATE_RESTARTING,
+    "down": coordinator_pb2.ROLLOUT_SERVER_STATE_DOWN,
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -178,6 +187,20 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             print(f"trainer group restarted: {new}", flush=True)
             return new
 
+        fleet = fleet_launcher(cfg, mesh)
+
+        def rollout_replaced(old: str, new: str | None) -> None:
+            # A dead rollout server was replaced (or, restarts spent, dropped): mesh.json and
+            # the listed worker follow.
+            mesh.write(out_dir / "mesh.json")
+            if new is None:
+                return
+            print(f"rollout server restarted: {old} -> {new}", flush=True)
+            if servicer is not None:
+                for worker in servicer.workers.values():
+                    if worker.address == old:
+                        worker.address = new
+
         coordinator = Coordinator(
             cfg,
             mesh.rollout_addresses,
@@ -187,6 +210,9 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             # Attach mode (None): the ranks' own supervisor restarts them; the coordinator
             # waits for them.
             restart_trainers=restart_trainers if cfg.launcher.mode != "attach" else None,
+            # Attach mode (None): a lost rollout server is waited for, not replaced.
+            fleet=fleet,
+            fleet_changed=rollout_replaced,
         )
 
         async def add(worker: Worker) -> None:
@@ -204,10 +230,13 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
         def refresh(worker: Worker) -> None:
             assert coordinator is not None
             if worker.role == coordinator_pb2.WORKER_ROLE_ROLLOUT:
-                state = coordinator.rollout_state(worker.address)
-                worker.healthy = state is not None and state[0]
-                if state is not None and state[0]:
-                    worker.policy_version = state[1]
+                report = coordinator.rollout_report(worker.address)
+                worker.healthy = report is not None and report.state == "serving"
+                worker.state = ROLLOUT_STATES[report.state if report is not None else "down"]
+                if report is not None:
+                    worker.restarts = report.restarts
+                    if report.state == "serving":
+                        worker.policy_version = report.policy_version
             else:
                 worker.policy_version = coordinator.trainer_version
 
@@ -215,8 +244,9 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             add,
             remove,
             refresh,
-            fleet=fleet_launcher(cfg, mesh),
+            fleet=fleet,
             fleet_changed=lambda: mesh.write(out_dir / "mesh.json"),
+            rollout_restarts=lambda: coordinator.rollout_restarts if coordinator else 0,
         )
         servicer = CoordinatorServicer(coordinator.pool, hooks=hooks)
         for i, a in enumerate(mesh.rollout_addresses):
@@ -319,9 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             # placement): the same one line and status as config validation.
             print(f"config error: {exc}", file=sys.stderr, flush=True)
             return 2
-        except TrainerGroupFailed as exc:
-            # Expected failure mode (no checkpoint, restarts used up, ranks never came back):
-            # one line saying why, not a traceback; committed checkpoints allow --resume.
+        except (TrainerGroupFailed, RolloutFleetLost) as exc:
+            # Expected failure modes (no checkpoint, restarts used up, ranks never came back,
+            # no rollout server left): one line saying why, not a traceback; committed
+            # checkpoints allow --resume.
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 1
 

@@ -397,6 +397,10 @@ class FleetLauncher(Protocol):
         """True for a rollout server this launcher started (and so can stop)."""
         ...
 
+    def alive(self, address: str) -> bool:
+        """False once the process of a rollout server this launcher started is gone."""
+        ...
+
     def close(self) -> None:
         """Refuses further starts; a start still under way stops its server (run ending)."""
         ...
@@ -422,6 +426,10 @@ class LocalFleet:
         return any(
             c.address == address and c.name.startswith("rollout-") for c in self.mesh.children
         )
+
+    def alive(self, address: str) -> bool:
+        """False once the rollout subprocess at ``address`` has exited (or is not ours)."""
+        return any(c.address == address and c.alive() for c in self.mesh.children)
 
     def start_rollout_server(self) -> str:
         """Starts ``rollout-<n>`` as a subprocess and waits until it serves."""

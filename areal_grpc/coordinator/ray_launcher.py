@@ -369,6 +369,18 @@ class RayMesh(Mesh):
                 for s in self.servers.values()
             )
 
+    def alive(self, address: str) -> bool:
+        """False once the rollout server at ``address`` (or its actor) is gone."""
+        with self._lock:
+            server = next((s for s in self.servers.values() if s.address == address), None)
+        if server is None:
+            return False
+        try:
+            return bool(ray.get(server.actor.alive.remote(), timeout=10.0))
+        except (RayActorError, GetTimeoutError):
+            # A dead actor took its server with it; a stuck one counts as unresponsive.
+            return False
+
     def start_rollout_server(self) -> str:
         """Starts one more rollout server actor (outside the placement group); its address."""
         assert self.cfg is not None

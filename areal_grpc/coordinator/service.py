@@ -58,6 +58,10 @@ class Worker:
     address: str
     healthy: bool = True
     policy_version: int = 0
+    # areal.v1.RolloutServerState of a rollout server (set by the run's refresh hook).
+    state: int = coordinator_pb2.ROLLOUT_SERVER_STATE_UNSPECIFIED
+    # Times the run replaced this rollout server after it died.
+    restarts: int = 0
 
     def to_proto(self) -> coordinator_pb2.WorkerInfo:
         """As ``areal.v1.WorkerInfo``."""
@@ -67,6 +71,8 @@ class Worker:
             address=self.address,
             healthy=self.healthy,
             policy_version=self.policy_version,
+            rollout_state=self.state,  # type: ignore[arg-type]
+            restarts=self.restarts,
         )
 
 
@@ -84,6 +90,8 @@ class WorkerHooks:
     fleet: FleetLauncher | None = None
     # Called after the fleet changed (e.g. to rewrite mesh.json).
     fleet_changed: Callable[[], None] | None = None
+    # Rollout servers the run replaced after they died, over all servers.
+    rollout_restarts: Callable[[], int] | None = None
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -301,7 +309,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         request: coordinator_pb2.GetCoordinatorStatusRequest,
         context: grpc.aio.ServicerContext,
     ) -> coordinator_pb2.GetCoordinatorStatusResponse:
-        """Version, step, counters, capacity and workers."""
+        """Version, step, counters, capacity, workers (with rollout servers' states) and the
+        run's rollout server restarts."""
         self.pool.expire_leases()
         if self.hooks.refresh is not None:
             for worker in self.workers.values():
@@ -317,6 +326,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             max_staleness=self.pool.staleness.max_staleness,
             batch_size=self.pool.staleness.consumer_batch_size,
             workers=[w.to_proto() for w in self.workers.values()],
+            rollout_restarts=self.hooks.rollout_restarts() if self.hooks.rollout_restarts else 0,
         )
 
     async def RegisterWorker(

@@ -280,6 +280,85 @@ def test_a_dead_rollout_server_loses_no_work_and_a_registered_one_joins(
         assert all(g["min_version"] >= b["version"] - eta for g in b["groups"]), b
 
 
+def rollout_status(address: str) -> coordinator_pb2.GetCoordinatorStatusResponse:
+    with sync_channel(address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        return stub.GetCoordinatorStatus(coordinator_pb2.GetCoordinatorStatusRequest(), timeout=30)
+
+
+def kill_rollout_0_after(out: Path, steps: int) -> tuple[int, list[dict]]:
+    """Kills (-9) the rollout-0 child once ``steps`` steps are recorded; (its pid, children)."""
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.is_file() and metrics.read_text().count('"train"') >= steps)
+    children = json.loads((out / "mesh.json").read_text())["children"]
+    pid = next(c["pid"] for c in children if c["name"] == "rollout-0")
+    os.kill(pid, signal.SIGKILL)
+    return pid, children
+
+
+def test_a_killed_rollout_server_is_restarted_and_the_run_finishes(tmp_path, coordinator_command):
+    steps = 30
+    out = tmp_path / "run"
+    proc = coordinator_command.start(out, *coordinator_command.SMALL_RUN, f"total_steps={steps}")
+    address = coordinator_command.address(proc)
+    pid, children = kill_rollout_0_after(out, 3)
+    old = next(c["address"] for c in children if c["name"] == "rollout-0")
+
+    def restarted() -> bool:
+        status = rollout_status(address)
+        [worker] = [w for w in status.workers if w.role == coordinator_pb2.WORKER_ROLE_ROLLOUT]
+        return (
+            status.rollout_restarts == 1
+            and worker.restarts == 1
+            and worker.address != old
+            and worker.rollout_state == coordinator_pb2.ROLLOUT_SERVER_STATE_SERVING
+        )
+
+    # The replacement is listed under the same worker, serving, before the run ends.
+    wait_for(restarted, timeout=60)
+    log = coordinator_command.finish(proc, timeout=120)
+    assert proc.returncode == 0, log
+    assert f"rollout server restarted: {old} -> " in log
+    [record] = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "rollout_restart"]
+    assert record["old_address"] == old and record["restarts"] == 1
+    assert "process is gone" in record["cause"]
+    # mesh.json names the replacement (a new child), not the dead one.
+    now = json.loads((out / "mesh.json").read_text())
+    assert now["rollout"] == [record["new_address"]]
+    [child] = [c for c in now["children"] if c["name"].startswith("rollout-")]
+    assert (child["name"], child["address"]) == ("rollout-1", record["new_address"])
+    assert not alive(pid)
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert train[-1]["rollout_restarts"] == 1
+
+
+def test_with_no_restarts_left_a_run_without_rollout_servers_fails_naming_the_key(
+    tmp_path, coordinator_command
+):
+    timeout_s = 5
+    out = tmp_path / "run"
+    proc = coordinator_command.start(
+        out,
+        *coordinator_command.SMALL_RUN,
+        "total_steps=100000",
+        "rollout.max_restarts=0",
+        f"rollout.no_server_timeout_s={timeout_s}",
+    )
+    _, children = kill_rollout_0_after(out, 2)
+    killed_at = time.monotonic()
+    log = coordinator_command.finish(proc, timeout=120)
+    took = time.monotonic() - killed_at
+    assert proc.returncode == 1, log
+    assert "no rollout server in rotation" in log
+    [error] = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert f"rollout.no_server_timeout_s={timeout_s}" in error
+    # Not before the timeout (finish()'s own deadline is what catches a hang).
+    assert took >= timeout_s, took
+    for child in children:
+        wait_for(lambda pid=child["pid"]: not alive(pid), timeout=30)
+
+
 def test_config_file_and_overrides_reach_the_run(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("total_steps: 7\nstaleness:\n  batch_size: 5\n")

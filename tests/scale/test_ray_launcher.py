@@ -380,3 +380,32 @@ def test_a_killed_trainer_rank_on_ray_is_replaced_by_new_actors_and_the_run_fini
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, steps + 1))
     assert alive_server_actors() == []
     wait_for(lambda: not any(pid_running(p) for p in mesh_pids(out)), timeout=30)
+
+
+def test_a_killed_rollout_server_on_ray_is_replaced_by_a_new_actor_and_the_run_finishes(
+    ray_cluster, tmp_path, coordinator_command
+):
+    steps = 12
+    out = tmp_path / "run"
+    proc = coordinator_command.start(
+        out, *run_overrides(tmp_path, steps, 1), *ray_overrides(ray_cluster)
+    )
+    coordinator_command.address(proc)
+    try:
+        wait_for(lambda: trained_steps(out) >= 3)
+        before = {s["name"]: s for s in json.loads((out / "mesh.json").read_text())["servers"]}
+        os.kill(before["rollout-0"]["pid"], signal.SIGKILL)
+    finally:
+        log = coordinator_command.finish(proc)
+    assert proc.returncode == 0, log
+    assert "rollout server restarted" in log and f"done: {steps} steps" in log, log
+    after = {s["name"]: s for s in json.loads((out / "mesh.json").read_text())["servers"]}
+    # The dead server's actor is gone from the mesh; a new actor runs its replacement.
+    assert "rollout-0" not in after and after["rollout-1"]["pid"] != before["rollout-0"]["pid"]
+    records = read_jsonl(out / "metrics.jsonl")
+    [restart] = [r for r in records if r["kind"] == "rollout_restart"]
+    assert restart["old_address"] == before["rollout-0"]["address"]
+    assert restart["new_address"] == after["rollout-1"]["address"]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, steps + 1))
+    assert alive_server_actors() == []
+    wait_for(lambda: not any(pid_running(p) for p in mesh_pids(out)), timeout=30)

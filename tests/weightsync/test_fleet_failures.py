@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -137,6 +138,34 @@ def test_a_receiver_killed_mid_update_fails_alone_and_the_survivor_is_updated(
     )
     assert result.updated_servers == [survivor.address], [s.error for s in result.servers]
     assert survivor.version() == version
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_server_gets_the_update_deadline_not_a_fixed_control_timeout(
+    trainers: Trainers, make_rollout: MakeRollout
+) -> None:
+    good = make_rollout()
+    proc, frozen, _ = _rollout_process()
+    try:
+        version = trainers.train_step()
+        # Stopped: its socket still accepts, nothing answers, so only a deadline ends its pause.
+        proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        result = asyncio.run(
+            update_fleet_weights(
+                trainers.addresses, [good.address, frozen], methods=("stream",), timeout_s=3
+            )
+        )
+        took = time.monotonic() - started
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+    assert result.updated_servers == [good.address] and result.failed_servers == [frozen]
+    assert {s.address: s.error for s in result.servers}[frozen].startswith("pause:")
+    # The update's 3 s, not the 30 s control-call default.
+    assert took < 15, took
+    assert good.version() == version
 
 
 def test_mixed_fleet_negotiates_each_server_its_own_method(

@@ -26,15 +26,17 @@ from areal.v1 import common_pb2 as areal_dot_v1_dot_common__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61real/v1/coordinator.proto\x12\x08\x61real.v1\x1a\x15\x61real/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"o\n\x15\x41\x63quireRolloutRequest\x12\x13\n\x0bproducer_id\x18\x01 \x01(\t\x12\x12\n\ngroup_size\x18\x02 \x01(\x05\x12-\n\rtrace_context\x18\x03 \x01(\x0b\x32\x16.areal.v1.TraceContext\"\xc2\x01\n\x0cRolloutLease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x17\n\x0frollout_address\x18\x05 \x01(\t\x12-\n\rtrace_context\x18\x06 \x01(\x0b\x32\x16.areal.v1.TraceContext\"?\n\x16\x41\x63quireRolloutResponse\x12%\n\x05lease\x18\x01 \x01(\x0b\x32\x16.areal.v1.RolloutLease\")\n\x15ReleaseRolloutRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x18\n\x16ReleaseRolloutResponse\"W\n\x19SubmitTrajectoriesRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12(\n\x05group\x18\x02 \x01(\x0b\x32\x19.areal.v1.TrajectoryGroup\"7\n\x13SubmissionRejection\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"h\n\x1aSubmitTrajectoriesResponse\x12\x17\n\x0f\x61\x63\x63\x65pted_groups\x18\x01 \x01(\x05\x12\x31\n\nrejections\x18\x02 \x03(\x0b\x32\x1d.areal.v1.SubmissionRejection\"\x15\n\x13WatchVersionRequest\"C\n\x14WatchVersionResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x03\"\x1d\n\x1bGetCoordinatorStatusRequest\"}\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.areal.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\"\xe4\x01\n\x1cGetCoordinatorStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x03\x12\x0f\n\x07running\x18\x03 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x03\x12\x10\n\x08rejected\x18\x05 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\x03\x12\x15\n\rmax_staleness\x18\x07 \x01(\x05\x12\x12\n\nbatch_size\x18\x08 \x01(\x05\x12%\n\x07workers\x18\t \x03(\x0b\x32\x14.areal.v1.WorkerInfo\"_\n\x15RegisterWorkerRequest\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.areal.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"C\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"2\n\x18\x44\x65registerWorkerResponse\x12\x16\n\x0erequeued_tasks\x18\x01 \x01(\x05\"+\n\x18ScaleRolloutFleetRequest\x12\x0f\n\x07servers\x18\x01 \x01(\x05\"\xa8\x01\n\x19ScaleRolloutFleetResponse\x12#\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\x0b\x32\x14.areal.v1.WorkerInfo\x12%\n\x07removed\x18\x02 \x03(\x0b\x32\x14.areal.v1.WorkerInfo\x12\x16\n\x0erequeued_tasks\x18\x03 \x01(\x05\x12\x0f\n\x07servers\x18\x04 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03*[\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_ROLLOUT\x10\x01\x12\x17\n\x13WORKER_ROLE_TRAINER\x10\x02\x32\xe7\x05\n\x12\x43oordinatorService\x12S\n\x0e\x41\x63quireRollout\x12\x1f.areal.v1.AcquireRolloutRequest\x1a .areal.v1.AcquireRolloutResponse\x12S\n\x0eReleaseRollout\x12\x1f.areal.v1.ReleaseRolloutRequest\x1a .areal.v1.ReleaseRolloutResponse\x12\x61\n\x12SubmitTrajectories\x12#.areal.v1.SubmitTrajectoriesRequest\x1a$.areal.v1.SubmitTrajectoriesResponse(\x01\x12O\n\x0cWatchVersion\x12\x1d.areal.v1.WatchVersionRequest\x1a\x1e.areal.v1.WatchVersionResponse0\x01\x12\x65\n\x14GetCoordinatorStatus\x12%.areal.v1.GetCoordinatorStatusRequest\x1a&.areal.v1.GetCoordinatorStatusResponse\x12S\n\x0eRegisterWorker\x12\x1f.areal.v1.RegisterWorkerRequest\x1a .areal.v1.RegisterWorkerResponse\x12Y\n\x10\x44\x65registerWorker\x12!.areal.v1.DeregisterWorkerRequest\x1a\".areal.v1.DeregisterWorkerResponse\x12\\\n\x11ScaleRolloutFleet\x12\".areal.v1.ScaleRolloutFleetRequest\x1a#.areal.v1.ScaleRolloutFleetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61real/v1/coordinator.proto\x12\x08\x61real.v1\x1a\x15\x61real/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"o\n\x15\x41\x63quireRolloutRequest\x12\x13\n\x0bproducer_id\x18\x01 \x01(\t\x12\x12\n\ngroup_size\x18\x02 \x01(\x05\x12-\n\rtrace_context\x18\x03 \x01(\x0b\x32\x16.areal.v1.TraceContext\"\xc2\x01\n\x0cRolloutLease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x17\n\x0frollout_address\x18\x05 \x01(\t\x12-\n\rtrace_context\x18\x06 \x01(\x0b\x32\x16.areal.v1.TraceContext\"?\n\x16\x41\x63quireRolloutResponse\x12%\n\x05lease\x18\x01 \x01(\x0b\x32\x16.areal.v1.RolloutLease\")\n\x15ReleaseRolloutRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x18\n\x16ReleaseRolloutResponse\"W\n\x19SubmitTrajectoriesRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12(\n\x05group\x18\x02 \x01(\x0b\x32\x19.areal.v1.TrajectoryGroup\"7\n\x13SubmissionRejection\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"h\n\x1aSubmitTrajectoriesResponse\x12\x17\n\x0f\x61\x63\x63\x65pted_groups\x18\x01 \x01(\x05\x12\x31\n\nrejections\x18\x02 \x03(\x0b\x32\x1d.areal.v1.SubmissionRejection\"\x15\n\x13WatchVersionRequest\"C\n\x14WatchVersionResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x03\"\x1d\n\x1bGetCoordinatorStatusRequest\"\xc4\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.areal.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x33\n\rrollout_state\x18\x06 \x01(\x0e\x32\x1c.areal.v1.RolloutServerState\x12\x10\n\x08restarts\x18\x07 \x01(\x05\"\xfe\x01\n\x1cGetCoordinatorStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x03\x12\x0f\n\x07running\x18\x03 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x03\x12\x10\n\x08rejected\x18\x05 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\x03\x12\x15\n\rmax_staleness\x18\x07 \x01(\x05\x12\x12\n\nbatch_size\x18\x08 \x01(\x05\x12%\n\x07workers\x18\t \x03(\x0b\x32\x14.areal.v1.WorkerInfo\x12\x18\n\x10rollout_restarts\x18\n \x01(\x05\"_\n\x15RegisterWorkerRequest\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.areal.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"C\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"2\n\x18\x44\x65registerWorkerResponse\x12\x16\n\x0erequeued_tasks\x18\x01 \x01(\x05\"+\n\x18ScaleRolloutFleetRequest\x12\x0f\n\x07servers\x18\x01 \x01(\x05\"\xa8\x01\n\x19ScaleRolloutFleetResponse\x12#\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\x0b\x32\x14.areal.v1.WorkerInfo\x12%\n\x07removed\x18\x02 \x03(\x0b\x32\x14.areal.v1.WorkerInfo\x12\x16\n\x0erequeued_tasks\x18\x03 \x01(\x05\x12\x0f\n\x07servers\x18\x04 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03*[\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_ROLLOUT\x10\x01\x12\x17\n\x13WORKER_ROLE_TRAINER\x10\x02*\xc2\x01\n\x12RolloutServerState\x12$\n ROLLOUT_SERVER_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cROLLOUT_SERVER_STATE_SERVING\x10\x01\x12 \n\x1cROLLOUT_SERVER_STATE_JOINING\x10\x02\x12\x1d\n\x19ROLLOUT_SERVER_STATE_DOWN\x10\x03\x12#\n\x1fROLLOUT_SERVER_STATE_RESTARTING\x10\x04\x32\xe7\x05\n\x12\x43oordinatorService\x12S\n\x0e\x41\x63quireRollout\x12\x1f.areal.v1.AcquireRolloutRequest\x1a .areal.v1.AcquireRolloutResponse\x12S\n\x0eReleaseRollout\x12\x1f.areal.v1.ReleaseRolloutRequest\x1a .areal.v1.ReleaseRolloutResponse\x12\x61\n\x12SubmitTrajectories\x12#.areal.v1.SubmitTrajectoriesRequest\x1a$.areal.v1.SubmitTrajectoriesResponse(\x01\x12O\n\x0cWatchVersion\x12\x1d.areal.v1.WatchVersionRequest\x1a\x1e.areal.v1.WatchVersionResponse0\x01\x12\x65\n\x14GetCoordinatorStatus\x12%.areal.v1.GetCoordinatorStatusRequest\x1a&.areal.v1.GetCoordinatorStatusResponse\x12S\n\x0eRegisterWorker\x12\x1f.areal.v1.RegisterWorkerRequest\x1a .areal.v1.RegisterWorkerResponse\x12Y\n\x10\x44\x65registerWorker\x12!.areal.v1.DeregisterWorkerRequest\x1a\".areal.v1.DeregisterWorkerResponse\x12\\\n\x11ScaleRolloutFleet\x12\".areal.v1.ScaleRolloutFleetRequest\x1a#.areal.v1.ScaleRolloutFleetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'areal.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1753
-  _globals['_WORKERROLE']._serialized_end=1844
+  _globals['_WORKERROLE']._serialized_start=1851
+  _globals['_WORKERROLE']._serialized_end=1942
+  _globals['_ROLLOUTSERVERSTATE']._serialized_start=1945
+  _globals['_ROLLOUTSERVERSTATE']._serialized_end=2139
   _globals['_ACQUIREROLLOUTREQUEST']._serialized_start=96
   _globals['_ACQUIREROLLOUTREQUEST']._serialized_end=207
   _globals['_ROLLOUTLEASE']._serialized_start=210
@@ -57,22 +59,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHVERSIONRESPONSE']._serialized_end=882
   _globals['_GETCOORDINATORSTATUSREQUEST']._serialized_start=884
   _globals['_GETCOORDINATORSTATUSREQUEST']._serialized_end=913
-  _globals['_WORKERINFO']._serialized_start=915
-  _globals['_WORKERINFO']._serialized_end=1040
-  _globals['_GETCOORDINATORSTATUSRESPONSE']._serialized_start=1043
-  _globals['_GETCOORDINATORSTATUSRESPONSE']._serialized_end=1271
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1273
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1368
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1370
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1437
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1439
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1483
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1485
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1535
-  _globals['_SCALEROLLOUTFLEETREQUEST']._serialized_start=1537
-  _globals['_SCALEROLLOUTFLEETREQUEST']._serialized_end=1580
-  _globals['_SCALEROLLOUTFLEETRESPONSE']._serialized_start=1583
-  _globals['_SCALEROLLOUTFLEETRESPONSE']._serialized_end=1751
-  _globals['_COORDINATORSERVICE']._serialized_start=1847
-  _globals['_COORDINATORSERVICE']._serialized_end=2590
+  _globals['_WORKERINFO']._serialized_start=916
+  _globals['_WORKERINFO']._serialized_end=1112
+  _globals['_GETCOORDINATORSTATUSRESPONSE']._serialized_start=1115
+  _globals['_GETCOORDINATORSTATUSRESPONSE']._serialized_end=1369
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1371
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1466
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1468
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1535
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1537
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1581
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1583
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1633
+  _globals['_SCALEROLLOUTFLEETREQUEST']._serialized_start=1635
+  _globals['_SCALEROLLOUTFLEETREQUEST']._serialized_end=1678
+  _globals['_SCALEROLLOUTFLEETRESPONSE']._serialized_start=1681
+  _globals['_SCALEROLLOUTFLEETRESPONSE']._serialized_end=1849
+  _globals['_COORDINATORSERVICE']._serialized_start=2142
+  _globals['_COORDINATORSERVICE']._serialized_end=2885
 # @@protoc_insertion_point(module_scope)

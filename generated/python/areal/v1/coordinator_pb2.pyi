@@ -16,9 +16,22 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_ROLLOUT: _ClassVar[WorkerRole]
     WORKER_ROLE_TRAINER: _ClassVar[WorkerRole]
+
+class RolloutServerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_SERVER_STATE_UNSPECIFIED: _ClassVar[RolloutServerState]
+    ROLLOUT_SERVER_STATE_SERVING: _ClassVar[RolloutServerState]
+    ROLLOUT_SERVER_STATE_JOINING: _ClassVar[RolloutServerState]
+    ROLLOUT_SERVER_STATE_DOWN: _ClassVar[RolloutServerState]
+    ROLLOUT_SERVER_STATE_RESTARTING: _ClassVar[RolloutServerState]
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_ROLLOUT: WorkerRole
 WORKER_ROLE_TRAINER: WorkerRole
+ROLLOUT_SERVER_STATE_UNSPECIFIED: RolloutServerState
+ROLLOUT_SERVER_STATE_SERVING: RolloutServerState
+ROLLOUT_SERVER_STATE_JOINING: RolloutServerState
+ROLLOUT_SERVER_STATE_DOWN: RolloutServerState
+ROLLOUT_SERVER_STATE_RESTARTING: RolloutServerState
 
 class AcquireRolloutRequest(_message.Message):
     __slots__ = ("producer_id", "group_size", "trace_context")
@@ -103,21 +116,25 @@ class GetCoordinatorStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "healthy", "policy_version")
+    __slots__ = ("worker_id", "role", "address", "healthy", "policy_version", "rollout_state", "restarts")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_STATE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
     healthy: bool
     policy_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    rollout_state: RolloutServerState
+    restarts: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., rollout_state: _Optional[_Union[RolloutServerState, str]] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class GetCoordinatorStatusResponse(_message.Message):
-    __slots__ = ("policy_version", "global_step", "running", "accepted", "rejected", "capacity", "max_staleness", "batch_size", "workers")
+    __slots__ = ("policy_version", "global_step", "running", "accepted", "rejected", "capacity", "max_staleness", "batch_size", "workers", "rollout_restarts")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +144,7 @@ class GetCoordinatorStatusResponse(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     global_step: int
     running: int
@@ -136,7 +154,8 @@ class GetCoordinatorStatusResponse(_message.Message):
     max_staleness: int
     batch_size: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, policy_version: _Optional[int] = ..., global_step: _Optional[int] = ..., running: _Optional[int] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., capacity: _Optional[int] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    rollout_restarts: int
+    def __init__(self, policy_version: _Optional[int] = ..., global_step: _Optional[int] = ..., running: _Optional[int] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., capacity: _Optional[int] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., rollout_restarts: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("role", "address", "worker_id")

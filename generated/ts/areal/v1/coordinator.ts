@@ -72,6 +72,63 @@ export function workerRoleToJSON(object: WorkerRole): string {
   }
 }
 
+/** What a rollout server is doing, as the coordinator sees it. */
+export enum RolloutServerState {
+  /** ROLLOUT_SERVER_STATE_UNSPECIFIED - Not set (trainer ranks). */
+  ROLLOUT_SERVER_STATE_UNSPECIFIED = 0,
+  /** ROLLOUT_SERVER_STATE_SERVING - In rotation: takes episodes. */
+  ROLLOUT_SERVER_STATE_SERVING = 1,
+  /** ROLLOUT_SERVER_STATE_JOINING - Being brought to the run's policy version before it takes episodes. */
+  ROLLOUT_SERVER_STATE_JOINING = 2,
+  /** ROLLOUT_SERVER_STATE_DOWN - Out of rotation (failed, stalled or gone); its work was re-queued. */
+  ROLLOUT_SERVER_STATE_DOWN = 3,
+  /** ROLLOUT_SERVER_STATE_RESTARTING - Died and being replaced by a fresh server through the run's launcher. */
+  ROLLOUT_SERVER_STATE_RESTARTING = 4,
+  UNRECOGNIZED = -1,
+}
+
+export function rolloutServerStateFromJSON(object: any): RolloutServerState {
+  switch (object) {
+    case 0:
+    case "ROLLOUT_SERVER_STATE_UNSPECIFIED":
+      return RolloutServerState.ROLLOUT_SERVER_STATE_UNSPECIFIED;
+    case 1:
+    case "ROLLOUT_SERVER_STATE_SERVING":
+      return RolloutServerState.ROLLOUT_SERVER_STATE_SERVING;
+    case 2:
+    case "ROLLOUT_SERVER_STATE_JOINING":
+      return RolloutServerState.ROLLOUT_SERVER_STATE_JOINING;
+    case 3:
+    case "ROLLOUT_SERVER_STATE_DOWN":
+      return RolloutServerState.ROLLOUT_SERVER_STATE_DOWN;
+    case 4:
+    case "ROLLOUT_SERVER_STATE_RESTARTING":
+      return RolloutServerState.ROLLOUT_SERVER_STATE_RESTARTING;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return RolloutServerState.UNRECOGNIZED;
+  }
+}
+
+export function rolloutServerStateToJSON(object: RolloutServerState): string {
+  switch (object) {
+    case RolloutServerState.ROLLOUT_SERVER_STATE_UNSPECIFIED:
+      return "ROLLOUT_SERVER_STATE_UNSPECIFIED";
+    case RolloutServerState.ROLLOUT_SERVER_STATE_SERVING:
+      return "ROLLOUT_SERVER_STATE_SERVING";
+    case RolloutServerState.ROLLOUT_SERVER_STATE_JOINING:
+      return "ROLLOUT_SERVER_STATE_JOINING";
+    case RolloutServerState.ROLLOUT_SERVER_STATE_DOWN:
+      return "ROLLOUT_SERVER_STATE_DOWN";
+    case RolloutServerState.ROLLOUT_SERVER_STATE_RESTARTING:
+      return "ROLLOUT_SERVER_STATE_RESTARTING";
+    case RolloutServerState.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
+
 /** Request for a rollout lease. */
 export interface AcquireRolloutRequest {
   /** Identifier of the producer (for logs, traces and fairness). */
@@ -173,6 +230,10 @@ export interface WorkerInfo {
   healthy: boolean;
   /** Policy version the worker serves (rollout servers). */
   policyVersion: number;
+  /** State of a rollout server (unset for trainer ranks). */
+  rolloutState: RolloutServerState;
+  /** Times this rollout server was replaced after it died (its address is the latest one's). */
+  restarts: number;
 }
 
 /** The coordinator's status. */
@@ -195,6 +256,11 @@ export interface GetCoordinatorStatusResponse {
   batchSize: number;
   /** Workers in the mesh. */
   workers: WorkerInfo[];
+  /**
+   * Rollout servers replaced during the run, over all servers (bounded by
+   * rollout.max_restarts).
+   */
+  rolloutRestarts: number;
 }
 
 /** Request to add a worker. */
@@ -1206,7 +1272,7 @@ export const GetCoordinatorStatusRequest: MessageFns<GetCoordinatorStatusRequest
 };
 
 function createBaseWorkerInfo(): WorkerInfo {
-  return { workerId: "", role: 0, address: "", healthy: false, policyVersion: 0 };
+  return { workerId: "", role: 0, address: "", healthy: false, policyVersion: 0, rolloutState: 0, restarts: 0 };
 }
 
 export const WorkerInfo: MessageFns<WorkerInfo> = {
@@ -1225,6 +1291,12 @@ export const WorkerInfo: MessageFns<WorkerInfo> = {
     }
     if (message.policyVersion !== 0) {
       writer.uint32(40).int64(message.policyVersion);
+    }
+    if (message.rolloutState !== 0) {
+      writer.uint32(48).int32(message.rolloutState);
+    }
+    if (message.restarts !== 0) {
+      writer.uint32(56).int32(message.restarts);
     }
     return writer;
   },
@@ -1282,6 +1354,22 @@ export const WorkerInfo: MessageFns<WorkerInfo> = {
             message.policyVersion = longToNumber(reader.int64());
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.rolloutState = reader.int32() as any;
+            continue;
+          }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.restarts = reader.int32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1309,6 +1397,12 @@ export const WorkerInfo: MessageFns<WorkerInfo> = {
         : isSet(object.policy_version)
         ? globalThis.Number(object.policy_version)
         : 0,
+      rolloutState: isSet(object.rolloutState)
+        ? rolloutServerStateFromJSON(object.rolloutState)
+        : isSet(object.rollout_state)
+        ? rolloutServerStateFromJSON(object.rollout_state)
+        : 0,
+      restarts: isSet(object.restarts) ? globalThis.Number(object.restarts) : 0,
     };
   },
 
@@ -1329,6 +1423,12 @@ export const WorkerInfo: MessageFns<WorkerInfo> = {
     if (message.policyVersion !== 0) {
       obj.policyVersion = Math.round(message.policyVersion);
     }
+    if (message.rolloutState !== 0) {
+      obj.rolloutState = rolloutServerStateToJSON(message.rolloutState);
+    }
+    if (message.restarts !== 0) {
+      obj.restarts = Math.round(message.restarts);
+    }
     return obj;
   },
 
@@ -1342,6 +1442,8 @@ export const WorkerInfo: MessageFns<WorkerInfo> = {
     message.address = object.address ?? "";
     message.healthy = object.healthy ?? false;
     message.policyVersion = object.policyVersion ?? 0;
+    message.rolloutState = object.rolloutState ?? 0;
+    message.restarts = object.restarts ?? 0;
     return message;
   },
 };
@@ -1357,6 +1459,7 @@ function createBaseGetCoordinatorStatusResponse(): GetCoordinatorStatusResponse 
     maxStaleness: 0,
     batchSize: 0,
     workers: [],
+    rolloutRestarts: 0,
   };
 }
 
@@ -1388,6 +1491,9 @@ export const GetCoordinatorStatusResponse: MessageFns<GetCoordinatorStatusRespon
     }
     for (const v of message.workers) {
       WorkerInfo.encode(v!, writer.uint32(74).fork()).join();
+    }
+    if (message.rolloutRestarts !== 0) {
+      writer.uint32(80).int32(message.rolloutRestarts);
     }
     return writer;
   },
@@ -1477,6 +1583,14 @@ export const GetCoordinatorStatusResponse: MessageFns<GetCoordinatorStatusRespon
             message.workers.push(WorkerInfo.decode(reader, reader.uint32()));
             continue;
           }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.rolloutRestarts = reader.int32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1518,6 +1632,11 @@ export const GetCoordinatorStatusResponse: MessageFns<GetCoordinatorStatusRespon
       workers: globalThis.Array.isArray(object?.workers)
         ? object.workers.map((e: any) => WorkerInfo.fromJSON(e))
         : [],
+      rolloutRestarts: isSet(object.rolloutRestarts)
+        ? globalThis.Number(object.rolloutRestarts)
+        : isSet(object.rollout_restarts)
+        ? globalThis.Number(object.rollout_restarts)
+        : 0,
     };
   },
 
@@ -1550,6 +1669,9 @@ export const GetCoordinatorStatusResponse: MessageFns<GetCoordinatorStatusRespon
     if (message.workers?.length) {
       obj.workers = message.workers.map((e) => WorkerInfo.toJSON(e));
     }
+    if (message.rolloutRestarts !== 0) {
+      obj.rolloutRestarts = Math.round(message.rolloutRestarts);
+    }
     return obj;
   },
 
@@ -1567,6 +1689,7 @@ export const GetCoordinatorStatusResponse: MessageFns<GetCoordinatorStatusRespon
     message.maxStaleness = object.maxStaleness ?? 0;
     message.batchSize = object.batchSize ?? 0;
     message.workers = object.workers?.map((e) => WorkerInfo.fromPartial(e)) || [];
+    message.rolloutRestarts = object.rolloutRestarts ?? 0;
     return message;
   },
 };
