@@ -1,6 +1,6 @@
 """Seconds per weight sync for each method, ~100M-parameter model, loopback, vs baselines.
 
-Run by hand: ``.venv/bin/python bench/weight_sync.py [--reps N] [--layers L]``.
+Run by hand: ``.venv/bin/python bench/weight_sync.py [--reps N] [--layers L | --model SOURCE]``.
 
 What runs (all on this machine, loopback):
 
@@ -52,7 +52,7 @@ from safetensors.torch import load_file, save_file
 from transformers import ByT5Tokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from areal_grpc.launch import python_module_argv, start_child, stop_children
-from areal_grpc.model import save_pretrained
+from areal_grpc.model import resolve_source, save_pretrained
 from areal_grpc.server import sync_channel
 
 TARGET = 1.3
@@ -278,6 +278,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument(
+        "--model", help="a model source instead of the random-init one (e.g. a real model)"
+    )
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--serve-rollout", nargs=2, metavar=("MODEL", "DISK_ROOT"))
     args = parser.parse_args()
@@ -288,7 +291,11 @@ def main() -> int:
     methods = [m for m in args.methods.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
         base = Path(tmp)
-        model_dir = build_model_dir(base / "model", args.layers)
+        model_dir = (
+            Path(resolve_source(args.model))
+            if args.model
+            else build_model_dir(base / "model", args.layers)
+        )
         sd = published_state_dict(model_dir)
         n_params = sum(t.numel() for t in sd.values())
         nbytes = sum(t.numel() * t.element_size() for t in sd.values())

@@ -31,6 +31,7 @@ from areal_clients.rollout import RolloutClient
 from areal_grpc.config import load_config
 from areal_grpc.coordinator.mesh import Mesh, start_mesh
 from areal_grpc.coordinator.metrics import read_jsonl
+from areal_grpc.data import load_file, write_arithmetic
 from areal_grpc.errors import retry_delay_s
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import sync_channel
@@ -444,3 +445,37 @@ def test_an_external_producer_trains_through_a_lease_in_a_running_loop(
     trained = [g for g in groups if g["task_id"] == lease_id]
     # Trained exactly once, like a dataset prompt (it has no dataset position).
     assert len(trained) == 1 and trained[0]["seq"] == -1
+
+
+def test_a_gsm8k_file_run_scores_held_out_items_overall_and_per_kind(tmp_path, coordinator_command):
+    # The real-data path end to end: JSONL files from the arithmetic generator, the gsm8k
+    # reward, the held-out file as the eval split.
+    train, test = write_arithmetic(tmp_path / "data", n_train=40, n_test=12, seed=3)
+    out = tmp_path / "run"
+    code, log = coordinator_command.run(
+        out,
+        *coordinator_command.SMALL_RUN,
+        "data.task=gsm8k",
+        f"data.path={train}",
+        f"data.eval_path={test}",
+        "rollout.reward=gsm8k",
+        "total_steps=2",
+        "eval.every_steps=2",
+    )
+    assert code == 0, log
+    evals = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2]
+    held_out = load_file(str(test), "data.eval_path")
+    kinds = {item["kind"] for item in held_out}
+    for r in evals:
+        assert r["eval_prompts"] == len(held_out)
+        by_kind = r["accuracy_by_kind"]
+        assert set(by_kind) == kinds
+        # The overall accuracy is the per-kind accuracies weighted by their item counts.
+        weighted = sum(by_kind[k] * sum(i["kind"] == k for i in held_out) for k in kinds) / len(
+            held_out
+        )
+        assert abs(weighted - r["accuracy"]) < 1e-9
+    trained = [g["item_id"] for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
+    train_ids = {i["id"] for i in load_file(str(train), "data.path")}
+    assert trained and set(trained) <= train_ids

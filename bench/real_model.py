@@ -1,0 +1,593 @@
+"""The real model through the mesh: SmolLM2-135M-Instruct on this machine's CPU cores.
+
+Cases (one ``RESULT`` line each, medians where a case repeats):
+
+* ``real_model_learning``: the documented example (``examples/smollm2_arith.yaml``, README
+  "Train a real model") run as a user runs it, ``python -m areal_grpc.coordinator --config
+  ...``, on a freshly generated arithmetic set. value = held-out greedy accuracy at the end,
+  baseline = at step 0, ratio = value - baseline (target 0.5), plus the wall time (the issue
+  asks for it within 15 minutes).
+* ``real_model_time_to_target``: wall seconds until a held-out evaluation reaches
+  ``--target-accuracy`` (0.8), read off the same run (evaluations every
+  ``eval.every_steps``), vs a plain in-process synchronous loop (``--plain-loop``, one
+  process, no gRPC, on-policy GRPO: ``model.generate`` then one AdamW step on the same
+  settings, same evaluation set and schedule, same reward, same loss code). Both clocks start
+  at process start (model loading included). A side that never reaches the target within the
+  run's steps reports ``inf``.
+* ``real_model_memory``: peak RSS of the whole mesh (coordinator + every child, summed over
+  the process tree, sampled every 0.5 s) during that run, vs the plain loop's peak.
+* ``real_model_rollout``: generated tokens/s through ``RunEpisodes`` on a rollout server
+  subprocess vs ``model.generate`` in this process on the same chat prompts (8 x 8 samples,
+  16 new tokens each, no early stop so both generate the same count; same torch threads).
+* ``real_model_train``: ``bench/train_step.py`` on the real model (TrainStep on 2 FSDP2 ranks
+  vs the same ranks in-process), arithmetic-sized sequences.
+* ``real_model_sync_<method>``: ``bench/weight_sync.py --model`` on the real model (seconds
+  per full fleet update vs that method's floor: raw TCP, safetensors save+load, bare gloo
+  broadcast).
+
+``--quick`` skips the learning run (and with it time-to-target) and takes memory from a
+3-step run of the example instead; a few minutes on 2 cores::
+
+    .venv/bin/python bench/real_model.py [--quick]
+
+The machine must be otherwise idle: every case compares wall times on the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import psutil
+import torch
+import yaml
+from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from teardown import exit_on_sigterm
+
+from areal_grpc.data import load_file, write_arithmetic
+from areal_grpc.launch import python_module_argv, start_child, stop_children
+from areal_grpc.model import load_model, load_tokenizer, resolve_source
+from areal_grpc.rewards import gsm8k_reward
+from areal_grpc.server import aio_channel
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "smollm2_arith.yaml"
+BENCH = Path(__file__).resolve().parent
+
+
+def result(bench: str, value: float, unit: str, baseline: float, ratio: float, target: str) -> None:
+    """One RESULT line (the format every benchmark here ends with)."""
+    print(
+        f"RESULT bench={bench} value={value:.4g} unit={unit} baseline={baseline:.4g} "
+        f"ratio={ratio:.4g} target={target}",
+        flush=True,
+    )
+
+
+class TreeRSS:
+    """Peak RSS summed over a process and its descendants, sampled in a thread."""
+
+    def __init__(self, pid: int, every_s: float = 0.5) -> None:
+        self.peak = 0
+        self.per_process: dict[str, int] = {}
+        self._root = psutil.Process(pid)
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                procs = [self._root, *self._root.children(recursive=True)]
+            except psutil.Error:
+                return
+            total = 0
+            for p in procs:
+                try:
+                    rss = p.memory_info().rss
+                    name = " ".join(a for a in p.cmdline()[1:3])
+                except psutil.Error:
+                    continue
+                total += rss
+                self.per_process[name] = max(self.per_process.get(name, 0), rss)
+            self.peak = max(self.peak, total)
+            self._stop.wait(self._every_s)
+
+    def stop(self) -> float:
+        """Stops sampling; the peak in GiB."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak / 2**30
+
+
+# ------------------------------------------------------------------ the example, as a user runs it
+
+
+def example_config(tmp: Path, overrides: dict[str, Any]) -> Path:
+    """The documented example with its data and output under ``tmp`` (and ``overrides``)."""
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    data = tmp / "data"
+    write_arithmetic(data, seed=0)
+    cfg["data"]["path"] = str(data / "train.jsonl")
+    cfg["data"]["eval_path"] = str(data / "test.jsonl")
+    cfg["output"] = {**cfg.get("output", {}), "dir": str(tmp / "run"), "progress_bar": False}
+    for dotted, value in overrides.items():
+        node = cfg
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_mesh(config: Path, out: Path) -> dict[str, Any]:
+    """Runs the coordinator on ``config``; evaluations with their wall time, peak RSS."""
+    start = time.monotonic()
+    log_path = out.parent / "coordinator.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "areal_grpc.coordinator", "--config", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        rss = TreeRSS(proc.pid)
+        metrics = out / "metrics.jsonl"
+        seen = 0
+        evals: list[dict[str, Any]] = []
+        try:
+            while True:
+                done = proc.poll() is not None
+                # Evaluation records timestamped as they appear (polled every 0.5 s).
+                if metrics.is_file():
+                    lines = metrics.read_text().splitlines()
+                    for line in lines[seen:]:
+                        record = json.loads(line)
+                        if record.get("kind") == "eval":
+                            evals.append({**record, "wall_s": time.monotonic() - start})
+                    seen = len(lines)
+                if done:
+                    break
+                time.sleep(0.5)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait()
+            raise
+        finally:
+            peak = rss.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the run failed ({proc.returncode}): see {log_path}")
+    train = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
+    return {
+        "wall_s": time.monotonic() - start,
+        "evals": evals,
+        "peak_gib": peak,
+        "per_process_gib": {k: v / 2**30 for k, v in rss.per_process.items()},
+        "train": train,
+    }
+
+
+# ------------------------------------------------------------------ the plain in-process loop
+
+
+def chat_ids(tokenizer: Any, system: str | None, question: str) -> list[int]:
+    """Prompt ids as the rollout workflow renders them (system message, one user turn)."""
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": question})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), left-padded to the longest row."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def completions(
+    model: Any, tokenizer: Any, prompts: list[list[int]], n: int, temperature: float, max_new: int
+) -> list[list[int]]:
+    """``n`` sampled (or greedy, temperature 0) completions per prompt, cut after end-of-turn."""
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    kwargs: dict[str, Any] = (
+        {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            num_return_sequences=n,
+            pad_token_id=tokenizer.pad_token_id,
+            **kwargs,
+        )
+    rows = []
+    for row in out[:, ids.shape[1] :].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+def plain_eval(
+    model: Any, tokenizer: Any, items: list[dict[str, Any]], cfg: dict[str, Any]
+) -> float:
+    """Greedy held-out accuracy (the gsm8k reward), in batches of 50."""
+    system = cfg["rollout"].get("system_prompt")
+    max_new = cfg["rollout"]["sampling"]["max_new_tokens"]
+    model.eval()
+    correct = 0.0
+    for i in range(0, len(items), 50):
+        chunk = items[i : i + 50]
+        prompts = [chat_ids(tokenizer, system, it["question"]) for it in chunk]
+        for it, comp in zip(
+            chunk, completions(model, tokenizer, prompts, 1, 0.0, max_new), strict=True
+        ):
+            text = tokenizer.decode(comp, skip_special_tokens=True)
+            correct += gsm8k_reward("", text, [], comp, it)
+    return correct / len(items)
+
+
+def plain_loop(config: Path, target: float, threads: int) -> None:
+    """On-policy GRPO in one process (the baseline); prints one JSON line per evaluation."""
+    from areal_servers.trainer.algorithm import (
+        PPOConfig,
+        compute_advantages,
+        masked_token_logprobs,
+        ppo_loss,
+    )
+
+    start = time.monotonic()
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = yaml.safe_load(config.read_text())
+    model_dir = resolve_source(cfg["model"]["source"])
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir)
+    train_items = load_file(cfg["data"]["path"], "data.path")
+    random.Random(0).shuffle(train_items)
+    eval_items = load_file(cfg["data"]["eval_path"], "data.eval_path")[: cfg["eval"]["max_prompts"]]
+    t = cfg["trainer"]
+    s = cfg["staleness"]
+    sampling = cfg["rollout"]["sampling"]
+    temperature = float(sampling["temperature"])
+    system = cfg["rollout"].get("system_prompt")
+    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+    ppo = PPOConfig(temperature=temperature)
+    every = cfg["eval"]["every_steps"]
+
+    def report(step: int) -> bool:
+        acc = plain_eval(model, tokenizer, eval_items, cfg)
+        print(
+            json.dumps({"step": step, "accuracy": acc, "wall_s": time.monotonic() - start}),
+            flush=True,
+        )
+        return acc >= target
+
+    if report(0):
+        return
+    for step in range(cfg["total_steps"]):
+        items = train_items[step * s["batch_size"] : (step + 1) * s["batch_size"]]
+        prompts = [chat_ids(tokenizer, system, it["question"]) for it in items]
+        model.eval()
+        comps = completions(
+            model, tokenizer, prompts, s["group_size"], temperature, sampling["max_new_tokens"]
+        )
+        rows, rewards, groups, masks = [], [], [], []
+        for j, comp in enumerate(comps):
+            g = j // s["group_size"]
+            rows.append(prompts[g] + comp)
+            masks.append([0] * len(prompts[g]) + [1] * len(comp))
+            text = tokenizer.decode(comp, skip_special_tokens=True)
+            rewards.append(gsm8k_reward("", text, [], comp, items[g]))
+            groups.append(g)
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        loss_mask = torch.zeros_like(ids, dtype=torch.bool)
+        for i, (r, m) in enumerate(zip(rows, masks, strict=True)):
+            ids[i, : len(r)] = torch.tensor(r)
+            attn[i, : len(r)] = 1
+            loss_mask[i, : len(r)] = torch.tensor(m, dtype=torch.bool)
+        loss_mask[:, 0] = False
+        adv = compute_advantages(
+            torch.tensor(rewards), loss_mask, ppo, group_index=torch.tensor(groups)
+        )
+        model.train()
+        opt.zero_grad(set_to_none=True)
+
+        def forward(
+            keep: torch.Tensor, ids: torch.Tensor = ids, attn: torch.Tensor = attn
+        ) -> torch.Tensor:
+            return model(
+                input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=keep
+            ).logits
+
+        logp, _ = masked_token_logprobs(forward, ids, loss_mask, temperature)
+        # On-policy: the behaviour and proximal policies are the weights being trained.
+        loss, _ = ppo_loss(
+            logp, logp.detach(), logp.detach(), adv, loss_mask, ppo, float(loss_mask.sum())
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+        opt.step()
+        if every > 0 and (step + 1) % every == 0 and report(step + 1):
+            return
+
+
+def run_plain(config: Path, target: float, threads: int) -> dict[str, Any]:
+    """The plain loop in a subprocess of its own (its own RSS); its evaluations and peak."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--plain-loop",
+            str(config),
+            f"--target-accuracy={target}",
+            f"--threads={threads}",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+    )
+    rss = TreeRSS(proc.pid)
+    assert proc.stdout is not None
+    evals = [json.loads(line) for line in proc.stdout if line.startswith("{")]
+    proc.wait()
+    peak = rss.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the plain loop failed ({proc.returncode})")
+    return {"evals": evals, "peak_gib": peak, "wall_s": time.monotonic() - start}
+
+
+def first_at(evals: list[dict[str, Any]], target: float) -> float:
+    """Wall seconds of the first evaluation at or above ``target`` (inf: none)."""
+    return next((e["wall_s"] for e in evals if e["accuracy"] >= target), math.inf)
+
+
+# ------------------------------------------------------------------ rollout throughput
+
+
+def rollout_case(model_dir: str, threads: int, repeats: int) -> None:
+    """RunEpisodes on a rollout server subprocess vs model.generate in this process."""
+    tokenizer = load_tokenizer(model_dir)
+    items = [
+        {"question": f"What is {a} + {b}?", "answer": str(a + b)}
+        for a, b in zip(range(11, 19), range(31, 39), strict=True)
+    ]
+    groups, new = 8, 16
+    system = "Answer with just the number."
+    prompts = [chat_ids(tokenizer, system, it["question"]) for it in items]
+    server = start_child(
+        "rollout",
+        python_module_argv(
+            "areal_servers.rollout",
+            "--port=0",
+            f"--model={model_dir}",
+            f"--torch-threads={threads}",
+            "--log-level=WARNING",
+        ),
+        env={"OMP_NUM_THREADS": str(threads)},
+        ready_timeout_s=300,
+    )
+    torch.set_num_threads(threads)
+    model = load_model(model_dir)
+    model.eval()
+    params = {"chat_template": "on", "system_prompt": system, "reward_fn": "gsm8k"}
+
+    async def grpc_round() -> tuple[int, float]:
+        sampling = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)
+        tasks = []
+        for i, it in enumerate(items):
+            task = rollout_pb2.EpisodeTask(
+                task_id=f"t{i}", workflow="rlvr", group_size=groups, sampling=sampling
+            )
+            task.data.update(it)
+            task.workflow_params.update(params)
+            tasks.append(rollout_pb2.RunEpisodesRequest(task=task))
+        async with aio_channel(server.address) as channel:
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            t0 = time.perf_counter()
+            tokens = 0
+            async for res in stub.RunEpisodes(iter(tasks)):
+                if res.outcome != rollout_pb2.EPISODE_OUTCOME_ACCEPTED:
+                    raise RuntimeError(f"{res.task_id}: {res.reason}")
+                for traj in res.group.trajectories:
+                    if list(traj.token_ids[: traj.prompt_length]) != prompts[int(res.task_id[1:])]:
+                        raise RuntimeError("the server rendered another prompt")
+                    tokens += len(traj.token_ids) - traj.prompt_length
+            return tokens, time.perf_counter() - t0
+
+    def generate_round() -> tuple[int, float]:
+        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                num_return_sequences=groups,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        return (out.shape[1] - ids.shape[1]) * out.shape[0], time.perf_counter() - t0
+
+    try:
+        asyncio.run(grpc_round())
+        generate_round()
+        ours, theirs = [], []
+        for r in range(repeats):
+            for side in ("grpc", "generate") if r % 2 == 0 else ("generate", "grpc"):
+                if side == "grpc":
+                    ours.append(asyncio.run(grpc_round()))
+                else:
+                    theirs.append(generate_round())
+    finally:
+        stop_children([server])
+    expected = len(items) * groups * new
+    for n, _ in ours + theirs:
+        if n != expected:
+            raise RuntimeError(f"a round generated {n} tokens, expected {expected}")
+    value = statistics.median(n / s for n, s in ours)
+    base = statistics.median(n / s for n, s in theirs)
+    print(
+        f"rollout: RunEpisodes {value:.0f} tok/s, model.generate {base:.0f} tok/s "
+        f"({len(items)} prompts x {groups} x {new} tokens, {threads} thread(s), {repeats} rounds)"
+    )
+    result("real_model_rollout", value, "tok/s", base, value / base, "0.9")
+
+
+# ------------------------------------------------------------------ the existing benchmarks
+
+
+def relabel(argv: list[str], renames: dict[str, str]) -> None:
+    """Runs another benchmark of this directory and re-prints its RESULT lines renamed."""
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    lines = proc.stdout.splitlines()
+    for line in lines:
+        if not line.startswith("RESULT"):
+            print("  " + line, flush=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise RuntimeError(f"{argv[0]} failed ({proc.returncode})")
+    for line in lines:
+        if line.startswith("RESULT"):
+            name = re.search(r"bench=(\S+)", line)
+            if name and name.group(1) in renames:
+                print(line.replace(f"bench={name.group(1)}", f"bench={renames[name.group(1)]}"))
+
+
+def main() -> int:
+    """Runs the cases (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="everything but the learning run")
+    parser.add_argument("--target-accuracy", type=float, default=0.8)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the baselines")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip", default="", help="comma-separated: learning,rollout,train,sync")
+    parser.add_argument("--plain-loop", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.plain_loop:
+        plain_loop(args.plain_loop, args.target_accuracy, args.threads)
+        return 0
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    skip = set(filter(None, args.skip.split(",")))
+    model_dir = resolve_source("smollm2-135m-instruct")
+    print(f"model: {model_dir}; {os.cpu_count()} CPU(s)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-real-model-") as tmp_name:
+        tmp = Path(tmp_name)
+        if "learning" not in skip:
+            overrides: dict[str, Any] = {}
+            if args.quick:
+                overrides = {"total_steps": 3, "eval.every_steps": 0}
+            config = example_config(tmp, overrides)
+            mesh = run_mesh(config, tmp / "run")
+            print(
+                f"mesh: {mesh['wall_s']:.0f} s wall; evaluations "
+                f"{[(e['step'], e['accuracy'], round(e['wall_s'])) for e in mesh['evals']]}"
+            )
+            print(
+                f"mesh: peak RSS by process (GiB) "
+                f"{ {k: round(v, 2) for k, v in mesh['per_process_gib'].items()} }"
+            )
+            steps = mesh["train"]
+            if steps:
+                print(
+                    "mesh: median step {:.1f} s (train {:.1f} s, wait {:.1f} s, "
+                    "sync {:.2f} s)".format(
+                        *(
+                            statistics.median(r[k] for r in steps)
+                            for k in ("step_s", "train_s", "wait_s", "sync_s")
+                        )
+                    )
+                )
+            plain_cfg = config
+            if args.quick:
+                plain_cfg = example_config(
+                    tmp / "plain", {"total_steps": 3, "eval.every_steps": 0, "eval.max_prompts": 10}
+                )
+            plain = run_plain(plain_cfg, args.target_accuracy, args.threads)
+            print(
+                f"plain loop: {plain['wall_s']:.0f} s wall; evaluations "
+                f"{[(e['step'], e['accuracy'], round(e['wall_s'])) for e in plain['evals']]}"
+            )
+            if not args.quick:
+                first, last = mesh["evals"][0]["accuracy"], mesh["evals"][-1]["accuracy"]
+                print(f"learning: {first:.3f} -> {last:.3f} in {mesh['wall_s'] / 60:.1f} min")
+                result("real_model_learning", last, "accuracy", first, last - first, "0.5")
+                ours = first_at(mesh["evals"], args.target_accuracy)
+                base = first_at(plain["evals"], args.target_accuracy)
+                ratio = ours / base if math.isfinite(base) else math.nan
+                result("real_model_time_to_target", ours, "s", base, ratio, "1.0")
+            result(
+                "real_model_memory",
+                mesh["peak_gib"],
+                "GiB",
+                plain["peak_gib"],
+                mesh["peak_gib"] / plain["peak_gib"],
+                "2.0",
+            )
+        if "rollout" not in skip:
+            rollout_case(model_dir, args.threads, args.repeats)
+        if "train" not in skip:
+            relabel(
+                [
+                    str(BENCH / "train_step.py"),
+                    f"--model={model_dir}",
+                    "--groups=8",
+                    "--group-size=8",
+                    "--prompt-median=40",
+                    "--response-median=8",
+                    "--max-seq-len=128",
+                    "--steps=3",
+                    "--mb-trials=1",
+                ],
+                {"train_step": "real_model_train"},
+            )
+        if "sync" not in skip:
+            relabel(
+                [str(BENCH / "weight_sync.py"), f"--model={model_dir}", f"--reps={args.repeats}"],
+                {
+                    f"weight_sync_{m}": f"real_model_sync_{m}"
+                    for m in ("stream", "disk", "distributed")
+                },
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
