@@ -1062,89 +1062,108 @@ class Coordinator:
         checkpoint's: the work done since then is dropped and its prompts come out of the
         restored queue and loader again, so each is still trained exactly once. The ranks
         continue from a version above any the rollout servers have served, and every server
-        gets the restored weights under it before rollouts resume.
+        gets the restored weights under it before rollouts resume. A failure during the
+        restart itself (a new rank dying, the group not forming in time) leads to another
+        restart, while ``trainer.max_restarts`` allows.
         """
         cfg = self.cfg
         failed_at = self.pool.global_step
-        if self.trainer_restarts >= cfg.trainer.max_restarts:
-            raise TrainerGroupFailed(
-                f"the trainer group failed at step {failed_at} after {self.trainer_restarts} "
-                f"restart(s) (trainer.max_restarts={cfg.trainer.max_restarts}): "
-                f"{_describe(cause)}"
-            ) from cause
-        latest = self.checkpoints.latest()
-        if latest is None:
-            raise TrainerGroupFailed(
-                f"the trainer group failed at step {failed_at} before the first checkpoint "
-                f"(checkpoint.every_steps={cfg.checkpoint.every_steps}): nothing to restore "
-                f"from: {_describe(cause)}"
-            ) from cause
-        step, state = latest
-        self.trainer_restarts += 1
-        self.result.trainer_restarts = self.trainer_restarts
-        log.error(
-            "trainer group failed at step %d (%s); restart %d/%d from the checkpoint of step %d",
-            failed_at,
-            _describe(cause),
-            self.trainer_restarts,
-            cfg.trainer.max_restarts,
-            step,
-        )
-        started = time.monotonic()
-        self._open.clear()
-        for ep in self.endpoints:
-            if ep.stream is not None:
-                # The reader sees the stream is no longer the server's and files nothing more.
-                ep.stream.abort()
-                ep.stream = None
-        async with self._trainer_lock:
-            old = self.trainers
-            await asyncio.gather(*(t.close() for t in old), return_exceptions=True)
-            addresses = [t.address for t in old]
-            if self.restart_trainers is not None:
-                addresses = list(await self.restart_trainers(addresses))
-            self.trainers = [TrainerClient(a) for a in addresses]
-            await self._await_fresh_group()
-            # Every version so far came from the trainers, so none served is above the
-            # highest we have seen; the servers are asked as well, to be sure.
-            seen = [self.trainer_version, self.pool.version, *await self._served_versions()]
-            await self._restore(step, state, max(seen) + 1)
-            assert self.metrics is not None
-            self.metrics.close()
-            # Records of the steps after the checkpoint go: they are redone.
-            self.metrics = MetricsWriter(self.out_dir, cfg.output.tensorboard, keep_until=step)
-            self.metrics.log(
-                "recovery",
+        while True:
+            if self.trainer_restarts >= cfg.trainer.max_restarts:
+                raise TrainerGroupFailed(
+                    f"the trainer group failed at step {failed_at} after {self.trainer_restarts} "
+                    f"restart(s) (trainer.max_restarts={cfg.trainer.max_restarts}): "
+                    f"{_describe(cause)}"
+                ) from cause
+            latest = self.checkpoints.latest()
+            if latest is None:
+                raise TrainerGroupFailed(
+                    f"the trainer group failed at step {failed_at} before the first checkpoint "
+                    f"(checkpoint.every_steps={cfg.checkpoint.every_steps}): nothing to restore "
+                    f"from: {_describe(cause)}"
+                ) from cause
+            step, state = latest
+            self.trainer_restarts += 1
+            self.result.trainer_restarts = self.trainer_restarts
+            log.error(
+                "trainer group failed at step %d (%s); restart %d/%d from the checkpoint of "
+                "step %d",
+                failed_at,
+                _describe(cause),
+                self.trainer_restarts,
+                cfg.trainer.max_restarts,
                 step,
-                {
-                    "failed_at_step": failed_at,
-                    "restarts": self.trainer_restarts,
-                    "version": self.trainer_version,
-                    "trainer_addresses": addresses,
-                    "cause": _describe(cause),
-                },
             )
-            kept = max(0, step - self._first_step)
-            self.result.rewards = self.result.rewards[:kept]
-            self.result.last_reward = self.result.rewards[-1] if self.result.rewards else None
-            if not self.result.rewards:
-                self.result.first_reward = None
-            self.result.evals = [(s, a) for s, a in self.result.evals if s <= step]
-            self.result.last_eval = self.result.evals[-1][1] if self.result.evals else None
-            # Level every server with the restored weights (this reopens submissions).
-            await self.sync_weights()
-        if not self._stopping:
-            for ep in self.endpoints:
-                if ep.healthy and ep.stream is None:
-                    self._open_stream(ep)
-        self.pool.notify()
-        log.warning(
-            "trainer group restarted at %s in %.1f s: back at step %d, version %d",
-            addresses,
-            time.monotonic() - started,
-            step,
-            self.trainer_version,
-        )
+            try:
+                started = time.monotonic()
+                self._open.clear()
+                for ep in self.endpoints:
+                    if ep.stream is not None:
+                        # The reader sees the stream is no longer the server's and files
+                        # nothing more.
+                        ep.stream.abort()
+                        ep.stream = None
+                async with self._trainer_lock:
+                    old = self.trainers
+                    await asyncio.gather(*(t.close() for t in old), return_exceptions=True)
+                    addresses = [t.address for t in old]
+                    if self.restart_trainers is not None:
+                        addresses = list(await self.restart_trainers(addresses))
+                    self.trainers = [TrainerClient(a) for a in addresses]
+                    await self._await_fresh_group()
+                    # Every version so far came from the trainers, so none served is above the
+                    # highest we have seen; the servers are asked as well, to be sure.
+                    seen = [self.trainer_version, self.pool.version, *await self._served_versions()]
+                    await self._restore(step, state, max(seen) + 1)
+                    assert self.metrics is not None
+                    self.metrics.close()
+                    # Records of the steps after the checkpoint go: they are redone.
+                    self.metrics = MetricsWriter(
+                        self.out_dir, cfg.output.tensorboard, keep_until=step
+                    )
+                    self.metrics.log(
+                        "recovery",
+                        step,
+                        {
+                            "failed_at_step": failed_at,
+                            "restarts": self.trainer_restarts,
+                            "version": self.trainer_version,
+                            "trainer_addresses": addresses,
+                            "cause": _describe(cause),
+                        },
+                    )
+                    kept = max(0, step - self._first_step)
+                    self.result.rewards = self.result.rewards[:kept]
+                    self.result.last_reward = (
+                        self.result.rewards[-1] if self.result.rewards else None
+                    )
+                    if not self.result.rewards:
+                        self.result.first_reward = None
+                    self.result.evals = [(s, a) for s, a in self.result.evals if s <= step]
+                    self.result.last_eval = self.result.evals[-1][1] if self.result.evals else None
+                    # Level every server with the restored weights (this reopens submissions).
+                    await self.sync_weights()
+                if not self._stopping:
+                    for ep in self.endpoints:
+                        if ep.healthy and ep.stream is None:
+                            self._open_stream(ep)
+                self.pool.notify()
+                log.warning(
+                    "trainer group restarted at %s in %.1f s: back at step %d, version %d",
+                    addresses,
+                    time.monotonic() - started,
+                    step,
+                    self.trainer_version,
+                )
+                return
+            except Exception as exc:
+                if self._stopping:
+                    raise
+                # The old group is gone and the new one is not whole: start over.
+                log.error(
+                    "trainer group restart %d failed: %s", self.trainer_restarts, _describe(exc)
+                )
+                cause = exc
 
     async def _await_fresh_group(self) -> None:
         """Waits until every rank serves, has joined a working group, and is idle.

@@ -167,6 +167,61 @@ def test_a_lost_trainer_rank_restarts_the_group_from_the_checkpoint_and_the_run_
 
 
 @pytest.mark.slow
+def test_a_rank_dying_during_the_restart_leads_to_another_restart_not_a_failed_run(tmp_path):
+    steps = ECHO_PROMPTS // 2
+    cfg = small_run(
+        tmp_path,
+        f"total_steps={steps}",
+        "checkpoint.every_steps=3",
+        # The second group never forms (a rank is gone): how long until it counts as failed.
+        "trainer.restart_timeout_s=20",
+    )
+    out = Path(cfg.output.dir)
+    with local_mesh(cfg, tmp_path) as mesh:
+        restarts: list[list[int]] = []
+
+        def kill_after_step_4(record: dict[str, Any]) -> None:
+            if record["step"] == 4 and record["trainer_restarts"] == 0:
+                next(c for c in mesh.children if c.name == "trainer-1").process.kill()
+
+        async def restart(addresses: Sequence[str]) -> list[str]:
+            new = await asyncio.to_thread(mesh.restart_trainers, cfg)
+            restarts.append(trainer_pids(mesh))
+            if len(restarts) == 1:
+                # The first new group loses a rank before it is restored: a second failure.
+                next(c for c in mesh.children if c.name == "trainer-1").process.kill()
+            return new
+
+        async def scenario() -> Any:
+            coord = Coordinator(
+                cfg,
+                mesh.rollout_addresses,
+                mesh.trainer_addresses,
+                out,
+                on_step=kill_after_step_4,
+                restart_trainers=restart,
+            )
+            try:
+                return await coord.run()
+            finally:
+                await coord.close()
+
+        result = asyncio.run(scenario())
+
+    assert result.steps == steps and result.trainer_restarts == 2
+    assert len(restarts) == 2 and not set(restarts[0]) & set(restarts[1])
+    records = read_jsonl(out / "metrics.jsonl")
+    [recovery] = [r for r in records if r["kind"] == "recovery"]
+    assert recovery["restarts"] == 2 and recovery["failed_at_step"] == 4
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    groups = trained(out)
+    assert sorted(g["item_id"] for g in groups) == sorted(
+        f"echo-train-{i}" for i in range(ECHO_PROMPTS)
+    )
+
+
+@pytest.mark.slow
 def test_a_trainer_failure_before_any_checkpoint_fails_the_run_clearly(tmp_path):
     cfg = small_run(tmp_path, "total_steps=6", "checkpoint.every_steps=0")
     with local_mesh(cfg, tmp_path) as mesh:
