@@ -55,6 +55,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from areal_grpc.errors import PreconditionError
 from areal_grpc.model import load_model, load_tokenizer, save_pretrained
 from areal_grpc.paths import check_replaceable, remove_owned, replace_dir, write_marker
 
@@ -559,14 +560,30 @@ class TrainerEngine:
         """
         final = Path(path)
         tmp = self.checkpoint_tmp(final)
-        if self.rank == 0:
-            # Checked by every rank before the call (the service), checked again here for
-            # direct callers: a leftover temporary directory is removed only if it is ours.
-            self.check_checkpoint_target(final)
-            remove_owned(tmp)
-            tmp.mkdir(parents=True)
-            write_marker(tmp, "checkpoint")
+        # Every rank has checked the target (the service does, before the call); none may see
+        # rank 0's writes below while it checks, or it would find a half-made directory and
+        # refuse alone, leaving the others in the save's collectives.
         self.barrier()
+        failure: Exception | None = None
+        if self.rank == 0:
+            try:
+                # Checked again for direct callers: a leftover temporary directory is removed
+                # only if it is ours.
+                self.check_checkpoint_target(final)
+                remove_owned(tmp)
+                tmp.mkdir(parents=True)
+                write_marker(tmp, "checkpoint")
+            except Exception as exc:
+                failure = exc
+        # Only rank 0 writes the directories: its verdict reaches every rank before any of
+        # them waits in a collective of the save.
+        refused = self.reduce_sum(torch.tensor([float(failure is not None)], device=self.device))
+        if failure is not None:
+            raise failure
+        if float(refused[0]) > 0:
+            raise PreconditionError(
+                f"path: rank 0 could not prepare the checkpoint {str(final)!r} (see its error)"
+            )
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save(
             {"model": model_sd, "optim": optim_sd},
