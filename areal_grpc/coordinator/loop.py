@@ -245,6 +245,11 @@ class _Endpoint:
     # The task bringing it back into rotation (see Coordinator._bring_back).
     reconnect: asyncio.Task[None] | None = None
 
+    @property
+    def in_rotation(self) -> bool:
+        """Takes episodes: healthy, with an open stream."""
+        return self.healthy and self.stream is not None
+
 
 class Coordinator:
     """Runs the loop over a mesh given by addresses (see the module docstring)."""
@@ -395,18 +400,10 @@ class Coordinator:
             if address in self._lost:
                 return RolloutReport("down", -1, self._lost[address])
             return None
-        if ep.healthy and ep.stream is not None:
+        if ep.in_rotation:
             return RolloutReport("serving", self.pool.version, ep.restarts)
         state = "restarting" if ep.restarting else "joining" if ep.joining else "down"
         return RolloutReport(state, -1, ep.restarts)
-
-    def rollout_state(self, address: str) -> tuple[bool, int] | None:
-        """(in rotation, version it was last brought to) of a rollout server; None if unknown."""
-        ep = next((e for e in self.endpoints if e.address == address), None)
-        if ep is None:
-            return None
-        in_rotation = ep.healthy and ep.stream is not None
-        return in_rotation, self.pool.version if in_rotation else -1
 
     async def _trainer_version(self) -> int:
         versions = {
@@ -543,7 +540,7 @@ class Coordinator:
                     self._take_out(ep)
 
     def _in_rotation(self) -> list[_Endpoint]:
-        return [e for e in self.endpoints if e.healthy and e.stream is not None]
+        return [e for e in self.endpoints if e.in_rotation]
 
     def _check_fleet_left(self, empty: tuple[float, float] | None) -> tuple[float, float] | None:
         """Warns while no rollout server is in rotation; fails the run after the timeout.
@@ -750,7 +747,7 @@ class Coordinator:
         """Sends prompts to the least-loaded healthy server while capacity allows."""
         while not self._stopping:
             await self._open.wait()
-            live = [e for e in self.endpoints if e.healthy and e.stream is not None]
+            live = self._in_rotation()
             if not live:
                 await self.pool.wait_change(0.5)
                 continue

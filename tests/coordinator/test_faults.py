@@ -359,8 +359,8 @@ def test_a_stalled_rollout_server_loses_its_work_to_the_other_and_rejoins(tmp_pa
             try:
 
                 def in_rotation(address: str) -> bool:
-                    state = coord.rollout_state(address)
-                    return state is not None and state[0]
+                    report = coord.rollout_report(address)
+                    return report is not None and report.state == "serving"
 
                 def step() -> int:
                     return coord.pool.global_step
