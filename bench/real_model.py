@@ -58,6 +58,7 @@ import psutil
 import torch
 import yaml
 from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from areal_servers.rollout.workflows import ChatSettings
 from teardown import exit_on_sigterm
 
 from areal_grpc.data import load_file, write_arithmetic
@@ -192,8 +193,7 @@ def run_mesh(config: Path, out: Path) -> dict[str, Any]:
 
 def chat_ids(tokenizer: Any, system: str | None, question: str) -> list[int]:
     """Prompt ids as the rollout workflow renders them (system message, one user turn)."""
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": question})
+    messages = ChatSettings(system_prompt=system).messages({}, question)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 

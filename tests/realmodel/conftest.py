@@ -7,9 +7,20 @@ missing. ``./scripts/setup`` installs it, so CI runs these tests.
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from areal_grpc.model import NAMED_MODELS, resolve_source
+import pytest
+from areal.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.service import RolloutServicer
+from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+from areal_servers.trainer.service import TrainerService
+
+from areal_grpc.model import NAMED_MODELS, load_tokenizer, resolve_source
+from areal_grpc.server import BackgroundServer, service
 
 REAL_MODEL = "smollm2-135m-instruct"
 
@@ -23,3 +34,52 @@ def real_model_dir() -> str:
         if "not installed" in str(exc):
             pytest.skip(f"{exc} (install: {NAMED_MODELS[REAL_MODEL].install})")
         raise
+
+
+@dataclass
+class Served:
+    """A trainer service and a real rollout server (hf engine, RolloutService, WeightSync),
+    each on its own loopback gRPC server."""
+
+    rollout_engine: HFEngine
+    weight_sync: Any
+    servers: list[BackgroundServer]
+    trainer_address: str
+    rollout_address: str
+
+    def close(self) -> None:
+        """Stops both servers (the rollout side's engine and weight groups first)."""
+        self.servers[1].call(self.weight_sync.close())
+        self.servers[1].call(self.rollout_engine.close())
+        for s in self.servers:
+            s.stop()
+
+
+def _serve(trainer: TrainerService, model_dir: str, weights_root: Path) -> Served:
+    engine = HFEngine(HFEngineConfig(model=model_dir, device="cpu"))
+    ws = build_weight_sync_service(
+        engine, WeightSyncConfig(disk_root=str(weights_root), group_timeout_s=120)
+    )
+    rollout = RolloutServicer(engine, load_tokenizer(model_dir))
+    servers = [
+        BackgroundServer(
+            [service(trainer, trainer_pb2_grpc.add_TrainerServiceServicer_to_server, trainer_pb2)]
+        ),
+        BackgroundServer(
+            [
+                service(
+                    rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2
+                ),
+                ws,
+            ]
+        ),
+    ]
+    trainer_address = servers[0].start().address
+    rollout_address = servers[1].start().address
+    return Served(engine, ws.servicer, servers, trainer_address, rollout_address)
+
+
+@pytest.fixture(scope="session")
+def serve() -> Callable[[TrainerService, str, Path], Served]:
+    """Serves a trainer service beside a real rollout server of ``model_dir`` (see Served)."""
+    return _serve

@@ -16,8 +16,9 @@ WeightSync), each served over real gRPC on loopback. The tests check what a user
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -25,9 +26,7 @@ import torch
 import transformers
 from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from areal.v1 import weight_sync_pb2 as wpb
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
-from areal_servers.rollout.service import RolloutServicer, item_to_struct
-from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+from areal_servers.rollout.service import item_to_struct
 from areal_servers.trainer.algorithm import trainable_mask
 from areal_servers.trainer.engine import DistConfig, EngineConfig, OptimConfig, TrainerEngine
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
@@ -35,11 +34,12 @@ from areal_servers.trainer.weight_publisher import PublisherConfig
 from torch.distributed.tensor import DTensor
 
 from areal_grpc.model import load_tokenizer
-from areal_grpc.server import BackgroundServer, service
 from areal_grpc.trajectory import groups_to_batch
 from areal_grpc.weight_transfer import free_port
 
 TIMEOUT = 300.0
+# The ``serve`` fixture (conftest.py): (trainer service, model dir, weights root) -> Served.
+Serve = Callable[[TrainerService, str, Path], Any]
 SYSTEM = "You are a concise assistant. Answer in one short sentence."
 # (user message, system prompt or None for the template's default one)
 CHATS: list[tuple[str, str | None]] = [
@@ -65,7 +65,7 @@ def chat_ids(tokenizer, user: str, system: str | None) -> list[int]:
 class Mesh:
     """An FSDP2 trainer service (one gloo rank) and a rollout server, over loopback gRPC."""
 
-    def __init__(self, model_dir: str, root: Path) -> None:
+    def __init__(self, model_dir: str, root: Path, serve: Serve) -> None:
         torch.set_num_threads(1)
         self.root = root
         self.trainer = TrainerService(
@@ -81,41 +81,18 @@ class Mesh:
         )
         try:
             self.engine: TrainerEngine = self.trainer.wait_ready(TIMEOUT)
-            self._start_rollout(model_dir, root)
+            self._start_rollout(model_dir, root, serve)
         except BaseException:
             self.trainer.close()
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
             raise
 
-    def _start_rollout(self, model_dir: str, root: Path) -> None:
-        self.rollout = HFEngine(HFEngineConfig(model=model_dir, device="cpu"))
-        ws = build_weight_sync_service(
-            self.rollout, WeightSyncConfig(disk_root=str(root / "weights"), group_timeout_s=120)
-        )
-        self.ws = ws.servicer
-        servicer = RolloutServicer(self.rollout, load_tokenizer(model_dir))
-        self.servers = [
-            BackgroundServer(
-                [
-                    service(
-                        self.trainer,
-                        trainer_pb2_grpc.add_TrainerServiceServicer_to_server,
-                        trainer_pb2,
-                    )
-                ]
-            ),
-            BackgroundServer(
-                [
-                    service(
-                        servicer, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2
-                    ),
-                    ws,
-                ]
-            ),
-        ]
-        trainer_address = self.servers[0].start().address
-        self.rollout_address = self.servers[1].start().address
+    def _start_rollout(self, model_dir: str, root: Path, serve: Serve) -> None:
+        self.served = serve(self.trainer, model_dir, root / "weights")
+        self.rollout = self.served.rollout_engine
+        self.rollout_address = self.served.rollout_address
+        trainer_address = self.served.trainer_address
         self.channels = [
             grpc.insecure_channel(trainer_address),
             grpc.insecure_channel(self.rollout_address),
@@ -167,18 +144,17 @@ class Mesh:
     def close(self) -> None:
         for c in self.channels:
             c.close()
-        self.servers[1].call(self.ws.close())
-        self.servers[1].call(self.rollout.close())
-        for s in self.servers:
-            s.stop()
+        self.served.close()
         self.trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def mesh(real_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(real_model_dir, tmp_path_factory.mktemp("real-correctness"))
+def mesh(
+    real_model_dir: str, tmp_path_factory: pytest.TempPathFactory, serve: Serve
+) -> Iterator[Mesh]:
+    m = Mesh(real_model_dir, tmp_path_factory.mktemp("real-correctness"), serve)
     yield m
     m.close()
 

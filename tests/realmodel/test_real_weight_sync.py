@@ -9,25 +9,22 @@ engine serves is bit-identical to the trainer's, including the tied lm_head.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
-from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from areal.v1 import weight_sync_pb2 as wpb
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
-from areal_servers.rollout.service import RolloutServicer
-from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
 from areal_servers.trainer.engine import EngineConfig, OptimConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from areal_servers.trainer.weight_publisher import PublisherConfig
 
-from areal_grpc.model import load_tokenizer
-from areal_grpc.server import BackgroundServer, service
-
 TIMEOUT = 300.0
+# The ``serve`` fixture (conftest.py): (trainer service, model dir, weights root) -> Served.
+Serve = Callable[[TrainerService, str, Path], Any]
 
 
 def digest(t: torch.Tensor) -> str:
@@ -35,7 +32,7 @@ def digest(t: torch.Tensor) -> str:
 
 
 class Mesh:
-    def __init__(self, model_dir: str, root: Path) -> None:
+    def __init__(self, model_dir: str, root: Path, serve: Serve) -> None:
         torch.set_num_threads(1)
         self.trainer = TrainerService(
             TrainerServiceConfig(
@@ -48,33 +45,10 @@ class Mesh:
             )
         )
         self.trainer.wait_ready(TIMEOUT)
-        self.engine = HFEngine(HFEngineConfig(model=model_dir, device="cpu"))
-        ws = build_weight_sync_service(
-            self.engine, WeightSyncConfig(disk_root=str(root / "weights"), group_timeout_s=120)
-        )
-        self.ws = ws.servicer
-        rollout = RolloutServicer(self.engine, load_tokenizer(model_dir))
-        self.servers = [
-            BackgroundServer(
-                [
-                    service(
-                        self.trainer,
-                        trainer_pb2_grpc.add_TrainerServiceServicer_to_server,
-                        trainer_pb2,
-                    )
-                ]
-            ),
-            BackgroundServer(
-                [
-                    service(
-                        rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2
-                    ),
-                    ws,
-                ]
-            ),
-        ]
-        trainer_address = self.servers[0].start().address
-        self.rollout_address = self.servers[1].start().address
+        self.served = serve(self.trainer, model_dir, root / "weights")
+        self.engine = self.served.rollout_engine
+        self.rollout_address = self.served.rollout_address
+        trainer_address = self.served.trainer_address
         self.channels = [grpc.insecure_channel(trainer_address)]
         self.stub = trainer_pb2_grpc.TrainerServiceStub(self.channels[0])
 
@@ -117,16 +91,15 @@ class Mesh:
     def close(self) -> None:
         for c in self.channels:
             c.close()
-        self.servers[1].call(self.ws.close())
-        self.servers[1].call(self.engine.close())
-        for s in self.servers:
-            s.stop()
+        self.served.close()
         self.trainer.close()
 
 
 @pytest.fixture(scope="module")
-def mesh(real_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(real_model_dir, tmp_path_factory.mktemp("real-sync"))
+def mesh(
+    real_model_dir: str, tmp_path_factory: pytest.TempPathFactory, serve: Serve
+) -> Iterator[Mesh]:
+    m = Mesh(real_model_dir, tmp_path_factory.mktemp("real-sync"), serve)
     yield m
     m.close()
 
