@@ -26,7 +26,7 @@ Cases (one ``RESULT`` line each, medians where a case repeats):
   broadcast).
 
 ``--quick`` skips the learning run (and with it time-to-target) and takes memory from a
-3-step run of the example instead; a few minutes on 2 cores::
+3-step run of the example instead; about 10 minutes on 2 cores::
 
     .venv/bin/python bench/real_model.py [--quick]
 
