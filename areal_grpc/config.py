@@ -136,6 +136,9 @@ class RolloutConfig:
     # Restarts of rollout servers that died (their process is gone, or they stayed out of
     # rotation too long), over the whole run and all servers; local and Ray launchers only.
     max_restarts: int = 3
+    # A launcher's server that still runs but has been out of rotation this long is replaced
+    # (stopped, a fresh one started) instead of waited for; one whose process is gone at once.
+    replace_after_s: float = 60.0
     # With no server left in rotation for this long, the run fails instead of waiting forever.
     no_server_timeout_s: float = 300.0
 
@@ -492,6 +495,7 @@ def validate_config(cfg: RunConfig) -> None:
     _positive("rollout.health_timeout_s", r.health_timeout_s)
     _at_least("rollout.max_restarts", r.max_restarts, 0)
     _positive("rollout.no_server_timeout_s", r.no_server_timeout_s)
+    _positive("rollout.replace_after_s", r.replace_after_s)
 
     t = cfg.trainer
     _at_least("trainer.ranks", t.ranks, 1)

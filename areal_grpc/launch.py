@@ -31,6 +31,48 @@ log = logging.getLogger(__name__)
 LISTENING = "LISTENING "
 
 
+class LaunchError(RuntimeError):
+    """The mesh could not be started for a reason the user can act on (one line, no traceback)."""
+
+    exit_code = 1
+
+
+class ChildStartError(LaunchError):
+    """A child exited (or never printed LISTENING) while starting; says why in one line.
+
+    ``returncode`` 2 is the child's own configuration error, which the coordinator passes on
+    as its exit status.
+    """
+
+    def __init__(self, name: str, returncode: int | None, reason: str, log_path: str = "") -> None:
+        super().__init__(name, returncode, reason, log_path)  # args as given: picklable (Ray)
+        self.name = name
+        self.returncode = returncode
+        self.reason = reason
+        self.log_path = log_path
+        self.exit_code = 2 if returncode == 2 else 1
+
+    def __str__(self) -> str:
+        code = (
+            "no LISTENING line in time"
+            if self.returncode is None
+            else (f"exit code {self.returncode}")
+        )
+        why = f": {self.reason}" if self.reason else ""
+        where = f"; see {self.log_path}" if self.log_path else ""
+        return f"{self.name} did not start ({code}){why}{where}"
+
+
+def last_error_line(path: Path | None, limit: int = 64 * 1024) -> str:
+    """The last non-blank line of a child's log (its exception or error message), or ''."""
+    if path is None or not path.is_file():
+        return ""
+    with path.open("rb") as f:
+        f.seek(max(0, path.stat().st_size - limit))
+        lines = f.read().decode("utf-8", "replace").splitlines()
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+
 @dataclass
 class Child:
     """A started service process."""
@@ -101,10 +143,15 @@ def start_child(
     if result:
         address = result[0]
     if address is None:
+        exited = proc.poll()
         proc.kill()
         proc.wait()
-        where = f"; see {log_path}" if log_path else ""
-        raise RuntimeError(f"{name} did not start (exit code {proc.returncode}){where}")
+        reader.join(1.0)  # the rest of its output reaches the log first
+        if sink is not None:
+            sink.flush()
+        raise ChildStartError(
+            name, exited, last_error_line(log_path), str(log_path) if log_path else ""
+        )
     pump = threading.Thread(target=_pump_output, args=(proc.stdout, sink), daemon=True)
     pump.start()
     log.info("%s listening on %s (pid %d)", name, address, proc.pid)

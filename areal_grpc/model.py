@@ -185,6 +185,10 @@ def resolve_source(source: str, convert: bool = True) -> str:
         return source
     path = named_model_file(source) if source in NAMED_MODELS else Path(source)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{source!r} is a directory without config.json: not a Hugging Face checkpoint"
+            )
         return str(path)
     if path.is_file() and path.suffix == ".gguf":
         return str(convert_gguf(path.resolve())) if convert else str(path)

@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import logging
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -43,6 +45,7 @@ from areal_grpc.coordinator.loop import (
 from areal_grpc.coordinator.mesh import check_supported, fleet_launcher, new_mesh, start_mesh
 from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
 from areal_grpc.errors import FieldError, PreconditionError
+from areal_grpc.launch import LaunchError
 from areal_grpc.model import resolve_source
 from areal_grpc.paths import check_replaceable
 from areal_grpc.server import set_default_channel_options, start_server
@@ -291,6 +294,38 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
         set_default_channel_options(previous_channels)
 
 
+def check_launch(cfg: RunConfig) -> None:
+    """What would stop the run at launch, found before anything starts (FieldError).
+
+    The output directory must be creatable, and ``launcher.host`` / ``coordinator_port`` a
+    local address this process can listen on (every mode serves CoordinatorService there; the
+    local launcher's children bind the same host).
+    """
+    out = Path(cfg.output.dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".areal-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise FieldError("output.dir", f"cannot write {out}: {exc.strerror or exc}") from None
+    la = cfg.launcher
+    try:
+        infos = socket.getaddrinfo(la.host, la.coordinator_port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise FieldError("launcher.host", f"cannot resolve {la.host!r}: {exc.strerror}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        try:
+            s.bind(sockaddr)
+        except OSError as exc:
+            key = "launcher.coordinator_port" if exc.errno == errno.EADDRINUSE else "launcher.host"
+            raise FieldError(
+                key,
+                f"cannot listen on {la.host}:{la.coordinator_port}: {exc.strerror or exc}",
+            ) from None
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -308,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise FieldError("model.source", str(exc)) from None
         if cfg.launcher.mode == "ray":
             new_mesh(cfg, Path(cfg.output.dir))  # names the missing ray extra early
+        if not args.print_config:
+            check_launch(cfg)
         if cfg.checkpoint.export_hf:
             # Found now, not after the whole run: the export replaces only its own directory.
             try:
@@ -349,6 +386,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             # placement): the same one line and status as config validation.
             print(f"config error: {exc}", file=sys.stderr, flush=True)
             return 2
+        except LaunchError as exc:
+            # A server that could not start (its own error line is in the message) or a
+            # cluster that could not place the layout: one line, and 2 when the server
+            # refused its configuration.
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return exc.exit_code
         except (TrainerGroupFailed, RolloutFleetLost) as exc:
             # Expected failure modes (no checkpoint, restarts used up, ranks never came back,
             # no rollout server left): one line saying why, not a traceback; committed

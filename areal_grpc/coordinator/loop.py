@@ -19,7 +19,7 @@ Failures: a rollout server whose stream breaks, whose health check fails, or tha
 task past ``rollout.episode_timeout_s`` leaves rotation, its tasks are re-queued, and it is
 brought back (to the run's version) once it serves again. One the run's launcher started is
 replaced instead when its process is gone or it stays out of rotation for
-``ROLLOUT_DOWN_DEADLINE_S`` (:meth:`Coordinator._replace`; at most ``rollout.max_restarts``
+``rollout.replace_after_s`` (:meth:`Coordinator._replace`; at most ``rollout.max_restarts``
 times per run). With no server in rotation for ``rollout.no_server_timeout_s`` the run fails
 (:class:`RolloutFleetLost`). A trainer group that loses a rank
 (a failed collective call, or a rank failing its health checks during one) is replaced
@@ -116,9 +116,6 @@ class RolloutFleetLost(RuntimeError):
     """No rollout server was in rotation for ``rollout.no_server_timeout_s``."""
 
 
-# A launcher's rollout server that is still running but has not been back in rotation for
-# this long is replaced (stopped, and a fresh one started) rather than waited for.
-ROLLOUT_DOWN_DEADLINE_S = 60.0
 # Warnings while no rollout server is in rotation come this often.
 NO_SERVER_WARN_EVERY_S = 30.0
 # Back-off before restart n (1-based) of a rollout server: 1 s, 2 s, 4 s, ... up to this.
@@ -590,7 +587,7 @@ class Coordinator:
         """Waits until ``ep`` serves again, then brings it back (retrying every second).
 
         A server the launcher started is replaced instead (:meth:`_replace`) once its process
-        is gone, or when it has not come back within ``ROLLOUT_DOWN_DEADLINE_S``.
+        is gone, or when it has not come back within ``rollout.replace_after_s``.
         """
         down_since = time.monotonic()
         spent_logged = False
@@ -607,12 +604,13 @@ class Coordinator:
             if fleet is None or not fleet.owns(ep.address):
                 continue  # not ours to restart: its owner may bring it back
             gone = not await asyncio.to_thread(fleet.alive, ep.address)
-            if not gone and time.monotonic() - down_since < ROLLOUT_DOWN_DEADLINE_S:
+            replace_after_s = self.cfg.rollout.replace_after_s
+            if not gone and time.monotonic() - down_since < replace_after_s:
                 continue
             if gone:
                 cause = "its process is gone"
             else:
-                cause = f"out of rotation for {ROLLOUT_DOWN_DEADLINE_S:g} s (health {state})"
+                cause = f"out of rotation for {replace_after_s:g} s (health {state})"
             if self.rollout_restarts < self.cfg.rollout.max_restarts:
                 await self._replace(ep, fleet, cause)
                 return

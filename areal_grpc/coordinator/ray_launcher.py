@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -55,7 +55,7 @@ from areal_grpc.coordinator.mesh import (
     wait_healthy,
 )
 from areal_grpc.errors import FieldError, PreconditionError
-from areal_grpc.launch import Child, child_env, start_child, stop_children
+from areal_grpc.launch import Child, LaunchError, child_env, start_child, stop_children
 from areal_grpc.security import is_loopback
 
 __all__ = ["RayMesh", "ServerActor", "bundle_layout", "start_ray_mesh"]
@@ -241,12 +241,18 @@ class RayMesh(Mesh):
         try:
             return ray.get(refs, timeout=timeout_s)
         except GetTimeoutError as exc:
-            raise RuntimeError(
+            raise LaunchError(
                 f"{what} did not finish within launcher.ray_start_timeout_s={timeout_s:.0f}s "
                 f"(cluster resources: {ray.available_resources()})"
             ) from exc
+        except RayTaskError as exc:
+            if isinstance(exc.cause, LaunchError):
+                raise exc.cause from None  # a server that did not start says why, one line
+            raise
         except RayError as exc:
-            raise RuntimeError(f"{what} failed: {exc}") from exc
+            # An actor or node lost while starting: Ray's first line says which.
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise LaunchError(f"{what} failed: {first}") from exc
 
     def _launch(self, servers: list[_Server], argvs: list[list[str]], timeout_s: float) -> None:
         assert self.log_dir is not None
@@ -275,10 +281,11 @@ class RayMesh(Mesh):
         try:
             ray.get(self.placement.ready(), timeout=timeout_s)
         except GetTimeoutError as exc:
-            raise RuntimeError(
-                f"launcher.ray_nodes: the placement group {bundles} "
+            raise FieldError(
+                "launcher.ray_nodes",
+                f"the placement group {bundles} "
                 f"({cfg.launcher.ray_strategy}) could not be placed within {timeout_s:.0f}s; "
-                f"the cluster has {ray.cluster_resources()}"
+                f"the cluster has {ray.cluster_resources()}",
             ) from exc
         self.timings["placement"] = time.monotonic() - t0
         check()
