@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,8 +223,6 @@ class WeightSyncConfig:
     timeout_s: float = 600.0
     # Root for the disk method; None: <output.dir>/weights.
     disk_root: str | None = None
-    # Bytes per streamed chunk (the contract allows at most 1 MiB).
-    chunk_bytes: int = 1 << 20
 
 
 @dataclass
@@ -254,8 +253,8 @@ class OutputConfig:
 
     dir: str = "outputs/run"
     log_level: str = "INFO"
-    # Written only when the tensorboard package is installed.
-    tensorboard: bool = True
+    # TensorBoard event files under dir/tensorboard (needs the tensorboard package).
+    tensorboard: bool = False
     plot: bool = True
     progress_bar: bool = True
 
@@ -544,8 +543,6 @@ def validate_config(cfg: RunConfig) -> None:
     if len(set(w.methods)) != len(w.methods):
         raise FieldError("weight_sync.methods", f"lists a method twice: {w.methods}")
     _positive("weight_sync.timeout_s", w.timeout_s)
-    if not 0 < w.chunk_bytes <= 1 << 20:
-        raise FieldError("weight_sync.chunk_bytes", f"must be in 1..1048576, got {w.chunk_bytes}")
 
     _at_least("eval.every_steps", cfg.eval.every_steps, 0)
     if cfg.eval.max_prompts is not None:
@@ -554,6 +551,10 @@ def validate_config(cfg: RunConfig) -> None:
     if not cfg.output.dir:
         raise FieldError("output.dir", "must not be empty")
     _choice("output.log_level", cfg.output.log_level, LOG_LEVELS)
+    if cfg.output.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise FieldError(
+            "output.tensorboard", "needs the tensorboard package (pip install tensorboard)"
+        )
     _validate_security(cfg.security)
 
     la = cfg.launcher

@@ -8,6 +8,7 @@ handler turns it into ``INVALID_ARGUMENT`` with a ``google.rpc.BadRequest`` deta
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NoReturn
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -66,9 +67,11 @@ def status(code: grpc.StatusCode, message: str) -> grpc.Status:
     return _status(code, message)
 
 
-async def abort_with(context: grpc.aio.ServicerContext, st: grpc.Status) -> None:
+async def abort_with(context: grpc.aio.ServicerContext, st: grpc.Status) -> NoReturn:
     """Ends the RPC with ``st`` (code, message and rich details); never returns."""
     await context.abort_with_status(st)
+    # grpc's abort raises; this line keeps the NoReturn promise should it ever not.
+    raise RuntimeError("context.abort_with_status returned")
 
 
 def status_for_exception(exc: BaseException) -> grpc.Status:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+from areal_grpc.tasks import TASKS
+
 RewardFn = Callable[[str, str, Sequence[int], Sequence[int], Mapping[str, Any]], float]
 
 
@@ -161,12 +163,22 @@ def task_reward(
 
     Items without a ``task`` are scored like the built-in tasks (:func:`first_char_reward`).
     """
-    # Imported here: tasks imports this module for its reward names.
-    from areal_grpc.tasks import reward_fn_for_task
-
     task = item.get("task")
     fn = reward_fn_for_task(str(task)) if task else first_char_reward
     return fn(prompt, completion, prompt_ids, completion_ids, item)
+
+
+# Reward functions of task names that are not built in (their data comes from files).
+_EXTERNAL_TASK_REWARDS: dict[str, str] = {"gsm8k": "gsm8k"}
+
+
+def reward_fn_for_task(name: str) -> RewardFn:
+    """The reward function of a task name (built-in, or ``"gsm8k"``)."""
+    if name in TASKS:
+        return get_reward_fn(TASKS[name].reward_fn)
+    if name in _EXTERNAL_TASK_REWARDS:
+        return get_reward_fn(_EXTERNAL_TASK_REWARDS[name])
+    raise ValueError(f"no reward function for task {name!r}")
 
 
 REWARD_FNS: dict[str, RewardFn] = {
@@ -197,5 +209,6 @@ __all__ = [
     "numbers_equal",
     "parse_number",
     "resolve",
+    "reward_fn_for_task",
     "task_reward",
 ]

@@ -35,8 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from areal_grpc.rewards import RewardFn, get_reward_fn
-
 Item = dict[str, Any]
 
 DEFAULT_TASK = "first3"
@@ -106,9 +104,6 @@ TASKS: dict[str, TaskInfo] = {
     ),
 }
 
-# Reward functions of task names that are not built in (their data comes from files).
-_EXTERNAL_TASK_REWARDS: dict[str, str] = {"gsm8k": "gsm8k"}
-
 
 def get_task(name: str) -> TaskInfo:
     """The built-in task called ``name``; ValueError when unknown."""
@@ -132,15 +127,6 @@ def task_dataset(name: str = DEFAULT_TASK, split: str = "train", seed: int = 0) 
     raise ValueError(f"unknown split {split!r}; use 'train' or 'eval'")
 
 
-def reward_fn_for_task(name: str) -> RewardFn:
-    """The reward function of a task name (built-in, or ``"gsm8k"``)."""
-    if name in TASKS:
-        return get_reward_fn(TASKS[name].reward_fn)
-    if name in _EXTERNAL_TASK_REWARDS:
-        return get_reward_fn(_EXTERNAL_TASK_REWARDS[name])
-    raise ValueError(f"no reward function for task {name!r}")
-
-
 __all__ = [
     "DEFAULT_TASK",
     "TASKS",
@@ -151,6 +137,5 @@ __all__ = [
     "build_first3",
     "get_task",
     "load_task",
-    "reward_fn_for_task",
     "task_dataset",
 ]

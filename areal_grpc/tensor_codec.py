@@ -658,7 +658,6 @@ async def assemble_or_abort(
         if drained >= drain_messages:
             break
     await abort_with(context, invalid_argument(error))
-    raise AssertionError("unreachable: abort_with raises")  # pragma: no cover
 
 
 # ---------------------------------------------------------------------------------------------

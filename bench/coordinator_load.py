@@ -72,8 +72,9 @@ from areal_clients.coordinator import CoordinatorClient
 from teardown import exit_on_sigterm
 
 from areal_grpc.config import load_config
+from areal_grpc.coordinator.launcher import start_mesh
 from areal_grpc.coordinator.loop import Coordinator
-from areal_grpc.coordinator.mesh import Mesh, start_mesh
+from areal_grpc.coordinator.mesh import Mesh
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import NoCapacity, WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer

@@ -30,7 +30,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from areal_grpc.config import load_config
-from areal_grpc.coordinator.mesh import new_mesh, start_mesh
+from areal_grpc.coordinator.launcher import new_mesh, start_mesh
 
 
 def one(mode: str, rollout: int, ranks: int, root: Path) -> dict[str, float]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from areal_grpc.config import RunConfig, load_config, to_yaml, validate_config
@@ -131,7 +133,7 @@ def test_bad_override_names_the_key(override, field, words):
         ("weight_sync.methods=[]", "weight_sync.methods"),
         ("weight_sync.methods=[stream,stream]", "weight_sync.methods"),
         ("weight_sync.methods=[stream,nfs]", "weight_sync.methods[1]"),
-        ("weight_sync.chunk_bytes=2000000", "weight_sync.chunk_bytes"),
+        ("rollout.replace_after_s=0", "rollout.replace_after_s"),
         ("weight_sync.timeout_s=0", "weight_sync.timeout_s"),
         ("eval.every_steps=-1", "eval.every_steps"),
         ("launcher.mode=remote", "launcher.mode"),
@@ -192,3 +194,12 @@ def test_validate_config_checks_a_config_built_in_code():
     with pytest.raises(FieldError) as err:
         validate_config(cfg)
     assert err.value.field == "trainer.grad_clip"
+
+
+def test_tensorboard_is_off_by_default_and_on_only_where_it_can_write():
+    assert load_config(None, []).output.tensorboard is False
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(FieldError, match=r"output\.tensorboard: needs the tensorboard"):
+            load_config(None, ["output.tensorboard=true"])
+    else:
+        assert load_config(None, ["output.tensorboard=true"]).output.tensorboard is True

@@ -25,7 +25,7 @@ from areal.v1 import (
 
 from areal_grpc.cli import run_channel_options, run_server_options
 from areal_grpc.config import load_config
-from areal_grpc.coordinator.mesh import start_mesh
+from areal_grpc.coordinator.launcher import start_mesh
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer

@@ -2,7 +2,8 @@
 
 Modules: ``loop`` (the training loop), ``pool`` (queue, leases, buffer and the staleness
 rule), ``dataloader`` (exact-position prompt loader), ``service`` (CoordinatorService),
-``mesh`` (local launcher / attach mode), ``metrics`` (JSONL, TensorBoard, PNG),
+``launcher`` (the run's launcher by ``launcher.mode``), ``mesh`` (local launcher / attach
+mode), ``ray_launcher`` (servers as Ray actors), ``metrics`` (JSONL, TensorBoard, PNG),
 ``checkpoint`` (recovery checkpoints), ``serve`` (``areal-coordinator``, the service alone).
 
 This is the entry-point layer: it may import ``areal_clients`` and launch servers; the core

@@ -35,6 +35,7 @@ from areal.v1 import coordinator_pb2
 from areal_grpc import tracing
 from areal_grpc.cli import run_channel_options, run_server_options
 from areal_grpc.config import RunConfig, load_config, to_yaml
+from areal_grpc.coordinator.launcher import fleet_launcher, new_mesh, start_mesh
 from areal_grpc.coordinator.loop import (
     Coordinator,
     RolloutFleetLost,
@@ -42,7 +43,7 @@ from areal_grpc.coordinator.loop import (
     fleet_available,
     fleet_weight_sync,
 )
-from areal_grpc.coordinator.mesh import check_supported, fleet_launcher, new_mesh, start_mesh
+from areal_grpc.coordinator.mesh import check_supported
 from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.launch import LaunchError

@@ -38,11 +38,9 @@ __all__ = [
     "LocalFleet",
     "Mesh",
     "MeshStartCancelled",
-    "fleet_launcher",
     "free_port",
-    "new_mesh",
     "rollout_argv",
-    "start_mesh",
+    "start_local_mesh",
     "trainer_argv",
     "wait_healthy",
 ]
@@ -314,7 +312,7 @@ class MeshStartCancelled(RuntimeError):
     """Starting the mesh was cancelled (e.g. Ctrl-C); the caller stops what was started."""
 
 
-def start_mesh(
+def start_local_mesh(
     cfg: RunConfig,
     log_dir: Path,
     mesh: Mesh | None = None,
@@ -326,10 +324,6 @@ def start_mesh(
     :class:`Mesh` can stop them whatever happens; ``cancelled`` aborts before children start. On
     an error the children started so far are stopped here.
     """
-    if cfg.launcher.mode == "ray":
-        from areal_grpc.coordinator.ray_launcher import start_ray_mesh
-
-        return start_ray_mesh(cfg, log_dir, mesh, cancelled)
     mesh = mesh if mesh is not None else Mesh([], [], log_dir=log_dir)
 
     def check() -> None:
@@ -367,19 +361,6 @@ def start_mesh(
 
 
 # -- the elastic rollout fleet ---------------------------------------------------------------
-
-
-def new_mesh(cfg: RunConfig, log_dir: Path) -> Mesh:
-    """An empty mesh of the configured launcher, to pass to :func:`start_mesh`."""
-    if cfg.launcher.mode == "ray":
-        try:
-            from areal_grpc.coordinator.ray_launcher import RayMesh
-        except ImportError as exc:
-            raise FieldError(
-                "launcher.mode", f"ray needs the ray extra (pip install -e '.[ray]'): {exc}"
-            ) from exc
-        return RayMesh([], [], log_dir=log_dir)
-    return Mesh([], [], log_dir=log_dir)
 
 
 class FleetLauncher(Protocol):
@@ -471,12 +452,3 @@ class LocalFleet:
             if address in self.mesh.rollout_addresses:
                 self.mesh.rollout_addresses.remove(address)
         return stop_children([child])[child.name]
-
-
-def fleet_launcher(cfg: RunConfig, mesh: Mesh) -> FleetLauncher | None:
-    """What can start and stop rollout servers for this run (None in attach mode)."""
-    if cfg.launcher.mode == "attach":
-        return None
-    if cfg.launcher.mode == "ray":
-        return mesh  # type: ignore[return-value]  # a RayMesh implements FleetLauncher
-    return LocalFleet(cfg, mesh)

@@ -513,7 +513,7 @@ def start_ray_mesh(
 ) -> RayMesh:
     """Starts the mesh on Ray and waits until it is healthy (stopped here on any error).
 
-    Pass the :class:`RayMesh` from :func:`areal_grpc.coordinator.mesh.new_mesh` as ``mesh`` to
+    Pass the :class:`RayMesh` from :func:`areal_grpc.coordinator.launcher.new_mesh` as ``mesh`` to
     be able to stop it whatever happens.
     """
     if not isinstance(mesh, RayMesh):

@@ -175,10 +175,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             lease.rollout_address = address
         except NoCapacity as exc:
             await abort_with(context, resource_exhausted(str(exc), RETRY_AFTER_S))
-            raise AssertionError("unreachable") from exc
         except Exception as exc:
             await abort_with(context, status_for_exception(exc))
-            raise AssertionError("unreachable") from exc
         # The root of the lease's trace (or a child of the producer's span): the producer
         # hands this context on to Generate and to its trajectories, so generation,
         # submission and the training step join it. Refused calls get no lease span.
@@ -354,7 +352,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.workers[worker_id] = worker
         except Exception as exc:
             await abort_with(context, status_for_exception(exc))
-            raise AssertionError("unreachable") from exc
         return coordinator_pb2.RegisterWorkerResponse(
             worker_id=worker_id, policy_version=self.pool.version
         )
@@ -369,7 +366,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 context,
                 status(grpc.StatusCode.NOT_FOUND, f"worker_id: unknown {request.worker_id!r}"),
             )
-            raise AssertionError("unreachable")
         requeued = 0
         try:
             if self.hooks.remove is not None:
@@ -398,7 +394,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 await self._scale(fleet, request.servers, reply)
         except Exception as exc:
             await abort_with(context, status_for_exception(exc))
-            raise AssertionError("unreachable") from exc
         finally:
             if self.hooks.fleet_changed is not None and (reply.added or reply.removed):
                 self.hooks.fleet_changed()

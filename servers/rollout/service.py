@@ -318,7 +318,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 )
         except Exception as exc:
             await abort_with(context, status_for_exception(exc))
-            raise AssertionError("unreachable") from exc
         return rollout_pb2.GenerateResponse(
             completions=[r.to_proto() for r in results], policy_version=self.engine.version
         )

@@ -16,8 +16,9 @@ updates; other HTTP errors and malformed answers raise :class:`SGLangError` at o
 engine either attaches to a running server (``url``) or launches
 ``python -m sglang.launch_server`` as a subprocess (GPU machines only).
 
-The HTTP client is a small asyncio HTTP/1.1 client (no extra dependency): cancelling a request
-closes its connection, and SGLang aborts requests whose client has disconnected.
+HTTP goes through one pooled httpx client per engine: cancelling a request closes its
+connection (httpx drops a connection interrupted mid-exchange), and SGLang aborts requests whose
+client has disconnected.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
+import httpx
 import torch
 from areal_servers.rollout.engine import (
     EngineStatus,
@@ -108,68 +109,50 @@ class HTTPResponse:
         return json.loads(self.body.decode("utf-8"))
 
 
+def http_client(url: str = "", timeout_s: float = 60.0) -> httpx.AsyncClient:
+    """A pooled HTTP client for one SGLang server (keep-alive, no connection limit).
+
+    No limit: every in-flight ``/generate`` holds a connection for its whole generation.
+    """
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits)
+
+
 async def http_request(
-    url: str, method: str, path: str, payload: Any = None, timeout_s: float = 60.0
+    url: str,
+    method: str,
+    path: str,
+    payload: Any = None,
+    timeout_s: float = 60.0,
+    client: httpx.AsyncClient | None = None,
 ) -> HTTPResponse:
-    """One HTTP/1.1 request (JSON body) to ``url``; TransientHTTPError on network failure."""
-    parts = urlsplit(url)
-    host = parts.hostname or "127.0.0.1"
-    port = parts.port or 80
-    body = b"" if payload is None else json.dumps(payload).encode("utf-8")
+    """One request (JSON body) to ``url``; TransientHTTPError on network failure or HTTP 5xx.
+
+    ``client``: a pooled client from :func:`http_client` (else a one-off connection).
+    """
+    headers = {"Accept": "application/json"}
     # W3C trace context of the current span, so SGLang's own spans (--enable-trace) join the
     # episode's trace.
     ctx = tracing.to_proto()
-    trace_headers = f"traceparent: {ctx.traceparent}\r\n" if ctx.traceparent else ""
+    if ctx.traceparent:
+        headers["traceparent"] = ctx.traceparent
     if ctx.tracestate:
-        trace_headers += f"tracestate: {ctx.tracestate}\r\n"
-    head = (
-        f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-        "Content-Type: application/json\r\nAccept: application/json\r\n"
-        f"{trace_headers}"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    )
-
-    async def exchange() -> HTTPResponse:
-        try:
-            reader, writer = await asyncio.open_connection(host, port)
-        except OSError as exc:
-            raise TransientHTTPError(f"cannot connect to {url}: {exc}") from exc
-        try:
-            writer.write(head.encode("ascii") + body)
-            await writer.drain()
-            status_line = await reader.readline()
-            if not status_line:
-                raise TransientHTTPError(f"{url}{path}: connection closed without a response")
-            status = int(status_line.split()[1])
-            headers: dict[str, str] = {}
-            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-            if "content-length" in headers:
-                data = await reader.readexactly(int(headers["content-length"]))
-            elif headers.get("transfer-encoding", "").lower() == "chunked":
-                chunks = []
-                while True:
-                    size = int((await reader.readline()).split(b";")[0], 16)
-                    if size == 0:
-                        break
-                    chunks.append(await reader.readexactly(size))
-                    await reader.readline()
-                data = b"".join(chunks)
-            else:
-                data = await reader.read()
-        except (ConnectionError, asyncio.IncompleteReadError) as exc:
-            raise TransientHTTPError(f"{url}{path}: {exc}") from exc
-        finally:
-            writer.close()
-        if status >= 500:
-            raise TransientHTTPError(f"{url}{path}: HTTP {status}: {data[:200]!r}")
-        return HTTPResponse(status, data)
-
+        headers["tracestate"] = ctx.tracestate
+    target = f"{url}{path}"
+    own = client is None
+    http = http_client(timeout_s=timeout_s) if client is None else client
     try:
-        return await asyncio.wait_for(exchange(), timeout_s)
-    except asyncio.TimeoutError as exc:
-        raise TransientHTTPError(f"{url}{path}: no answer in {timeout_s} s") from exc
+        resp = await http.request(method, target, json=payload, headers=headers, timeout=timeout_s)
+    except httpx.TimeoutException as exc:
+        raise TransientHTTPError(f"{target}: no answer in {timeout_s} s") from exc
+    except httpx.TransportError as exc:
+        raise TransientHTTPError(f"{target}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if own:
+            await http.aclose()
+    if resp.status_code >= 500:
+        raise TransientHTTPError(f"{target}: HTTP {resp.status_code}: {resp.content[:200]!r}")
+    return HTTPResponse(resp.status_code, resp.content)
 
 
 def generate_payload(input_ids: Sequence[int], params: SamplingConfig) -> dict[str, Any]:
@@ -237,6 +220,7 @@ class SGLangEngine(InferenceEngine):
         self._queued = 0
         self._generated_tokens = 0
         self._weights_tmp: str | None = None
+        self._http = http_client(self.url, config.request_timeout_s)
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -266,7 +250,8 @@ class SGLangEngine(InferenceEngine):
             if self._process is not None and self._process.poll() is not None:
                 raise RuntimeError(f"sglang exited with code {self._process.returncode}")
             try:
-                if (await http_request(self.url, "GET", "/health", timeout_s=5.0)).status == 200:
+                health = await http_request(self.url, "GET", "/health", None, 5.0, self._http)
+                if health.status == 200:
                     return
             except TransientHTTPError:
                 pass
@@ -287,6 +272,7 @@ class SGLangEngine(InferenceEngine):
             await asyncio.to_thread(self._process.wait)
         if self._weights_tmp:
             shutil.rmtree(self._weights_tmp, ignore_errors=True)
+        await self._http.aclose()
         self._resumed.set()
 
     # --------------------------------------------------------------------------- calls
@@ -301,7 +287,7 @@ class SGLangEngine(InferenceEngine):
         ):
             with attempt:
                 resp = await http_request(
-                    self.url, "POST", path, payload, self.config.request_timeout_s
+                    self.url, "POST", path, payload, self.config.request_timeout_s, self._http
                 )
         if resp.status >= 400:
             raise SGLangError(f"{path}: HTTP {resp.status}: {resp.body[:200]!r}")

@@ -38,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 import torch
@@ -304,7 +305,6 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     break
         except FieldError as exc:
             await abort_with(context, invalid_argument(exc))
-            raise AssertionError("unreachable") from exc
         if plan_option is None:
             offered = ", ".join(pb.TransferMethod.Name(o.method) for o in request.offers)
             await abort_with(
@@ -366,12 +366,11 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         else:
             self.counters.refused += 1
 
-    async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
         if not isinstance(exc, (FieldError, PreconditionError)):
             log.exception("weight update failed", exc_info=exc)
         self._count("", ok=False)
         await abort_with(context, status_for_exception(exc))
-        raise AssertionError("unreachable")
 
     # ---------------------------------------------------------------------------- stream
 
@@ -388,7 +387,6 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 if drained >= _DRAIN_MESSAGES:
                     break
             await self._fail(context, exc)
-            raise AssertionError("unreachable") from exc
         try:
             async with self._update_lock:
                 self._check_version(header.policy_version, "header.policy_version")
@@ -505,7 +503,6 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     count = len(state_dict)
         except Exception as exc:
             await self._fail(context, exc)
-            raise AssertionError("unreachable") from exc
         self._count("disk", ok=True)
         return pb.UpdateFromDiskResponse(policy_version=self.engine.version, tensor_count=count)
 
@@ -612,7 +609,6 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     count = len(state_dict)
         except Exception as exc:
             await self._fail(context, exc)
-            raise AssertionError("unreachable") from exc
         self._count("distributed", ok=True)
         return pb.UpdateFromDistributedResponse(
             policy_version=self.engine.version, tensor_count=count

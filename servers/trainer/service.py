@@ -440,7 +440,6 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
                     log.exception("trainer call failed")
                 st = status_for_exception(exc)
         await abort_with(context, st)
-        raise AssertionError("unreachable: abort raises")
 
     async def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.aio.ServicerContext
@@ -504,7 +503,6 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             addresses, methods = _check_publish(request)
         except FieldError as exc:
             await abort_with(context, status_for_exception(exc))
-            raise AssertionError("unreachable") from exc
         loop = asyncio.get_running_loop()
         wcfg = self.cfg.weights
         bucket_bytes = request.bucket_bytes or wcfg.bucket_bytes

@@ -26,8 +26,9 @@ from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 
 from areal_grpc.config import RunConfig, load_config
 from areal_grpc.coordinator.dataloader import PromptLoader
+from areal_grpc.coordinator.launcher import start_mesh
 from areal_grpc.coordinator.loop import Coordinator, TrainerGroupFailed
-from areal_grpc.coordinator.mesh import Mesh, free_port, start_mesh, trainer_argv
+from areal_grpc.coordinator.mesh import Mesh, free_port, trainer_argv
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.errors import field_violations

@@ -34,8 +34,8 @@ from areal.v1 import common_pb2, coordinator_pb2
 from areal_clients.coordinator import CoordinatorClient
 
 from areal_grpc.config import load_config
+from areal_grpc.coordinator.launcher import start_mesh
 from areal_grpc.coordinator.loop import Coordinator
-from areal_grpc.coordinator.mesh import start_mesh
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.errors import retry_delay_s

@@ -30,7 +30,8 @@ from areal_clients.coordinator import CoordinatorClient
 from areal_clients.rollout import RolloutClient
 
 from areal_grpc.config import load_config
-from areal_grpc.coordinator.mesh import Mesh, start_mesh
+from areal_grpc.coordinator.launcher import start_mesh
+from areal_grpc.coordinator.mesh import Mesh
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.data import load_file, write_arithmetic
 from areal_grpc.errors import retry_delay_s

@@ -219,6 +219,51 @@ async def test_sglang_protocol_fake_server_unreachable_url_is_a_connection_error
         await engine.close()
 
 
+async def test_sglang_protocol_fake_server_cancelled_generate_disconnects_and_reuses_nothing():
+    # SGLang aborts a request whose client disconnected: a cancelled episode must close its
+    # connection, not leave it open (and generating) in the pool.
+    disconnected = asyncio.Event()
+    connections = 0
+
+    async def read_request(reader: asyncio.StreamReader) -> str:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("ascii").lower()
+        if "content-length:" in head:
+            await reader.readexactly(int(head.split("content-length:")[1].split("\r\n")[0]))
+        return head
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        if (await read_request(reader)).startswith("get /health"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            await read_request(reader)
+        # A /generate that never answers: wait for the client to go away.
+        if await reader.read(1) == b"":
+            disconnected.set()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    engine = SGLangEngine(SGLangEngineConfig(model="builtin:micro", url=url))
+    try:
+        await engine.wait_healthy(timeout_s=10)
+        task = asyncio.create_task(engine.generate([3], SamplingConfig(max_new_tokens=4)))
+        while connections < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the /generate is on the wire
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(disconnected.wait(), 10)
+    finally:
+        await engine.close()
+        server.close()
+        await server.wait_closed()
+    # The health check's keep-alive connection carried the /generate too (pooled client).
+    assert connections == 1
+
+
 async def test_sglang_protocol_fake_server_distributed_update_payloads(fake):
     engine = make_engine(fake)
     await engine.init_weights_update_group("10.0.0.1", 29500, 1, 3, "areal-weights")

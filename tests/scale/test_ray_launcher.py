@@ -26,7 +26,7 @@ from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ray.cluster_utils import Cluster
 
 from areal_grpc.config import load_config
-from areal_grpc.coordinator.mesh import new_mesh, start_mesh
+from areal_grpc.coordinator.launcher import new_mesh, start_mesh
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.ray_launcher import bundle_layout
