@@ -103,7 +103,9 @@ def main() -> int:
                         s.peak_rss = max(s.peak_rss, rss)
                         if past_early and s.early is None and done > 0:
                             s.early = sample
-                        if not stopped_by_time:
+                        # The end sample is the last one taken while steps still ran: the
+                        # run's close (final export, plot) is not the steady state.
+                        if not stopped_by_time and done < args.steps:
                             s.end = sample
                     time.sleep(1.0)
             finally:
