@@ -97,6 +97,39 @@ def validate_group(
             )
 
 
+def make_group(
+    task_id: str,
+    rewards: Sequence[float],
+    *,
+    prompt_ids: Sequence[int] = (5, 6),
+    completion_ids: Sequence[int] = (7, 8),
+    versions: int | Sequence[int] = 0,
+    logprobs: Sequence[float] | None = None,
+) -> common_pb2.TrajectoryGroup:
+    """A group of ``len(rewards)`` samples of one prompt, each ``prompt_ids + completion_ids``.
+
+    ``versions`` and ``logprobs`` describe the completion tokens (one version for all, or one
+    per token; log-probs default to -1.0 each); prompt tokens carry version -1 and no loss. For
+    external producers and tests that need a valid group without a model.
+    """
+    n = len(completion_ids)
+    token_versions = [versions] * n if isinstance(versions, int) else list(versions)
+    token_logprobs = [-1.0] * n if logprobs is None else list(logprobs)
+    group = common_pb2.TrajectoryGroup(task_id=task_id, group_id=task_id)
+    for reward in rewards:
+        group.trajectories.add(
+            token_ids=[*prompt_ids, *completion_ids],
+            logprobs=[0.0] * len(prompt_ids) + token_logprobs,
+            versions=[-1] * len(prompt_ids) + token_versions,
+            loss_mask=[False] * len(prompt_ids) + [True] * n,
+            reward=float(reward),
+            prompt_length=len(prompt_ids),
+            task_id=task_id,
+            group_id=task_id,
+        )
+    return group
+
+
 def trajectories_to_batch(
     trajs: Sequence[common_pb2.Trajectory],
     *,

@@ -35,6 +35,7 @@ from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.errors import retry_delay_s
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import BackgroundServer, sync_channel
+from areal_grpc.trajectory import make_group
 
 PRODUCER = "py-agent"
 VOCAB = 384
@@ -42,18 +43,7 @@ VOCAB = 384
 
 def small_group(lease_id: str) -> common_pb2.TrajectoryGroup:
     """A valid two-sample group at version 0, with no trace context of its own."""
-    group = common_pb2.TrajectoryGroup(task_id=lease_id, group_id=lease_id)
-    for reward in (0.0, 1.0):
-        group.trajectories.add(
-            token_ids=[5, 6, 7, 8],
-            logprobs=[0.0, 0.0, -1.0, -1.0],
-            versions=[-1, -1, 0, 0],
-            loss_mask=[False, False, True, True],
-            reward=reward,
-            prompt_length=2,
-            task_id=lease_id,
-        )
-    return group
+    return make_group(lease_id, [0.0, 1.0])
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.errors import field_violations
 from areal_grpc.launch import start_child, stop_children
 from areal_grpc.server import ServerOptions, aio_channel, service, start_server
+from areal_grpc.trajectory import make_group
 
 ECHO_PROMPTS = 36  # one epoch of the built-in "echo" task
 
@@ -425,17 +426,7 @@ def test_a_stalled_rollout_server_loses_its_work_to_the_other_and_rejoins(tmp_pa
 
 
 def _group(task_id: str, version: int = 0) -> common_pb2.TrajectoryGroup:
-    g = common_pb2.TrajectoryGroup(task_id=task_id, group_id=task_id)
-    g.trajectories.add(
-        token_ids=[5, 6, 7],
-        logprobs=[0.0, -1.0, -1.0],
-        versions=[-1, version, version],
-        loss_mask=[False, True, True],
-        reward=1.0,
-        prompt_length=1,
-        task_id=task_id,
-    )
-    return g
+    return make_group(task_id, [1.0], versions=version)
 
 
 def _pool() -> WorkPool:

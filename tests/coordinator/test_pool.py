@@ -6,28 +6,17 @@ import asyncio
 import json
 
 import pytest
-from areal.v1 import common_pb2
 
 from areal_grpc.coordinator.dataloader import PromptLoader
 from areal_grpc.coordinator.pool import NoCapacity, WorkPool, head_version
 from areal_grpc.errors import FieldError
+from areal_grpc.trajectory import make_group
 
 ITEMS = [{"prompt": f"{c}=", "answer": c, "id": f"i{n}"} for n, c in enumerate("abcdefghij")]
 
 
 def group(task_id: str, versions=(0, 0), reward: float = 1.0, n: int = 2):
-    g = common_pb2.TrajectoryGroup(task_id=task_id, group_id=task_id)
-    for _ in range(n):
-        g.trajectories.add(
-            token_ids=[5, 6, 7, 8],
-            logprobs=[0.0, 0.0, -1.0, -1.0],
-            versions=[-1, -1, *versions],
-            loss_mask=[False, False, True, True],
-            reward=reward,
-            prompt_length=2,
-            task_id=task_id,
-        )
-    return g
+    return make_group(task_id, [reward] * n, versions=versions)
 
 
 def make_pool(batch=2, eta=0, concurrency=8, items=ITEMS, shuffle=False):

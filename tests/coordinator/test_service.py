@@ -17,21 +17,11 @@ from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.errors import field_violations
 from areal_grpc.launch import python_module_argv, start_child, stop_children
 from areal_grpc.server import ServerOptions, start_server
+from areal_grpc.trajectory import make_group
 
 
 def group(task_id: str, versions=(0, 0), n: int = 2) -> common_pb2.TrajectoryGroup:
-    g = common_pb2.TrajectoryGroup(task_id=task_id, group_id=task_id)
-    for _ in range(n):
-        g.trajectories.add(
-            token_ids=[5, 6, 7, 8],
-            logprobs=[0.0, 0.0, -1.0, -1.0],
-            versions=[-1, -1, *versions],
-            loss_mask=[False, False, True, True],
-            reward=1.0,
-            prompt_length=2,
-            task_id=task_id,
-        )
-    return g
+    return make_group(task_id, [1.0] * n, versions=versions)
 
 
 @pytest.fixture

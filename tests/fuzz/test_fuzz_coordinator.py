@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.server import BackgroundServer, service
+from areal_grpc.trajectory import make_group
 
 from .conftest import Tally, fuzz
 
@@ -87,19 +88,7 @@ class Coordinator:
 
 
 def valid_group(lease_id: str, n: int = 2) -> common_pb2.TrajectoryGroup:
-    g = common_pb2.TrajectoryGroup(task_id=lease_id, group_id=lease_id)
-    for i in range(n):
-        g.trajectories.add(
-            token_ids=[5, 6, 7, 8],
-            logprobs=[0.0, 0.0, -1.0, -1.5],
-            versions=[-1, -1, 0, 0],
-            loss_mask=[False, False, True, True],
-            reward=float(i),
-            prompt_length=2,
-            task_id=lease_id,
-            group_id=lease_id,
-        )
-    return g
+    return make_group(lease_id, [float(i) for i in range(n)], logprobs=[-1.0, -1.5])
 
 
 @pytest.fixture(scope="module")
