@@ -52,6 +52,7 @@ from areal_grpc import tracing
 from areal_grpc.config import RunConfig
 from areal_grpc.coordinator.checkpoint import CheckpointStore
 from areal_grpc.coordinator.dataloader import PromptLoader
+from areal_grpc.coordinator.evaluator import EvalResult, Evaluator
 from areal_grpc.coordinator.mesh import (
     ROLLOUT_SERVICE,
     TRAINER_SERVICE,
@@ -281,9 +282,9 @@ class Coordinator:
         self.on_step = on_step
         s = cfg.staleness
         self.loader = PromptLoader(load_items(cfg, "train"), cfg.data.shuffle, cfg.model.seed)
-        self.eval_items = load_items(cfg, "eval")
+        eval_items = load_items(cfg, "eval")
         if cfg.eval.max_prompts is not None:
-            self.eval_items = self.eval_items[: cfg.eval.max_prompts]
+            eval_items = eval_items[: cfg.eval.max_prompts]
         self.pool = WorkPool(
             s.batch_size,
             s.max_staleness,
@@ -314,8 +315,14 @@ class Coordinator:
         self._tasks: list[asyncio.Task[None]] = []
         self.result = RunResult()
         self.metrics: MetricsWriter | None = None
-        self._eval_prompts = 0
-        self._eval_by_kind: dict[str, float] = {}
+        self.evaluator = Evaluator(
+            eval_items,
+            workflow=cfg.rollout.workflow,
+            workflow_params=self.workflow_params,
+            sampling=self.sampling,
+            episode_timeout_s=cfg.rollout.episode_timeout_s,
+        )
+        self._last_eval = EvalResult()
         # The trainer ranks' policy version (read from them at the start of run()).
         self.trainer_version = 0
         # Collective trainer calls (TrainStep, publish, checkpoint, export) must reach every
@@ -764,84 +771,9 @@ class Coordinator:
 
     async def evaluate(self) -> float:
         """Greedy accuracy (mean reward) on the eval split, through the rollout servers."""
-        live = [e for e in self.endpoints if e.healthy]
-        self._eval_prompts = 0
-        self._eval_by_kind = {}
-        if not live or not self.eval_items:
-            return math.nan
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(self.sampling)
-        sampling.temperature = 0.0
-
-        async def run_on(
-            ep: _Endpoint, items: list[dict[str, Any]], offset: int, scores: dict[int, float]
-        ) -> None:
-            stream = ep.client.episodes()
-            for i, item in enumerate(items):
-                stream.submit(
-                    rollout_pb2.EpisodeTask(
-                        task_id=f"eval-{self.pool.global_step}-{offset + i}",
-                        data=item_struct(item),
-                        workflow=self.cfg.rollout.workflow,
-                        workflow_params=self.workflow_params,
-                        group_size=1,
-                        sampling=sampling,
-                        is_eval=True,
-                    )
-                )
-            stream.close()
-            try:
-                async for res in stream:
-                    index = int(res.task_id.rsplit("-", 1)[1])
-                    rewards = [t.reward for t in res.group.trajectories]
-                    accepted = res.outcome == rollout_pb2.EPISODE_OUTCOME_ACCEPTED
-                    scores[index] = sum(rewards) / len(rewards) if accepted and rewards else 0.0
-            except grpc.aio.AioRpcError as exc:
-                # A server lost mid-eval must not end the run; its unscored prompts are left
-                # out (the record's eval_prompts says how many were scored).
-                log.warning("eval on %s broke off: %s", ep.address, exc.code().name)
-            finally:
-                stream.abort()
-
-        async def bounded(
-            ep: _Endpoint, items: list[dict[str, Any]], offset: int
-        ) -> dict[int, float]:
-            # A stalled server would hold the eval (and the run) forever: its share gets one
-            # episode deadline, and what it scored by then counts.
-            scores: dict[int, float] = {}
-            try:
-                await asyncio.wait_for(
-                    run_on(ep, items, offset, scores), self.cfg.rollout.episode_timeout_s
-                )
-            except TimeoutError:
-                log.warning(
-                    "eval on %s did not finish within rollout.episode_timeout_s=%g: %d of %d "
-                    "prompts scored",
-                    ep.address,
-                    self.cfg.rollout.episode_timeout_s,
-                    len(scores),
-                    len(items),
-                )
-            return scores
-
-        share = math.ceil(len(self.eval_items) / len(live))
-        parts = await asyncio.gather(
-            *(
-                bounded(ep, self.eval_items[i * share : (i + 1) * share], i * share)
-                for i, ep in enumerate(live)
-            )
-        )
-        scores = {i: r for part in parts for i, r in part.items()}
-        self._eval_prompts = len(scores)
-        # Items that name their kind (the arithmetic set's difficulty levels) are also scored
-        # per kind: the mean alone hides which levels the model learned.
-        kinds: dict[str, list[float]] = {}
-        for i, r in scores.items():
-            kind = self.eval_items[i].get("kind")
-            if isinstance(kind, str):
-                kinds.setdefault(kind, []).append(r)
-        self._eval_by_kind = {k: sum(v) / len(v) for k, v in sorted(kinds.items())}
-        return sum(scores.values()) / len(scores) if scores else math.nan
+        live = [e.client for e in self.endpoints if e.healthy]
+        self._last_eval = await self.evaluator.evaluate(live, self.pool.global_step)
+        return self._last_eval.accuracy
 
     async def _eval_and_log(self, step: int) -> float:
         started = time.monotonic()
@@ -852,8 +784,10 @@ class Coordinator:
             step,
             {
                 "accuracy": acc,
-                "eval_prompts": self._eval_prompts,
-                **({"accuracy_by_kind": self._eval_by_kind} if self._eval_by_kind else {}),
+                "eval_prompts": self._last_eval.prompts,
+                **(
+                    {"accuracy_by_kind": self._last_eval.by_kind} if self._last_eval.by_kind else {}
+                ),
                 "version": self.pool.version,
                 "eval_s": time.monotonic() - started,
             },
