@@ -7,6 +7,8 @@ handler turns it into ``INVALID_ARGUMENT`` with a ``google.rpc.BadRequest`` deta
 
 from __future__ import annotations
 
+import errno
+import logging
 from collections.abc import Iterable
 from typing import NoReturn
 
@@ -14,6 +16,8 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
+log = logging.getLogger(__name__)
 
 
 class FieldError(ValueError):
@@ -27,6 +31,14 @@ class FieldError(ValueError):
 
 class PreconditionError(RuntimeError):
     """A request that is well formed but conflicts with state (e.g. a stale policy version)."""
+
+
+class UnavailableError(RuntimeError):
+    """A passing failure the caller may retry (e.g. a rank group that broke): UNAVAILABLE."""
+
+
+class AbortedError(RuntimeError):
+    """Work interrupted by a concurrent event (e.g. a step stopped by a recovery): ABORTED."""
 
 
 def _status(code: grpc.StatusCode, message: str, details: Iterable[object] = ()) -> grpc.Status:
@@ -74,15 +86,39 @@ async def abort_with(context: grpc.aio.ServicerContext, st: grpc.Status) -> NoRe
     raise RuntimeError("context.abort_with_status returned")
 
 
-def status_for_exception(exc: BaseException) -> grpc.Status:
-    """The status a handler should answer for an exception raised by library code."""
+def status_for_exception(exc: BaseException, path_field: str = "path") -> grpc.Status:
+    """The status every handler answers for an exception: the one place this is decided.
+
+    File-system errors are the request's path's fault (``path_field`` names it), except a
+    missing file (NOT_FOUND); anything not named here is INTERNAL.
+    """
     if isinstance(exc, FieldError):
         return invalid_argument(exc)
     if isinstance(exc, PreconditionError):
         return status(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, UnavailableError):
+        return status(grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, AbortedError):
+        return status(grpc.StatusCode.ABORTED, str(exc))
     if isinstance(exc, ValueError):
         return status(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, FileNotFoundError):
+        return status(grpc.StatusCode.NOT_FOUND, str(exc))
+    if isinstance(exc, (NotADirectoryError, IsADirectoryError, PermissionError)) or (
+        isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG
+    ):
+        return status(grpc.StatusCode.INVALID_ARGUMENT, f"{path_field}: {exc}")
     return status(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+async def abort_for(
+    context: grpc.aio.ServicerContext, exc: BaseException, path_field: str = "path"
+) -> NoReturn:
+    """Ends the RPC with :func:`status_for_exception`; an INTERNAL one (a bug) is logged."""
+    st = status_for_exception(exc, path_field)
+    if st.code == grpc.StatusCode.INTERNAL:
+        log.error("request failed", exc_info=exc)
+    await abort_with(context, st)
 
 
 def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
@@ -113,8 +149,11 @@ def retry_delay_s(error: grpc.RpcError) -> float | None:
 
 
 __all__ = [
+    "AbortedError",
     "FieldError",
     "PreconditionError",
+    "UnavailableError",
+    "abort_for",
     "abort_with",
     "field_violations",
     "invalid_argument",

@@ -31,10 +31,10 @@ from areal_grpc.coordinator.pool import NoCapacity, WorkPool
 from areal_grpc.errors import (
     FieldError,
     PreconditionError,
+    abort_for,
     abort_with,
     resource_exhausted,
     status,
-    status_for_exception,
 )
 from areal_grpc.server import Service, service
 
@@ -176,7 +176,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         except NoCapacity as exc:
             await abort_with(context, resource_exhausted(str(exc), RETRY_AFTER_S))
         except Exception as exc:
-            await abort_with(context, status_for_exception(exc))
+            await abort_for(context, exc)
         # The root of the lease's trace (or a child of the producer's span): the producer
         # hands this context on to Generate and to its trajectories, so generation,
         # submission and the training step join it. Refused calls get no lease span.
@@ -247,7 +247,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         except FieldError as exc:
             taken = f" ({reply.accepted_groups} earlier group(s) of this call were accepted)"
             err = FieldError(exc.field, exc.description + taken)
-            await abort_with(context, status_for_exception(err))
+            await abort_for(context, err)
         return reply
 
     def _submit_traced(
@@ -351,7 +351,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             worker.policy_version = self.pool.version
             self.workers[worker_id] = worker
         except Exception as exc:
-            await abort_with(context, status_for_exception(exc))
+            await abort_for(context, exc)
         return coordinator_pb2.RegisterWorkerResponse(
             worker_id=worker_id, policy_version=self.pool.version
         )
@@ -371,7 +371,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if self.hooks.remove is not None:
                 requeued = await self.hooks.remove(worker)
         except Exception as exc:
-            await abort_with(context, status_for_exception(exc))
+            await abort_for(context, exc)
         del self.workers[request.worker_id]
         return coordinator_pb2.DeregisterWorkerResponse(requeued_tasks=requeued)
 
@@ -393,7 +393,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             async with self._scale_lock:
                 await self._scale(fleet, request.servers, reply)
         except Exception as exc:
-            await abort_with(context, status_for_exception(exc))
+            await abort_for(context, exc)
         finally:
             if self.hooks.fleet_changed is not None and (reply.added or reply.removed):
                 self.hooks.fleet_changed()

@@ -31,7 +31,7 @@ from google.protobuf import json_format, struct_pb2
 from transformers import PreTrainedTokenizerBase
 
 from areal_grpc import tracing
-from areal_grpc.errors import FieldError, abort_with, status_for_exception
+from areal_grpc.errors import FieldError, abort_for
 from areal_grpc.trajectory import validate_group
 
 log = logging.getLogger(__name__)
@@ -317,7 +317,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     tracing.TOKENS, len(request.input_ids) + sum(len(r.output_ids) for r in results)
                 )
         except Exception as exc:
-            await abort_with(context, status_for_exception(exc))
+            await abort_for(context, exc)
         return rollout_pb2.GenerateResponse(
             completions=[r.to_proto() for r in results], policy_version=self.engine.version
         )
@@ -332,7 +332,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 raise FieldError("sampling.n_samples", f"must be 0 or 1, got {cfg.n_samples}")
             self.engine.check_prompt(request.input_ids, cfg)
         except Exception as exc:
-            await abort_with(context, status_for_exception(exc))
+            await abort_for(context, exc)
             return
         stream = self.engine.stream(list(request.input_ids), cfg)
         # Parented like Generate's span; it covers the whole stream (the handler is one task,

@@ -49,10 +49,10 @@ from areal_grpc import tensor_codec as tc
 from areal_grpc.errors import (
     FieldError,
     PreconditionError,
+    abort_for,
     abort_with,
     invalid_argument,
     status,
-    status_for_exception,
 )
 from areal_grpc.server import Service
 from areal_grpc.weight_disk import load_version, resolve_confined
@@ -367,10 +367,8 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             self.counters.refused += 1
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
-        if not isinstance(exc, (FieldError, PreconditionError)):
-            log.exception("weight update failed", exc_info=exc)
         self._count("", ok=False)
-        await abort_with(context, status_for_exception(exc))
+        await abort_for(context, exc)
 
     # ---------------------------------------------------------------------------- stream
 

@@ -15,7 +15,6 @@ global batch has no trajectories is INVALID_ARGUMENT on every rank.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import pickle
 import time
@@ -48,11 +47,13 @@ from areal_servers.trainer.weight_publisher import (
 from opentelemetry import trace
 
 from areal_grpc.errors import (
+    AbortedError,
     FieldError,
     PreconditionError,
+    UnavailableError,
+    abort_for,
     abort_with,
     status,
-    status_for_exception,
 )
 from areal_grpc.paths import check_replaceable, open_roots, resolve_inside
 from areal_grpc.trajectory import groups_to_batch
@@ -65,11 +66,11 @@ T = TypeVar("T")
 OK, BAD_INPUT, CONFLICT = 0, 1, 2
 
 
-class StepAborted(RuntimeError):
+class StepAborted(AbortedError):
     """Another rank rejected its part of the step; nothing was trained."""
 
 
-class GroupBroken(RuntimeError):
+class GroupBroken(UnavailableError):
     """An earlier collective failed unexpectedly: this rank's process group is unusable."""
 
 
@@ -398,17 +399,8 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             yield trainer_pb2.TrainStepResponse(progress=queue.get_nowait())
         try:
             result = job.result()
-        except StepAborted as exc:
-            await abort_with(context, status(grpc.StatusCode.ABORTED, str(exc)))
-            return
-        except GroupBroken as exc:
-            await abort_with(context, status(grpc.StatusCode.UNAVAILABLE, str(exc)))
-            return
         except Exception as exc:
-            if not isinstance(exc, (FieldError, PreconditionError)):
-                log.exception("training step failed")
-            await abort_with(context, status_for_exception(exc))
-            return
+            await abort_for(context, exc)
         yield trainer_pb2.TrainStepResponse(stats=_stats_proto(result))
 
     # -- checkpoints, export, status ----------------------------------------------------------
@@ -421,25 +413,11 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         # torch.distributed.checkpoint's CheckpointException derives from BaseException: without
         # catching it the call would never be answered.
         except BaseException as exc:
-            if isinstance(exc, GroupBroken):
-                st = status(grpc.StatusCode.UNAVAILABLE, str(exc))
-            elif isinstance(exc, FileNotFoundError):
-                st = status(grpc.StatusCode.NOT_FOUND, str(exc))
-            elif isinstance(exc, (NotADirectoryError, IsADirectoryError, PermissionError)) or (
-                isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG
-            ):
-                st = status(grpc.StatusCode.INVALID_ARGUMENT, f"path: {exc}")
-            elif type(exc).__name__ == "CheckpointException" or isinstance(
+            if type(exc).__name__ == "CheckpointException" or isinstance(
                 exc, (KeyError, pickle.UnpicklingError, EOFError)
             ):
-                st = status(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"path: unreadable checkpoint: {exc!r}"
-                )
-            else:
-                if not isinstance(exc, (FieldError, PreconditionError)):
-                    log.exception("trainer call failed")
-                st = status_for_exception(exc)
-        await abort_with(context, st)
+                exc = PreconditionError(f"path: unreadable checkpoint: {exc!r}")
+            await abort_for(context, exc)
 
     async def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.aio.ServicerContext
@@ -502,7 +480,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         try:
             addresses, methods = _check_publish(request)
         except FieldError as exc:
-            await abort_with(context, status_for_exception(exc))
+            await abort_for(context, exc)
         loop = asyncio.get_running_loop()
         wcfg = self.cfg.weights
         bucket_bytes = request.bucket_bytes or wcfg.bucket_bytes
