@@ -82,15 +82,27 @@ class EpisodeStream:
 
     def abort(self) -> None:
         """Cancels the call at once (the server cancels every task of the stream)."""
-        self._closed = True
+        self._end_requests()
         self._call.cancel()
+
+    def _end_requests(self) -> None:
+        # grpc's task that feeds the call from _requests() is not cancelled when the call
+        # ends (grpc/grpc#29518): left waiting on the outbox it is destroyed pending, and
+        # asyncio logs "Task was destroyed but it is pending" / "aclose(): asynchronous
+        # generator is already running". Ending the generator lets that task finish.
+        if not self._closed:
+            self._closed = True
+            self._outbox.put_nowait(_END)
 
     def __aiter__(self) -> AsyncIterator[rollout_pb2.RunEpisodesResponse]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[rollout_pb2.RunEpisodesResponse]:
-        async for response in self._call:
-            yield response
+        try:
+            async for response in self._call:
+                yield response
+        finally:
+            self._end_requests()  # the call is over, however it ended
 
 
 class RolloutClient:

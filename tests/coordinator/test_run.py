@@ -385,6 +385,9 @@ def test_a_killed_rollout_server_is_restarted_and_the_run_finishes(
     log = coordinator_command.finish(proc, timeout=120)
     assert proc.returncode == 0, log
     assert f"rollout server restarted: {old} -> " in log
+    # The lost server's request stream ended cleanly (grpc/grpc#29518 left its feeder task
+    # pending, and asyncio logged it as destroyed at garbage collection).
+    assert "Task was destroyed but it is pending" not in log, log
     [record] = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "rollout_restart"]
     assert record["old_address"] == old and record["restarts"] == 1
     assert cause in record["cause"]
