@@ -86,11 +86,11 @@ async def abort_with(context: grpc.aio.ServicerContext, st: grpc.Status) -> NoRe
     raise RuntimeError("context.abort_with_status returned")
 
 
-def status_for_exception(exc: BaseException, path_field: str = "path") -> grpc.Status:
+def status_for_exception(exc: BaseException) -> grpc.Status:
     """The status every handler answers for an exception: the one place this is decided.
 
-    File-system errors are the request's path's fault (``path_field`` names it), except a
-    missing file (NOT_FOUND); anything not named here is INTERNAL.
+    File-system errors are the fault of the request's ``path``, except a missing file
+    (NOT_FOUND); anything not named here is INTERNAL.
     """
     if isinstance(exc, FieldError):
         return invalid_argument(exc)
@@ -107,15 +107,13 @@ def status_for_exception(exc: BaseException, path_field: str = "path") -> grpc.S
     if isinstance(exc, (NotADirectoryError, IsADirectoryError, PermissionError)) or (
         isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG
     ):
-        return status(grpc.StatusCode.INVALID_ARGUMENT, f"{path_field}: {exc}")
+        return status(grpc.StatusCode.INVALID_ARGUMENT, f"path: {exc}")
     return status(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
-async def abort_for(
-    context: grpc.aio.ServicerContext, exc: BaseException, path_field: str = "path"
-) -> NoReturn:
+async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     """Ends the RPC with :func:`status_for_exception`; an INTERNAL one (a bug) is logged."""
-    st = status_for_exception(exc, path_field)
+    st = status_for_exception(exc)
     if st.code == grpc.StatusCode.INTERNAL:
         log.error("request failed", exc_info=exc)
     await abort_with(context, st)

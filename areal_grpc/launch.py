@@ -53,11 +53,9 @@ class ChildStartError(LaunchError):
         self.exit_code = 2 if returncode == 2 else 1
 
     def __str__(self) -> str:
-        code = (
-            "no LISTENING line in time"
-            if self.returncode is None
-            else (f"exit code {self.returncode}")
-        )
+        code = f"exit code {self.returncode}"
+        if self.returncode is None:
+            code = "no LISTENING line in time"
         why = f": {self.reason}" if self.reason else ""
         where = f"; see {self.log_path}" if self.log_path else ""
         return f"{self.name} did not start ({code}){why}{where}"

@@ -82,17 +82,8 @@ class EpisodeStream:
 
     def abort(self) -> None:
         """Cancels the call at once (the server cancels every task of the stream)."""
-        self._end_requests()
+        self.close()  # ends _requests(): see _iterate
         self._call.cancel()
-
-    def _end_requests(self) -> None:
-        # grpc's task that feeds the call from _requests() is not cancelled when the call
-        # ends (grpc/grpc#29518): left waiting on the outbox it is destroyed pending, and
-        # asyncio logs "Task was destroyed but it is pending" / "aclose(): asynchronous
-        # generator is already running". Ending the generator lets that task finish.
-        if not self._closed:
-            self._closed = True
-            self._outbox.put_nowait(_END)
 
     def __aiter__(self) -> AsyncIterator[rollout_pb2.RunEpisodesResponse]:
         return self._iterate()
@@ -102,7 +93,11 @@ class EpisodeStream:
             async for response in self._call:
                 yield response
         finally:
-            self._end_requests()  # the call is over, however it ended
+            # The call is over, however it ended. grpc's task feeding it from _requests() is
+            # not cancelled then (grpc/grpc#29518): left waiting on the outbox it is destroyed
+            # pending, and asyncio logs "Task was destroyed but it is pending" / "aclose():
+            # asynchronous generator is already running". Ending the generator lets it finish.
+            self.close()
 
 
 class RolloutClient:

@@ -52,7 +52,7 @@ from areal_grpc import tracing
 from areal_grpc.config import RunConfig
 from areal_grpc.coordinator.checkpoint import CheckpointStore
 from areal_grpc.coordinator.dataloader import PromptLoader
-from areal_grpc.coordinator.evaluator import EvalResult, Evaluator
+from areal_grpc.coordinator.evaluator import Evaluator
 from areal_grpc.coordinator.mesh import (
     ROLLOUT_SERVICE,
     TRAINER_SERVICE,
@@ -322,7 +322,6 @@ class Coordinator:
             sampling=self.sampling,
             episode_timeout_s=cfg.rollout.episode_timeout_s,
         )
-        self._last_eval = EvalResult()
         # The trainer ranks' policy version (read from them at the start of run()).
         self.trainer_version = 0
         # Collective trainer calls (TrainStep, publish, checkpoint, export) must reach every
@@ -769,25 +768,20 @@ class Coordinator:
 
     # -- evaluation --------------------------------------------------------------------------
 
-    async def evaluate(self) -> float:
-        """Greedy accuracy (mean reward) on the eval split, through the rollout servers."""
-        live = [e.client for e in self.endpoints if e.healthy]
-        self._last_eval = await self.evaluator.evaluate(live, self.pool.global_step)
-        return self._last_eval.accuracy
-
     async def _eval_and_log(self, step: int) -> float:
+        """Greedy accuracy on the eval split through the servers in rotation, recorded."""
         started = time.monotonic()
-        acc = await self.evaluate()
+        live = [e.client for e in self.endpoints if e.healthy]
+        ev = await self.evaluator.evaluate(live, self.pool.global_step)
+        acc = ev.accuracy
         assert self.metrics is not None
         self.metrics.log(
             "eval",
             step,
             {
                 "accuracy": acc,
-                "eval_prompts": self._last_eval.prompts,
-                **(
-                    {"accuracy_by_kind": self._last_eval.by_kind} if self._last_eval.by_kind else {}
-                ),
+                "eval_prompts": ev.prompts,
+                **({"accuracy_by_kind": ev.by_kind} if ev.by_kind else {}),
                 "version": self.pool.version,
                 "eval_s": time.monotonic() - started,
             },

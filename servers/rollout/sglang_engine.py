@@ -109,13 +109,13 @@ class HTTPResponse:
         return json.loads(self.body.decode("utf-8"))
 
 
-def http_client(url: str = "", timeout_s: float = 60.0) -> httpx.AsyncClient:
+def http_client(timeout_s: float = 60.0) -> httpx.AsyncClient:
     """A pooled HTTP client for one SGLang server (keep-alive, no connection limit).
 
     No limit: every in-flight ``/generate`` holds a connection for its whole generation.
     """
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits)
+    return httpx.AsyncClient(timeout=timeout_s, limits=limits)
 
 
 async def http_request(
@@ -140,7 +140,7 @@ async def http_request(
         headers["tracestate"] = ctx.tracestate
     target = f"{url}{path}"
     own = client is None
-    http = http_client(timeout_s=timeout_s) if client is None else client
+    http = http_client(timeout_s) if client is None else client
     try:
         resp = await http.request(method, target, json=payload, headers=headers, timeout=timeout_s)
     except httpx.TimeoutException as exc:
@@ -220,7 +220,7 @@ class SGLangEngine(InferenceEngine):
         self._queued = 0
         self._generated_tokens = 0
         self._weights_tmp: str | None = None
-        self._http = http_client(self.url, config.request_timeout_s)
+        self._http = http_client(config.request_timeout_s)
 
     # ------------------------------------------------------------------------ lifecycle
 
