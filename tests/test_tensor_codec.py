@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 
 import google_crc32c
 import pytest
@@ -540,3 +542,30 @@ def test_decoder_accepts_unpacked_shape_and_unknown_fields():
     want = tensor_pb2.TensorChunk.FromString(odd)
     assert list(want.shape) == [3, 4, 3, 4]
     assert fields_of(tc.decode_chunk(odd)) == fields_of(want)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt is Linux-only")
+def test_tune_malloc_reuses_freed_activation_sized_blocks():
+    """After tune_malloc, a freed 16 MiB block is reused, not unmapped and faulted in again.
+
+    A training step allocates and frees blocks of this size per layer; with a low fixed mmap
+    threshold each one cost 4,096 page faults (the trainer ran 1.3x slower than without
+    tuning). Run in a child: the setting is process-wide.
+    """
+    code = (
+        "import resource, torch\n"
+        "from areal_grpc import tensor_codec as tc\n"
+        "assert tc.tune_malloc()\n"
+        "for _ in range(20):\n"  # warm-up: the heap grows to its working size
+        "    torch.empty(16 << 20, dtype=torch.uint8).fill_(1)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "for _ in range(20):\n"
+        "    torch.empty(16 << 20, dtype=torch.uint8).fill_(1)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    faults = int(out.stdout.split()[-1])
+    # 20 fresh mappings would be 20 x 4,096 faults; reuse leaves a few hundred at most.
+    assert faults < 4096, f"{faults} page faults for 20 reused 16 MiB blocks"
