@@ -7,6 +7,7 @@ handler turns it into ``INVALID_ARGUMENT`` with a ``google.rpc.BadRequest`` deta
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 from collections.abc import Iterable
@@ -111,6 +112,54 @@ def status_for_exception(exc: BaseException) -> grpc.Status:
     return status(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
+# Codes that refuse the request itself: asking again gets the same answer.
+REFUSALS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def code_of(st: status_pb2.Status) -> grpc.StatusCode:
+    """The ``grpc.StatusCode`` of a ``google.rpc.Status`` (UNKNOWN for a code gRPC lacks)."""
+    return _CODES.get(st.code, grpc.StatusCode.UNKNOWN)
+
+
+def status_proto(code: grpc.StatusCode, message: str) -> status_pb2.Status:
+    """A ``google.rpc.Status`` with no details."""
+    return status_pb2.Status(code=code.value[0], message=message)
+
+
+def status_proto_of(exc: BaseException, prefix: str = "") -> status_pb2.Status:
+    """A failed call or operation as a ``google.rpc.Status`` (message prefixed by ``prefix``).
+
+    An RPC error keeps the peer's code and its error details; a timeout is DEADLINE_EXCEEDED;
+    anything else gets the code :func:`status_for_exception` gives it.
+    """
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        rich = None
+        # Details that disagree with the call's code (ValueError): keep the code alone.
+        with contextlib.suppress(ValueError):
+            rich = rpc_status.from_call(exc)  # type: ignore[arg-type]
+        out = rich or status_proto(exc.code(), exc.details() or "")
+    elif isinstance(exc, TimeoutError):
+        out = status_proto(grpc.StatusCode.DEADLINE_EXCEEDED, f"timed out {exc}".rstrip())
+    else:
+        st = status_for_exception(exc)
+        out = status_proto(st.code, st.details)
+    if prefix:
+        out.message = f"{prefix}{out.message}"
+    return out
+
+
 async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     """Ends the RPC with :func:`status_for_exception`; an INTERNAL one (a bug) is logged."""
     st = status_for_exception(exc)
@@ -147,16 +196,20 @@ def retry_delay_s(error: grpc.RpcError) -> float | None:
 
 
 __all__ = [
+    "REFUSALS",
     "AbortedError",
     "FieldError",
     "PreconditionError",
     "UnavailableError",
     "abort_for",
     "abort_with",
+    "code_of",
     "field_violations",
     "invalid_argument",
     "resource_exhausted",
     "retry_delay_s",
     "status",
     "status_for_exception",
+    "status_proto",
+    "status_proto_of",
 ]

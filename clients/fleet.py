@@ -38,6 +38,7 @@ from areal.v1 import (
     weight_sync_pb2,
 )
 
+from areal_grpc.errors import REFUSALS, code_of, status_proto_of
 from areal_grpc.server import aio_channel
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,16 @@ class ServerUpdate:
     ok: bool = False
     # "distributed", "stream", "disk" or "" when no transfer happened.
     method: str = ""
+    # The failure's code (OK while none) and what failed, e.g. "confirm: UNAVAILABLE: ...".
+    code: grpc.StatusCode = grpc.StatusCode.OK
     error: str = ""
     policy_version: int = 0
     sent_bytes: int = 0
+
+    def fail(self, code: grpc.StatusCode, error: str) -> None:
+        """Records a failure (``code`` decides whether the update is retried)."""
+        self.code = code
+        self.error = error
 
 
 @dataclass
@@ -99,10 +107,13 @@ def _method_name(value: int) -> str:
     return ""
 
 
+def _code(exc: BaseException) -> grpc.StatusCode:
+    return code_of(status_proto_of(exc))
+
+
 def _error(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"
+    st = status_proto_of(exc)
+    return f"{code_of(st).name}: {st.message}"
 
 
 async def _each(
@@ -151,7 +162,7 @@ async def update_fleet_weights(
         paused: list[str] = []
         for a, reply in zip(rollout_addresses, await _each(rollout_addresses, pause), strict=True):
             if isinstance(reply, BaseException):
-                servers[a].error = f"pause: {_error(reply)}"
+                servers[a].fail(_code(reply), f"pause: {_error(reply)}")
             else:
                 servers[a].policy_version = reply.policy_version
                 paused.append(a)
@@ -181,7 +192,10 @@ async def update_fleet_weights(
                 # Servers of the first round may already serve the new version: only the
                 # retried ones fail.
                 for a in targets:
-                    servers[a].error = f"retry: PublishWeights failed: {'; '.join(bad)}"
+                    servers[a].fail(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"retry: PublishWeights failed: {'; '.join(bad)}",
+                    )
                 return []
             if bad:
                 await _each(paused, lambda a: _resume(rollout[a], control_timeout_s))
@@ -197,10 +211,16 @@ async def update_fleet_weights(
                 s.method = _method_name(res.method)
                 s.sent_bytes = res.sent_bytes
                 s.policy_version = res.policy_version
-                s.error = "" if res.ok else (res.error or "not updated")
+                if res.status.code:
+                    code = code_of(res.status)
+                    s.fail(code, f"{code.name}: {res.status.message}")
+                elif not res.ok:
+                    s.fail(grpc.StatusCode.UNKNOWN, "not updated")
+                else:  # a server retried after failing the first round
+                    s.code, s.error = grpc.StatusCode.OK, ""
             for a in targets:
                 if not any(res.address == a for res in lead.results) and not servers[a].error:
-                    servers[a].error = "no result from the trainer"
+                    servers[a].fail(grpc.StatusCode.INTERNAL, "no result from the trainer")
             return [lead, *ranks]
 
         lead, *ranks = await publish_to(paused)
@@ -215,7 +235,7 @@ async def update_fleet_weights(
         # 2b. a transfer that failed for a passing reason (typically a weight group that broke
         # because another member died) is retried once, without the servers that no longer
         # answer: those are found dead here instead of failing the others until a timeout.
-        failed = [a for a in paused if servers[a].error and _retryable(servers[a].error)]
+        failed = [a for a in paused if servers[a].error and servers[a].code not in REFUSALS]
         retry = []
         for a, st in zip(failed, await _each(failed, status), strict=True):
             if isinstance(st, BaseException):
@@ -234,11 +254,12 @@ async def update_fleet_weights(
 
         for a, st in zip(candidates, await _each(candidates, status), strict=True):
             if isinstance(st, BaseException):
-                servers[a].error = f"confirm: {_error(st)}"
+                servers[a].fail(_code(st), f"confirm: {_error(st)}")
             elif st.policy_version != version:
-                servers[
-                    a
-                ].error = f"confirm: serves version {st.policy_version}, expected {version}"
+                servers[a].fail(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"confirm: serves version {st.policy_version}, expected {version}",
+                )
             else:
                 servers[a].policy_version = st.policy_version
 
@@ -248,7 +269,7 @@ async def update_fleet_weights(
             good, await _each(good, lambda a: _resume(rollout[a], control_timeout_s)), strict=True
         ):
             if isinstance(r, BaseException):
-                servers[a].error = f"resume: {_error(r)}"
+                servers[a].fail(_code(r), f"resume: {_error(r)}")
             else:
                 servers[a].ok = True
         result = FleetUpdateResult(
@@ -266,11 +287,6 @@ async def update_fleet_weights(
         return result
     finally:
         await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
-
-
-def _retryable(error: str) -> bool:
-    """Whether a transfer error may pass on a second try (not a refusal of the update itself)."""
-    return not error.startswith(("FAILED_PRECONDITION", "INVALID_ARGUMENT", "pause:"))
 
 
 async def _resume(stub: rollout_pb2_grpc.RolloutServiceStub, timeout_s: float) -> None:

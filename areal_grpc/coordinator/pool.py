@@ -163,7 +163,7 @@ class WorkPool:
         # Tie-breaks among equally loaded servers; saved so a resumed run breaks ties alike.
         self.rng = random.Random(seed)
         self._next_ticket = 0
-        self._waiters: list[asyncio.Future[None]] = []
+        self._changed = asyncio.Event()
         # producer_id -> until when a refused producer's retry is waited for.
         self._demand: dict[str, float] = {}
         # A refused producer is told to retry after 0.5 s; hold its slot a few retries long.
@@ -173,17 +173,15 @@ class WorkPool:
 
     def notify(self) -> None:
         """Wakes every task waiting in :meth:`wait_change`."""
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        # One event per change: set, then replaced, so later waiters wait for the next one.
+        # (asyncio.Condition would need its lock, which sync callers cannot take.)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     async def wait_change(self, timeout_s: float | None = None) -> None:
         """Waits until the pool changes (or ``timeout_s`` passes)."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(fut, timeout_s)
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
 
     def set_version(self, version: int) -> None:
         """A new policy version is live; capacity grows by one batch per version."""

@@ -54,6 +54,7 @@ from areal_grpc.errors import (
     abort_for,
     abort_with,
     status,
+    status_proto,
 )
 from areal_grpc.paths import check_replaceable, open_roots, resolve_inside
 from areal_grpc.trajectory import groups_to_batch
@@ -534,6 +535,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
                         error=r.error,
                         policy_version=r.policy_version,
                         sent_bytes=r.sent_bytes,
+                        status=r.status
+                        if r.ok or r.status.code
+                        else status_proto(grpc.StatusCode.UNKNOWN, "not updated"),
                     )
                     for r in results
                 ],

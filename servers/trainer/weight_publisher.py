@@ -42,9 +42,11 @@ from typing import TypeVar
 import grpc
 import torch
 from areal.v1 import tensor_pb2, weight_sync_pb2, weight_sync_pb2_grpc
+from google.rpc import status_pb2
 from torch.distributed.tensor import DTensor
 
 from areal_grpc import tensor_codec as tc
+from areal_grpc.errors import code_of, status_proto, status_proto_of
 from areal_grpc.server import aio_channel, default_channel_options
 from areal_grpc.weight_disk import VersionWriter, prune_versions, version_dir_name
 from areal_grpc.weight_transfer import (
@@ -185,23 +187,27 @@ class TargetResult:
     address: str
     method: int = pb.TRANSFER_METHOD_UNSPECIFIED
     ok: bool = False
-    error: str = ""
+    # Code 0 (OK) until the first failure, which is kept (with the server's error details).
+    status: status_pb2.Status = field(default_factory=status_pb2.Status)
     policy_version: int = 0
     sent_bytes: int = 0
 
-    def fail(self, error: str) -> None:
+    @property
+    def error(self) -> str:
+        """``CODE: message`` of the failure; empty while none."""
+        if self.status.code == 0:
+            return ""
+        return f"{code_of(self.status).name}: {self.status.message}"
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Marks the target failed (the first error is kept)."""
-        if self.ok or not self.error:
-            self.error = error
+        self.fail_with(status_proto(code, message))
+
+    def fail_with(self, st: status_pb2.Status) -> None:
+        """Marks the target failed with ``st`` (the first error is kept)."""
+        if self.ok or not self.status.code:
+            self.status.CopyFrom(st)
         self.ok = False
-
-
-def _rpc_error(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    if isinstance(exc, asyncio.TimeoutError):
-        return "DEADLINE_EXCEEDED: timed out"
-    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -341,9 +347,8 @@ class PublishSession:
         self._disk: VersionWriter | None = None
         self._disk_writes: list[asyncio.Task[None]] = []
         self._disk_slots = asyncio.Semaphore(max(1, self.cfg.disk_writers))
-        self._disk_error = ""
+        self._disk_error: status_pb2.Status | None = None
         self._group: WeightGroup | None = None
-        self._group_error: str = ""
         # Set when a DISTRIBUTED member's call fails: the group can no longer complete.
         self._member_failed = asyncio.Event()
         self._failed_member = ""
@@ -398,7 +403,7 @@ class PublishSession:
             if (o := self._offer(m, rank, world, params)) is not None  # type: ignore[arg-type]
         ]
         if not offers:
-            target.result.fail("FAILED_PRECONDITION: no method left to offer")
+            target.result.fail(grpc.StatusCode.FAILED_PRECONDITION, "no method left to offer")
             target.plan = None
             return
         try:
@@ -407,7 +412,7 @@ class PublishSession:
                 timeout=min(60.0, self._left()),
             )
         except Exception as exc:
-            target.result.fail(f"negotiate: {_rpc_error(exc)}")
+            target.result.fail_with(status_proto_of(exc, "negotiate: "))
             target.plan = None
             return
         target.plan = reply
@@ -415,8 +420,9 @@ class PublishSession:
         target.result.policy_version = reply.policy_version
         if reply.policy_version >= self.version:
             target.result.fail(
-                f"FAILED_PRECONDITION: serves version {reply.policy_version}, not older than "
-                f"the published {self.version}"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"serves version {reply.policy_version}, not older than "
+                f"the published {self.version}",
             )
 
     # ------------------------------------------------------------------------------ open
@@ -505,7 +511,7 @@ class PublishSession:
             writer.__enter__()
         except Exception as exc:
             for t in self._of(pb.TRANSFER_METHOD_DISK):
-                t.result.fail(f"writing the version directory: {exc}")
+                t.result.fail_with(status_proto_of(exc, "writing the version directory: "))
             return
         self._disk = writer
 
@@ -545,8 +551,7 @@ class PublishSession:
         try:
             self._group = await self._group_work(lambda: WeightGroup(gp))
         except Exception as exc:
-            self._group_error = f"UNAVAILABLE: weight group did not form: {exc}"
-            self._break_group(self._group_error)
+            self._break_group(grpc.StatusCode.UNAVAILABLE, f"weight group did not form: {exc}")
             return
         pub._group = _GroupCache(addresses, gp, self._group)
 
@@ -554,10 +559,10 @@ class PublishSession:
         try:
             reply = await t.stub.UpdateFromDistributed(req, timeout=self._left())
         except asyncio.CancelledError:
-            t.result.fail("ABORTED: cancelled: the weight group broke")
+            t.result.fail(grpc.StatusCode.ABORTED, "cancelled: the weight group broke")
             raise
         except Exception as exc:
-            t.result.fail(_rpc_error(exc))
+            t.result.fail_with(status_proto_of(exc))
             # This member left the collective (died, or refused before joining): the group
             # cannot complete, so nobody waits for it any longer.
             if not self._failed_member:
@@ -585,17 +590,17 @@ class PublishSession:
         work.cancel()
         raise GroupBroken(f"a member failed ({self._failed_member})")
 
-    def _break_group(self, error: str) -> None:
+    def _break_group(self, code: grpc.StatusCode, error: str) -> None:
         """Fails every DISTRIBUTED member and drops the group; members still in it are cancelled.
 
         The group object is not closed: a collective may still block in an abandoned thread.
-        Members that failed on their own keep their own error; the others get ``error`` (with
-        ABORTED, so the caller may retry them in a new group).
+        Members that failed on their own keep their own error; the others get ``code`` and
+        ``error`` (ABORTED or UNAVAILABLE, so the caller may retry them in a new group).
         """
         for t in self.targets:
             if t.result.method != pb.TRANSFER_METHOD_DISTRIBUTED or t.plan is None:
                 continue
-            t.result.fail(error)
+            t.result.fail(code, error)
             if t.task is not None and not t.task.done():
                 t.task.cancel()
         self._group = None
@@ -609,7 +614,7 @@ class PublishSession:
         try:
             await t.call.write(data)
         except Exception as exc:
-            t.result.fail(f"stream: {_rpc_error(exc)}")
+            t.result.fail_with(status_proto_of(exc, "stream: "))
             with contextlib.suppress(Exception):
                 t.call.cancel()
 
@@ -661,20 +666,21 @@ class PublishSession:
     async def _write_shard(self, bucket: dict[str, torch.Tensor]) -> None:
         try:
             writer = self._disk
-            if writer is not None and not self._disk_error:
+            if writer is not None and self._disk_error is None:
                 await asyncio.to_thread(writer.add_shard, bucket)
         except Exception as exc:
             # The writer is aborted once no other write of it is running (see _close_disk).
-            self._disk_error = self._disk_error or f"writing the version directory: {exc}"
+            if self._disk_error is None:
+                self._disk_error = status_proto_of(exc, "writing the version directory: ")
         finally:
             self._disk_slots.release()
 
-    def _abort_disk(self, error: str) -> None:
+    def _abort_disk(self, error: status_pb2.Status) -> None:
         if self._disk is not None:
-            self._disk.__exit__(RuntimeError, RuntimeError(error), None)
+            self._disk.__exit__(RuntimeError, RuntimeError(error.message), None)
             self._disk = None
         for t in self._of(pb.TRANSFER_METHOD_DISK):
-            t.result.fail(error)
+            t.result.fail_with(error)
 
     async def _broadcast_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
         group = self._group
@@ -688,13 +694,15 @@ class PublishSession:
         try:
             await self._group_work(run)
         except GroupBroken as exc:
-            self._break_group(f"ABORTED: the weight group broke: {exc}")
+            self._break_group(grpc.StatusCode.ABORTED, f"the weight group broke: {exc}")
             return
         except Exception as exc:
             # A broken collective breaks the group for every member. Its thread has ended, so
             # (unlike an abandoned one) the group can be closed here.
             group.close()
-            self._break_group(f"ABORTED: the weight group broke: broadcast failed: {exc}")
+            self._break_group(
+                grpc.StatusCode.ABORTED, f"the weight group broke: broadcast failed: {exc}"
+            )
             return
         for t in self._of(pb.TRANSFER_METHOD_DISTRIBUTED):
             t.result.sent_bytes += sum(v.numel() * v.element_size() for v in bucket.values())
@@ -706,7 +714,7 @@ class PublishSession:
         await asyncio.gather(self._close_stream(), self._close_disk(), self._close_distributed())
         for t in self.targets:
             if t.plan is None and not t.result.error:
-                t.result.fail("no plan")
+                t.result.fail(grpc.StatusCode.INTERNAL, "no plan")
             with contextlib.suppress(Exception):
                 await t.channel.close()
         self.stats.elapsed_s = time.monotonic() - self._start
@@ -728,7 +736,7 @@ class PublishSession:
                 await t.call.done_writing()
                 reply = await t.call
             except Exception as exc:
-                t.result.fail(_rpc_error(exc))
+                t.result.fail_with(status_proto_of(exc))
                 return
             t.result.policy_version = reply.policy_version
             t.result.ok = True
@@ -741,7 +749,7 @@ class PublishSession:
         writer = self._disk
         if writer is None:
             return
-        if self._disk_error:
+        if self._disk_error is not None:
             self._abort_disk(self._disk_error)
             return
         try:
@@ -749,7 +757,7 @@ class PublishSession:
                 writer.write_config(self.config_json)
             await asyncio.to_thread(writer.__exit__, None, None, None)
         except Exception as exc:
-            self._abort_disk(f"publishing the version directory: {exc}")
+            self._abort_disk(status_proto_of(exc, "publishing the version directory: "))
             return
         self._disk = None
         rel = version_dir_name(self.version)
@@ -764,7 +772,7 @@ class PublishSession:
                     timeout=self._left(),
                 )
             except Exception as exc:
-                t.result.fail(_rpc_error(exc))
+                t.result.fail_with(status_proto_of(exc))
                 return
             t.result.policy_version = reply.policy_version
             t.result.sent_bytes = self.stats.total_bytes

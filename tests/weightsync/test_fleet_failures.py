@@ -12,10 +12,11 @@ import time
 
 import grpc
 import pytest
-from areal.v1 import rollout_pb2, trainer_pb2
+from areal.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weight_sync_pb2
 from areal_clients.fleet import update_fleet_weights
 
 from areal_grpc.errors import field_violations
+from areal_grpc.server import aio_channel
 
 from .conftest import RPC_TIMEOUT, MakeRollout, Trainers, free_port
 from .test_receiver import push, push_messages, shifted
@@ -31,8 +32,24 @@ def paused(r) -> bool:
     )
 
 
+def publish_on_every_rank(
+    trainers: Trainers, request: trainer_pb2.PublishWeightsRequest
+) -> list[trainer_pb2.PublishWeightsResponse]:
+    """PublishWeights on every rank at once (the gather is collective), as the fleet does."""
+
+    async def one(address: str) -> trainer_pb2.PublishWeightsResponse:
+        async with aio_channel(address) as ch:
+            stub = trainer_pb2_grpc.TrainerServiceStub(ch)
+            return await stub.PublishWeights(request, timeout=RPC_TIMEOUT)
+
+    async def every() -> list[trainer_pb2.PublishWeightsResponse]:
+        return list(await asyncio.gather(*(one(a) for a in trainers.addresses)))
+
+    return asyncio.run(every())
+
+
 def test_failed_servers_are_reported_and_left_out_while_the_rest_update(
-    trainers: Trainers, make_rollout: MakeRollout
+    trainers: Trainers, make_rollout: MakeRollout, caplog: pytest.LogCaptureFixture
 ) -> None:
     version = trainers.train_step()
     good, stale = make_rollout(), make_rollout()
@@ -57,6 +74,14 @@ def test_failed_servers_are_reported_and_left_out_while_the_rest_update(
     errors = {s.address: s.error for s in result.servers}
     assert "FAILED_PRECONDITION" in errors[stale.address]
     assert "UNAVAILABLE" in errors[dead]
+    codes = {s.address: s.code for s in result.servers}
+    assert codes == {
+        good.address: grpc.StatusCode.OK,
+        stale.address: grpc.StatusCode.FAILED_PRECONDITION,
+        dead: grpc.StatusCode.UNAVAILABLE,
+    }
+    # A refusal is final and an unreachable server stays unreachable: no second round.
+    assert "retrying the weight update" not in caplog.text
     assert good.version() == version and not paused(good)
     assert len(good.greedy(PROMPT)) == 12
     # The refusing server keeps its weights and stays paused, out of rotation.
@@ -197,20 +222,34 @@ def test_publish_weights_bad_request_names_the_field_on_every_rank(trainers: Tra
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert [f for f, _ in field_violations(err.value)] == ["rollout_addresses[1]"]
     # The ranks are still in lock-step: a publication to nobody completes on both.
-    empty = trainer_pb2.PublishWeightsRequest()
-
-    async def both() -> list[trainer_pb2.PublishWeightsResponse]:
-        from areal.v1 import trainer_pb2_grpc
-
-        from areal_grpc.server import aio_channel
-
-        async def one(address: str) -> trainer_pb2.PublishWeightsResponse:
-            async with aio_channel(address) as ch:
-                stub = trainer_pb2_grpc.TrainerServiceStub(ch)
-                return await stub.PublishWeights(empty, timeout=RPC_TIMEOUT)
-
-        return list(await asyncio.gather(*(one(a) for a in trainers.addresses)))
-
-    replies = asyncio.run(both())
+    replies = publish_on_every_rank(trainers, trainer_pb2.PublishWeightsRequest())
     assert [r.policy_version for r in replies] == [trainers.version()] * 2
     assert replies[0].results == [] and replies[0].tensor_count > 0
+
+
+def test_each_target_result_carries_a_status_with_the_failure_code(
+    trainers: Trainers, make_rollout: MakeRollout
+) -> None:
+    """PublishTargetResult.status: OK, a refusal (FAILED_PRECONDITION), a passing failure."""
+    version = trainers.train_step()
+    good, stale = make_rollout(), make_rollout()
+    push(stale, push_messages(shifted(stale, 0.1), version=10_000))
+    dead = f"127.0.0.1:{free_port()}"
+    request = trainer_pb2.PublishWeightsRequest(
+        rollout_addresses=[good.address, stale.address, dead],
+        methods=[weight_sync_pb2.TRANSFER_METHOD_STREAM],
+        timeout_seconds=60,
+    )
+    lead = next(r for r in publish_on_every_rank(trainers, request) if r.results)
+    by_address = {r.address: r for r in lead.results}
+    assert by_address[good.address].status.code == grpc.StatusCode.OK.value[0]
+    assert by_address[good.address].policy_version == version
+    refused = by_address[stale.address].status
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "serves version 10000" in refused.message
+    unreachable = by_address[dead].status
+    assert unreachable.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert unreachable.message.startswith("negotiate: ")
+    # The deprecated fields still say the same, for callers that read them.
+    assert [r.ok for r in lead.results] == [True, False, False]
+    assert by_address[stale.address].error.startswith("FAILED_PRECONDITION: ")

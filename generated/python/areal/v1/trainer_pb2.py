@@ -24,9 +24,10 @@ _sym_db = _symbol_database.Default()
 
 from areal.v1 import common_pb2 as areal_dot_v1_dot_common__pb2
 from areal.v1 import weight_sync_pb2 as areal_dot_v1_dot_weight__sync__pb2
+from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x61real/v1/trainer.proto\x12\x08\x61real.v1\x1a\x15\x61real/v1/common.proto\x1a\x1a\x61real/v1/weight_sync.proto\"\xbd\x01\n\x10TrainStepRequest\x12$\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x13.areal.v1.StepBeginH\x00\x12*\n\x05group\x18\x02 \x01(\x0b\x32\x19.areal.v1.TrajectoryGroupH\x00\x12 \n\x03\x65nd\x18\x03 \x01(\x0b\x32\x11.areal.v1.StepEndH\x00\x12-\n\rtrace_context\x18\x04 \x01(\x0b\x32\x16.areal.v1.TraceContextB\x06\n\x04kind\"M\n\tStepBegin\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x13\n\x0bgroup_count\x18\x03 \x01(\x05\"\t\n\x07StepEnd\"m\n\x11TrainStepResponse\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.areal.v1.StepProgressH\x00\x12$\n\x05stats\x18\x02 \x01(\x0b\x32\x13.areal.v1.StepStatsH\x00\x42\x06\n\x04kind\"T\n\x0cStepProgress\x12\x19\n\x11microbatches_done\x18\x01 \x01(\x05\x12\x1a\n\x12microbatches_total\x18\x02 \x01(\x05\x12\r\n\x05phase\x18\x03 \x01(\t\"\x8d\x03\n\tStepStats\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x11\n\tgrad_norm\x18\x04 \x01(\x01\x12\x15\n\rclip_fraction\x18\x05 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x06 \x01(\x01\x12\x1e\n\x16importance_weight_mean\x18\x07 \x01(\x01\x12\x1d\n\x15importance_weight_max\x18\x08 \x01(\x01\x12\x13\n\x0breward_mean\x18\t \x01(\x01\x12\x16\n\x0etrained_tokens\x18\n \x01(\x03\x12\x11\n\tsequences\x18\x0b \x01(\x03\x12\x15\n\rlearning_rate\x18\x0c \x01(\x01\x12\x17\n\x0f\x65lapsed_seconds\x18\r \x01(\x01\x12-\n\x05\x65xtra\x18\x0e \x03(\x0b\x32\x1e.areal.v1.StepStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\":\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x03\">\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"A\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x1a\n\x12min_policy_version\x18\x02 \x01(\x03\"E\n\x16LoadCheckpointResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\"\n\x12\x45xportModelRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\";\n\x13\x45xportModelResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x19\n\x17GetTrainerStatusRequest\"\xbd\x01\n\x18GetTrainerStatusResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x13\n\x0bglobal_step\x18\x04 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0c\n\x04\x62usy\x18\x07 \x01(\x08\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x15\n\rbroken_reason\x18\t \x01(\t\"\x8c\x01\n\x15PublishWeightsRequest\x12\x19\n\x11rollout_addresses\x18\x01 \x03(\t\x12)\n\x07methods\x18\x02 \x03(\x0e\x32\x18.areal.v1.TransferMethod\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x03\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\"\x97\x01\n\x13PublishTargetResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12(\n\x06method\x18\x02 \x01(\x0e\x32\x18.areal.v1.TransferMethod\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x12\n\nsent_bytes\x18\x06 \x01(\x03\"\xa4\x01\n\x16PublishWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.areal.v1.PublishTargetResult\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\x12\x14\n\x0ctensor_count\x18\x04 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x32\x80\x04\n\x0eTrainerService\x12H\n\tTrainStep\x12\x1a.areal.v1.TrainStepRequest\x1a\x1b.areal.v1.TrainStepResponse(\x01\x30\x01\x12S\n\x0eSaveCheckpoint\x12\x1f.areal.v1.SaveCheckpointRequest\x1a .areal.v1.SaveCheckpointResponse\x12S\n\x0eLoadCheckpoint\x12\x1f.areal.v1.LoadCheckpointRequest\x1a .areal.v1.LoadCheckpointResponse\x12J\n\x0b\x45xportModel\x12\x1c.areal.v1.ExportModelRequest\x1a\x1d.areal.v1.ExportModelResponse\x12Y\n\x10GetTrainerStatus\x12!.areal.v1.GetTrainerStatusRequest\x1a\".areal.v1.GetTrainerStatusResponse\x12S\n\x0ePublishWeights\x12\x1f.areal.v1.PublishWeightsRequest\x1a .areal.v1.PublishWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x61real/v1/trainer.proto\x12\x08\x61real.v1\x1a\x15\x61real/v1/common.proto\x1a\x1a\x61real/v1/weight_sync.proto\x1a\x17google/rpc/status.proto\"\xbd\x01\n\x10TrainStepRequest\x12$\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x13.areal.v1.StepBeginH\x00\x12*\n\x05group\x18\x02 \x01(\x0b\x32\x19.areal.v1.TrajectoryGroupH\x00\x12 \n\x03\x65nd\x18\x03 \x01(\x0b\x32\x11.areal.v1.StepEndH\x00\x12-\n\rtrace_context\x18\x04 \x01(\x0b\x32\x16.areal.v1.TraceContextB\x06\n\x04kind\"M\n\tStepBegin\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x13\n\x0bgroup_count\x18\x03 \x01(\x05\"\t\n\x07StepEnd\"m\n\x11TrainStepResponse\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.areal.v1.StepProgressH\x00\x12$\n\x05stats\x18\x02 \x01(\x0b\x32\x13.areal.v1.StepStatsH\x00\x42\x06\n\x04kind\"T\n\x0cStepProgress\x12\x19\n\x11microbatches_done\x18\x01 \x01(\x05\x12\x1a\n\x12microbatches_total\x18\x02 \x01(\x05\x12\r\n\x05phase\x18\x03 \x01(\t\"\x8d\x03\n\tStepStats\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x11\n\tgrad_norm\x18\x04 \x01(\x01\x12\x15\n\rclip_fraction\x18\x05 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x06 \x01(\x01\x12\x1e\n\x16importance_weight_mean\x18\x07 \x01(\x01\x12\x1d\n\x15importance_weight_max\x18\x08 \x01(\x01\x12\x13\n\x0breward_mean\x18\t \x01(\x01\x12\x16\n\x0etrained_tokens\x18\n \x01(\x03\x12\x11\n\tsequences\x18\x0b \x01(\x03\x12\x15\n\rlearning_rate\x18\x0c \x01(\x01\x12\x17\n\x0f\x65lapsed_seconds\x18\r \x01(\x01\x12-\n\x05\x65xtra\x18\x0e \x03(\x0b\x32\x1e.areal.v1.StepStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\":\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x03\">\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"A\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x1a\n\x12min_policy_version\x18\x02 \x01(\x03\"E\n\x16LoadCheckpointResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\"\n\x12\x45xportModelRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\";\n\x13\x45xportModelResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x19\n\x17GetTrainerStatusRequest\"\xbd\x01\n\x18GetTrainerStatusResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x13\n\x0bglobal_step\x18\x04 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0c\n\x04\x62usy\x18\x07 \x01(\x08\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x15\n\rbroken_reason\x18\t \x01(\t\"\x8c\x01\n\x15PublishWeightsRequest\x12\x19\n\x11rollout_addresses\x18\x01 \x03(\t\x12)\n\x07methods\x18\x02 \x03(\x0e\x32\x18.areal.v1.TransferMethod\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x03\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\"\xc3\x01\n\x13PublishTargetResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12(\n\x06method\x18\x02 \x01(\x0e\x32\x18.areal.v1.TransferMethod\x12\x0e\n\x02ok\x18\x03 \x01(\x08\x42\x02\x18\x01\x12\x11\n\x05\x65rror\x18\x04 \x01(\tB\x02\x18\x01\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x12\n\nsent_bytes\x18\x06 \x01(\x03\x12\"\n\x06status\x18\x07 \x01(\x0b\x32\x12.google.rpc.Status\"\xa4\x01\n\x16PublishWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.areal.v1.PublishTargetResult\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\x12\x14\n\x0ctensor_count\x18\x04 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x32\x80\x04\n\x0eTrainerService\x12H\n\tTrainStep\x12\x1a.areal.v1.TrainStepRequest\x1a\x1b.areal.v1.TrainStepResponse(\x01\x30\x01\x12S\n\x0eSaveCheckpoint\x12\x1f.areal.v1.SaveCheckpointRequest\x1a .areal.v1.SaveCheckpointResponse\x12S\n\x0eLoadCheckpoint\x12\x1f.areal.v1.LoadCheckpointRequest\x1a .areal.v1.LoadCheckpointResponse\x12J\n\x0b\x45xportModel\x12\x1c.areal.v1.ExportModelRequest\x1a\x1d.areal.v1.ExportModelResponse\x12Y\n\x10GetTrainerStatus\x12!.areal.v1.GetTrainerStatusRequest\x1a\".areal.v1.GetTrainerStatusResponse\x12S\n\x0ePublishWeights\x12\x1f.areal.v1.PublishWeightsRequest\x1a .areal.v1.PublishWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,42 +36,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STEPSTATS_EXTRAENTRY']._loaded_options = None
   _globals['_STEPSTATS_EXTRAENTRY']._serialized_options = b'8\001'
-  _globals['_TRAINSTEPREQUEST']._serialized_start=88
-  _globals['_TRAINSTEPREQUEST']._serialized_end=277
-  _globals['_STEPBEGIN']._serialized_start=279
-  _globals['_STEPBEGIN']._serialized_end=356
-  _globals['_STEPEND']._serialized_start=358
-  _globals['_STEPEND']._serialized_end=367
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=369
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=478
-  _globals['_STEPPROGRESS']._serialized_start=480
-  _globals['_STEPPROGRESS']._serialized_end=564
-  _globals['_STEPSTATS']._serialized_start=567
-  _globals['_STEPSTATS']._serialized_end=964
-  _globals['_STEPSTATS_EXTRAENTRY']._serialized_start=920
-  _globals['_STEPSTATS_EXTRAENTRY']._serialized_end=964
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=966
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1024
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1026
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1088
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1090
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1155
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1157
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1226
-  _globals['_EXPORTMODELREQUEST']._serialized_start=1228
-  _globals['_EXPORTMODELREQUEST']._serialized_end=1262
-  _globals['_EXPORTMODELRESPONSE']._serialized_start=1264
-  _globals['_EXPORTMODELRESPONSE']._serialized_end=1323
-  _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=1325
-  _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=1350
-  _globals['_GETTRAINERSTATUSRESPONSE']._serialized_start=1353
-  _globals['_GETTRAINERSTATUSRESPONSE']._serialized_end=1542
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1545
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1685
-  _globals['_PUBLISHTARGETRESULT']._serialized_start=1688
-  _globals['_PUBLISHTARGETRESULT']._serialized_end=1839
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1842
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=2006
-  _globals['_TRAINERSERVICE']._serialized_start=2009
-  _globals['_TRAINERSERVICE']._serialized_end=2521
+  _globals['_PUBLISHTARGETRESULT'].fields_by_name['ok']._loaded_options = None
+  _globals['_PUBLISHTARGETRESULT'].fields_by_name['ok']._serialized_options = b'\030\001'
+  _globals['_PUBLISHTARGETRESULT'].fields_by_name['error']._loaded_options = None
+  _globals['_PUBLISHTARGETRESULT'].fields_by_name['error']._serialized_options = b'\030\001'
+  _globals['_TRAINSTEPREQUEST']._serialized_start=113
+  _globals['_TRAINSTEPREQUEST']._serialized_end=302
+  _globals['_STEPBEGIN']._serialized_start=304
+  _globals['_STEPBEGIN']._serialized_end=381
+  _globals['_STEPEND']._serialized_start=383
+  _globals['_STEPEND']._serialized_end=392
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=394
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=503
+  _globals['_STEPPROGRESS']._serialized_start=505
+  _globals['_STEPPROGRESS']._serialized_end=589
+  _globals['_STEPSTATS']._serialized_start=592
+  _globals['_STEPSTATS']._serialized_end=989
+  _globals['_STEPSTATS_EXTRAENTRY']._serialized_start=945
+  _globals['_STEPSTATS_EXTRAENTRY']._serialized_end=989
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=991
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1049
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1051
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1113
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1115
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1180
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1182
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1251
+  _globals['_EXPORTMODELREQUEST']._serialized_start=1253
+  _globals['_EXPORTMODELREQUEST']._serialized_end=1287
+  _globals['_EXPORTMODELRESPONSE']._serialized_start=1289
+  _globals['_EXPORTMODELRESPONSE']._serialized_end=1348
+  _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=1350
+  _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=1375
+  _globals['_GETTRAINERSTATUSRESPONSE']._serialized_start=1378
+  _globals['_GETTRAINERSTATUSRESPONSE']._serialized_end=1567
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1570
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1710
+  _globals['_PUBLISHTARGETRESULT']._serialized_start=1713
+  _globals['_PUBLISHTARGETRESULT']._serialized_end=1908
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1911
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=2075
+  _globals['_TRAINERSERVICE']._serialized_start=2078
+  _globals['_TRAINERSERVICE']._serialized_end=2590
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,6 @@
 from areal.v1 import common_pb2 as _common_pb2
 from areal.v1 import weight_sync_pb2 as _weight_sync_pb2
+from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -176,20 +177,22 @@ class PublishWeightsRequest(_message.Message):
     def __init__(self, rollout_addresses: _Optional[_Iterable[str]] = ..., methods: _Optional[_Iterable[_Union[_weight_sync_pb2.TransferMethod, str]]] = ..., bucket_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class PublishTargetResult(_message.Message):
-    __slots__ = ("address", "method", "ok", "error", "policy_version", "sent_bytes")
+    __slots__ = ("address", "method", "ok", "error", "policy_version", "sent_bytes", "status")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     address: str
     method: _weight_sync_pb2.TransferMethod
     ok: bool
     error: str
     policy_version: int
     sent_bytes: int
-    def __init__(self, address: _Optional[str] = ..., method: _Optional[_Union[_weight_sync_pb2.TransferMethod, str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., policy_version: _Optional[int] = ..., sent_bytes: _Optional[int] = ...) -> None: ...
+    status: _status_pb2.Status
+    def __init__(self, address: _Optional[str] = ..., method: _Optional[_Union[_weight_sync_pb2.TransferMethod, str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., policy_version: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
     __slots__ = ("policy_version", "results", "elapsed_seconds", "tensor_count", "total_bytes")

@@ -20,6 +20,7 @@ import {
   type ServiceError,
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
+import { Status } from "../../google/rpc/status";
 import { TraceContext, TrajectoryGroup } from "./common";
 import { TransferMethod, transferMethodFromJSON, transferMethodToJSON } from "./weight_sync";
 
@@ -223,14 +224,32 @@ export interface PublishTargetResult {
   address: string;
   /** The method used (TRANSFER_METHOD_UNSPECIFIED when negotiation failed). */
   method: TransferMethod;
-  /** True when the server now serves the published version. */
+  /**
+   * True when the server now serves the published version. Deprecated: same as
+   * status.code == 0 (OK).
+   *
+   * @deprecated
+   */
   ok: boolean;
-  /** Why it failed: gRPC status name and message; empty when ok. */
+  /**
+   * Why it failed: gRPC status name and message; empty when ok. Deprecated: status carries
+   * the code, the message and the server's error details.
+   *
+   * @deprecated
+   */
   error: string;
   /** Policy version the server reported last. */
   policyVersion: number;
   /** Bytes of tensor data sent to the server. */
   sentBytes: number;
+  /**
+   * OK when the server now serves the published version; otherwise the code and message of
+   * the step that failed, with the server's own error details (google.rpc.BadRequest,
+   * RetryInfo) when its call failed. FAILED_PRECONDITION and INVALID_ARGUMENT refuse this
+   * update (a retry gets the same answer); ABORTED (the weight group broke), UNAVAILABLE
+   * and DEADLINE_EXCEEDED may pass on a retry.
+   */
+  status: Status | undefined;
 }
 
 /** Result of publishing the weights. */
@@ -2121,7 +2140,7 @@ export const PublishWeightsRequest: MessageFns<PublishWeightsRequest> = {
 };
 
 function createBasePublishTargetResult(): PublishTargetResult {
-  return { address: "", method: 0, ok: false, error: "", policyVersion: 0, sentBytes: 0 };
+  return { address: "", method: 0, ok: false, error: "", policyVersion: 0, sentBytes: 0, status: undefined };
 }
 
 export const PublishTargetResult: MessageFns<PublishTargetResult> = {
@@ -2143,6 +2162,9 @@ export const PublishTargetResult: MessageFns<PublishTargetResult> = {
     }
     if (message.sentBytes !== 0) {
       writer.uint32(48).int64(message.sentBytes);
+    }
+    if (message.status !== undefined) {
+      Status.encode(message.status, writer.uint32(58).fork()).join();
     }
     return writer;
   },
@@ -2208,6 +2230,14 @@ export const PublishTargetResult: MessageFns<PublishTargetResult> = {
             message.sentBytes = longToNumber(reader.int64());
             continue;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.status = Status.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2236,6 +2266,7 @@ export const PublishTargetResult: MessageFns<PublishTargetResult> = {
         : isSet(object.sent_bytes)
         ? globalThis.Number(object.sent_bytes)
         : 0,
+      status: isSet(object.status) ? Status.fromJSON(object.status) : undefined,
     };
   },
 
@@ -2259,6 +2290,9 @@ export const PublishTargetResult: MessageFns<PublishTargetResult> = {
     if (message.sentBytes !== 0) {
       obj.sentBytes = Math.round(message.sentBytes);
     }
+    if (message.status !== undefined) {
+      obj.status = Status.toJSON(message.status);
+    }
     return obj;
   },
 
@@ -2273,6 +2307,9 @@ export const PublishTargetResult: MessageFns<PublishTargetResult> = {
     message.error = object.error ?? "";
     message.policyVersion = object.policyVersion ?? 0;
     message.sentBytes = object.sentBytes ?? 0;
+    message.status = (object.status !== undefined && object.status !== null)
+      ? Status.fromPartial(object.status)
+      : undefined;
     return message;
   },
 };
