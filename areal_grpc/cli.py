@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from areal_grpc import tracing
 from areal_grpc.config import SecurityConfig
+from areal_grpc.errors import FieldError
 from areal_grpc.security import ClientTls, ServerTls, load_auth_token
 from areal_grpc.server import (
     ChannelOptions,
@@ -179,6 +181,11 @@ def serve_main(
 
     try:
         asyncio.run(run())
+    except FieldError as exc:
+        # A setting this server cannot take (its run config, a path): one line and exit 2,
+        # as the coordinator does, which launchers report as a configuration error.
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         tracing.shutdown_tracing()
     return 0

@@ -18,7 +18,8 @@ Example::
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ __all__ = [
     "TrainerConfig",
     "WeightSyncConfig",
     "load_config",
+    "to_json",
     "to_yaml",
     "validate_config",
 ]
@@ -55,6 +57,12 @@ ENGINES = ("hf", "sglang")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 ADV_NORM_LEVELS = ("group", "batch", "none")
+# Reward / advantage normalisations: the levels above, Dr.GRPO's "group-mean" (centre per
+# group, no std) and RLOO's leave-one-out group mean.
+NORMS = ("group", "batch", "group-mean", "rloo", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+DTYPES = ("float32", "float64")
+MIXED_PRECISION = ("auto", "on", "off")
 IMP_WEIGHT_MODES = ("mask", "clamp")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 WEIGHT_SYNC_METHODS = ("distributed", "stream", "disk")
@@ -121,6 +129,10 @@ class RolloutConfig:
     system_prompt: str | None = None
     # Torch CPU threads of each rollout server.
     torch_threads: int = 1
+    # Requests each hf server decodes at once at most (rows of its batch).
+    max_running_requests: int = 256
+    # Default parameters of the workflow (a request's own params override them).
+    workflow_params: dict[str, Any] = field(default_factory=dict)
     # KV cache budget of each hf server in token slots (rows x the longest row's prompt +
     # max_new_tokens); requests wait until they fit; None: unbounded but for 256 rows.
     max_batch_tokens: int | None = None
@@ -156,12 +168,19 @@ class PPOSettings:
     # Cap on the behaviour importance weight; None disables the weight.
     behav_imp_weight_cap: float | None = 5.0
     behav_imp_weight_mode: str = "mask"
-    # Reward normalisation before advantages: "group" is GRPO.
+    # Reward normalisation before advantages (one of NORMS): "group" is GRPO, "group-mean"
+    # Dr.GRPO, "rloo" RLOO.
     reward_norm: str = "group"
     # Extra normalisation of token advantages; "none" as in the measured GRPO runs.
     adv_norm: str = "none"
     norm_eps: float = 1e-5
+    # Rewards are (r + reward_bias) * reward_scale, clipped to +-reward_clip, before norms.
+    reward_bias: float = 0.0
+    reward_scale: float = 1.0
+    reward_clip: float = 20.0
     kl_ctl: float = 0.0
+    # KL estimator of the penalty (Schulman's k1, k2, k3).
+    kl_estimator: str = "k1"
     ppo_epochs: int = 1
 
 
@@ -180,8 +199,17 @@ class TrainerConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     lr_schedule: str = "constant"
+    # The linear / cosine schedule decays to lr x min_lr_ratio at total_steps.
+    min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
     max_tokens_per_mb: int = 16384
+    # Parameter dtype, and bf16 compute with fp32 reduce ("auto": on GPUs that support it).
+    dtype: str = "float32"
+    mixed_precision: str = "auto"
+    # False: a single plain process without FSDP or a process group (one rank only).
+    fsdp: bool = True
+    # Deadline of one collective inside a rank (gloo/NCCL timeout).
+    collective_timeout_s: float = 600.0
     ppo: PPOSettings = field(default_factory=PPOSettings)
     # Deadline of each collective call to the ranks (TrainStep, checkpoints, export): a rank
     # that hangs (rather than dies) fails the call instead of stopping the run for good.
@@ -223,6 +251,14 @@ class WeightSyncConfig:
     timeout_s: float = 600.0
     # Root for the disk method; None: <output.dir>/weights.
     disk_root: str | None = None
+    # Versions kept under disk_root (older ones are pruned).
+    keep_versions: int = 2
+    # Parameters are gathered and sent in buckets of this many MiB.
+    bucket_mb: float = 64.0
+    # Address rollout servers use to reach trainer rank 0's weight group (None: its gRPC host).
+    master_addr: str | None = None
+    # Backend of the distributed method's group: "auto" is nccl on GPU, gloo on CPU.
+    backend: str = "auto"
 
 
 @dataclass
@@ -363,11 +399,21 @@ def _parse_override(override: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
-    """The run config: defaults, then the YAML file at ``path`` (if any), then ``overrides``."""
+def load_config(
+    path: str | None, overrides: Sequence[str] = (), *, sections: Sequence[str] | None = None
+) -> RunConfig:
+    """The run config: defaults, then the YAML file at ``path`` (if any), then ``overrides``.
+
+    ``path`` may also be the document itself, a YAML/JSON mapping starting with ``{`` (how a
+    launcher hands a server its run config). ``sections``: what :func:`validate_config`
+    checks (default: the whole run).
+    """
     cfg = OmegaConf.structured(RunConfig)
     if path is not None:
-        text = Path(path).read_text()
+        inline = path.lstrip().startswith("{")
+        text = path if inline else Path(path).read_text()
+        if inline:
+            path = "config"
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -391,8 +437,13 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
         raise _omegaconf_error(exc, "config") from exc
     if not isinstance(obj, RunConfig):
         raise TypeError(f"expected RunConfig, got {type(obj).__name__}")
-    validate_config(obj)
+    validate_config(obj, sections)
     return obj
+
+
+def to_json(cfg: RunConfig) -> str:
+    """``cfg`` as one line of JSON that :func:`load_config` reads back (a launcher's handoff)."""
+    return json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg)), separators=(",", ":"))
 
 
 def _nested(key: str, value: Any) -> dict[str, Any]:
@@ -453,14 +504,19 @@ def _validate_security(sec: SecurityConfig) -> None:
         raise FieldError("security.auth_token_file", f"{sec.auth_token_file!r} is empty")
 
 
-def validate_config(cfg: RunConfig) -> None:
-    """Checks ranges, choices and cross-field rules; raises FieldError naming the first bad key."""
+def _validate_run(cfg: RunConfig) -> None:
     if not cfg.name:
         raise FieldError("name", "must not be empty")
     _at_least("total_steps", cfg.total_steps, 1)
+
+
+def _validate_model(cfg: RunConfig) -> None:
     if not cfg.model.source:
         raise FieldError("model.source", "must not be empty")
     _at_least("model.seed", cfg.model.seed, 0)
+
+
+def _validate_data(cfg: RunConfig) -> None:
     if not cfg.data.task:
         raise FieldError("data.task", "must not be empty")
     for key in ("path", "eval_path"):
@@ -470,9 +526,12 @@ def validate_config(cfg: RunConfig) -> None:
     if cfg.data.eval_path is not None and cfg.data.path is None:
         raise FieldError("data.eval_path", "needs data.path (the train items)")
 
+
+def _validate_rollout(cfg: RunConfig) -> None:
     r = cfg.rollout
     _at_least("rollout.num_servers", r.num_servers, 1)
     _at_least("rollout.torch_threads", r.torch_threads, 1)
+    _at_least("rollout.max_running_requests", r.max_running_requests, 1)
     if r.max_batch_tokens is not None:
         _at_least("rollout.max_batch_tokens", r.max_batch_tokens, 2)
     _choice("rollout.engine", r.engine, ENGINES)
@@ -496,6 +555,8 @@ def validate_config(cfg: RunConfig) -> None:
     _positive("rollout.no_server_timeout_s", r.no_server_timeout_s)
     _positive("rollout.replace_after_s", r.replace_after_s)
 
+
+def _validate_trainer(cfg: RunConfig) -> None:
     t = cfg.trainer
     _at_least("trainer.ranks", t.ranks, 1)
     _at_least("trainer.torch_threads", t.torch_threads, 1)
@@ -505,6 +566,11 @@ def validate_config(cfg: RunConfig) -> None:
     _at_least("trainer.weight_decay", t.weight_decay, 0.0)
     _at_least("trainer.warmup_steps", t.warmup_steps, 0)
     _choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise FieldError("trainer.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    _choice("trainer.dtype", t.dtype, DTYPES)
+    _choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
+    _positive("trainer.collective_timeout_s", t.collective_timeout_s)
     _positive("trainer.grad_clip", t.grad_clip)
     _at_least("trainer.max_tokens_per_mb", t.max_tokens_per_mb, 1)
     p = t.ppo
@@ -519,10 +585,12 @@ def validate_config(cfg: RunConfig) -> None:
             f"must be > 1 when set, got {p.behav_imp_weight_cap}",
         )
     _choice("trainer.ppo.behav_imp_weight_mode", p.behav_imp_weight_mode, IMP_WEIGHT_MODES)
-    _choice("trainer.ppo.reward_norm", p.reward_norm, ADV_NORM_LEVELS)
-    _choice("trainer.ppo.adv_norm", p.adv_norm, ADV_NORM_LEVELS)
+    _choice("trainer.ppo.reward_norm", p.reward_norm, NORMS)
+    _choice("trainer.ppo.adv_norm", p.adv_norm, NORMS)
     _positive("trainer.ppo.norm_eps", p.norm_eps)
+    _positive("trainer.ppo.reward_clip", p.reward_clip)
     _at_least("trainer.ppo.kl_ctl", p.kl_ctl, 0.0)
+    _choice("trainer.ppo.kl_estimator", p.kl_estimator, KL_ESTIMATORS)
     _at_least("trainer.ppo.ppo_epochs", p.ppo_epochs, 1)
     _positive("trainer.call_timeout_s", t.call_timeout_s)
     _at_least("trainer.max_restarts", t.max_restarts, 0)
@@ -530,11 +598,15 @@ def validate_config(cfg: RunConfig) -> None:
     _at_least("trainer.health_interval_s", t.health_interval_s, 0.0)
     _positive("trainer.health_timeout_s", t.health_timeout_s)
 
+
+def _validate_staleness(cfg: RunConfig) -> None:
     s = cfg.staleness
     _at_least("staleness.max_staleness", s.max_staleness, 0)
     _at_least("staleness.batch_size", s.batch_size, 1)
     _at_least("staleness.group_size", s.group_size, 1)
 
+
+def _validate_weight_sync(cfg: RunConfig) -> None:
     w = cfg.weight_sync
     if not w.methods:
         raise FieldError("weight_sync.methods", "must name at least one method")
@@ -543,11 +615,24 @@ def validate_config(cfg: RunConfig) -> None:
     if len(set(w.methods)) != len(w.methods):
         raise FieldError("weight_sync.methods", f"lists a method twice: {w.methods}")
     _positive("weight_sync.timeout_s", w.timeout_s)
+    _at_least("weight_sync.keep_versions", w.keep_versions, 1)
+    _positive("weight_sync.bucket_mb", w.bucket_mb)
+    if w.master_addr is not None and not w.master_addr:
+        raise FieldError("weight_sync.master_addr", "must not be empty (leave it unset instead)")
+    _choice("weight_sync.backend", w.backend, BACKENDS)
 
+
+def _validate_eval(cfg: RunConfig) -> None:
     _at_least("eval.every_steps", cfg.eval.every_steps, 0)
     if cfg.eval.max_prompts is not None:
         _at_least("eval.max_prompts", cfg.eval.max_prompts, 1)
+
+
+def _validate_checkpoint(cfg: RunConfig) -> None:
     _at_least("checkpoint.every_steps", cfg.checkpoint.every_steps, 0)
+
+
+def _validate_output(cfg: RunConfig) -> None:
     if not cfg.output.dir:
         raise FieldError("output.dir", "must not be empty")
     _choice("output.log_level", cfg.output.log_level, LOG_LEVELS)
@@ -555,8 +640,10 @@ def validate_config(cfg: RunConfig) -> None:
         raise FieldError(
             "output.tensorboard", "needs the tensorboard package (pip install tensorboard)"
         )
-    _validate_security(cfg.security)
 
+
+def _validate_launcher(cfg: RunConfig) -> None:
+    r, t = cfg.rollout, cfg.trainer
     la = cfg.launcher
     _choice("launcher.mode", la.mode, LAUNCH_MODES)
     if not la.host:
@@ -600,3 +687,31 @@ def validate_config(cfg: RunConfig) -> None:
             f"engine sglang needs one SGLang URL per rollout server (rollout.num_servers = "
             f"{r.num_servers}), got {len(r.sglang_urls)}",
         )
+
+
+# Each section's checks, in the order a whole run is checked.
+SECTION_CHECKS: dict[str, Callable[[RunConfig], None]] = {
+    "run": _validate_run,
+    "model": _validate_model,
+    "data": _validate_data,
+    "rollout": _validate_rollout,
+    "trainer": _validate_trainer,
+    "staleness": _validate_staleness,
+    "weight_sync": _validate_weight_sync,
+    "eval": _validate_eval,
+    "checkpoint": _validate_checkpoint,
+    "output": _validate_output,
+    "security": lambda cfg: _validate_security(cfg.security),
+    "launcher": _validate_launcher,
+}
+
+
+def validate_config(cfg: RunConfig, sections: Sequence[str] | None = None) -> None:
+    """Checks ranges, choices and cross-field rules of ``sections`` (default: all, the whole
+    run); raises FieldError naming the first bad key.
+
+    A server checks only the sections it uses: a trainer on another node need not see the
+    coordinator's data files.
+    """
+    for name in sections if sections is not None else SECTION_CHECKS:
+        SECTION_CHECKS[name](cfg)

@@ -8,6 +8,7 @@ then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -141,6 +142,10 @@ def start_child(
     if result:
         address = result[0]
     if address is None:
+        if not reader.is_alive():
+            # Its output ended: it is exiting. Its exit code may lag the end of its output.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10.0)
         exited = proc.poll()
         proc.kill()
         proc.wait()

@@ -21,8 +21,8 @@ longest responses). Semantics kept:
 
 Run as a server (same options as ``areal-rollout`` plus the ``--delay-*`` ones)::
 
-    .venv/bin/python bench/latency_engine.py --port 0 --model builtin:micro \\
-        --delay-median-s 0.05 --delay-sigma 1.2 --delay-cap 10
+    .venv/bin/python bench/latency_engine.py --port 0 \\
+        --delay-median-s 0.05 --delay-sigma 1.2 --delay-cap 10 model.source=builtin:micro
 
 It prints ``LISTENING host:port`` once bound, like every server (areal_grpc.cli).
 """
@@ -40,8 +40,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from areal.v1 import rollout_pb2, rollout_pb2_grpc
-from areal_servers.rollout.__main__ import DEFAULT_PORT, add_rollout_args, create_engine
+from areal_servers.rollout.__main__ import (
+    DEFAULT_PORT,
+    add_rollout_args,
+    create_engine,
+    rollout_services,
+)
 from areal_servers.rollout.engine import (
     EngineStatus,
     FinishReason,
@@ -49,12 +53,10 @@ from areal_servers.rollout.engine import (
     SamplingConfig,
     TokenEvent,
 )
-from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
-from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
 
 from areal_grpc.cli import base_parser, serve_main
-from areal_grpc.model import load_tokenizer
-from areal_grpc.server import Service, service
+from areal_grpc.server import Service
+from areal_grpc.server_config import ROLLOUT_SECTIONS, run_config_from_args
 
 
 @dataclass(frozen=True)
@@ -245,30 +247,13 @@ def add_delay_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 async def build(args: argparse.Namespace) -> Sequence[Service]:
     """The services of ``areal-rollout`` (servers/rollout/__main__.py) over a LatencyEngine."""
-    import json
-
-    params = json.loads(args.workflow_params)
+    run = run_config_from_args(args, ROLLOUT_SECTIONS)
+    torch.set_num_threads(run.rollout.torch_threads)
     delay = LogNormalDelay(args.delay_median_s, args.delay_sigma, args.delay_cap)
-    engine = LatencyEngine(create_engine(args), delay, args.delay_seed, args.delay_log)
-    rollout = RolloutServicer(
-        engine,
-        load_tokenizer(args.model),
-        RolloutServiceConfig(
-            default_workflow=args.default_workflow,
-            default_workflow_params=params,
-            default_max_new_tokens=args.max_new_tokens,
-        ),
+    engine = LatencyEngine(
+        create_engine(run, args.sglang_url), delay, args.delay_seed, args.delay_log
     )
-    return [
-        service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
-        build_weight_sync_service(
-            engine,
-            WeightSyncConfig(
-                disk_root=args.weights_root,
-                methods=tuple(m for m in args.weight_methods.split(",") if m),
-            ),
-        ),
-    ]
+    return await rollout_services(run, engine)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -392,9 +392,9 @@ def rollout_case(model_dir: str, threads: int, repeats: int) -> None:
         python_module_argv(
             "areal_servers.rollout",
             "--port=0",
-            f"--model={model_dir}",
-            f"--torch-threads={threads}",
             "--log-level=WARNING",
+            f"model.source={model_dir}",
+            f"rollout.torch_threads={threads}",
         ),
         env={"OMP_NUM_THREADS": str(threads)},
         ready_timeout_s=300,

@@ -272,12 +272,12 @@ def main() -> None:
         "areal_servers.rollout",
         "--port=0",
         "--host=127.0.0.1",
-        f"--model={args.model}",
-        f"--seed={args.seed}",
-        "--engine=hf",
-        "--device=cpu",
-        f"--max-running-requests={args.max_running}",
         "--log-level=WARNING",
+        f"model.source={args.model}",
+        f"model.seed={args.seed}",
+        "rollout.engine=hf",
+        "rollout.device=cpu",
+        f"rollout.max_running_requests={args.max_running}",
     )
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     children: list[Child] = []

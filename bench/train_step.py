@@ -119,17 +119,18 @@ def shards(groups: list[common_pb2.TrajectoryGroup]) -> list[list[common_pb2.Tra
 
 
 def trainer_flags(args: argparse.Namespace) -> list[str]:
-    """The areal-trainer options both sides use (besides rank / port / master)."""
+    """The areal-trainer options both sides use (besides rank / port / master), run config
+    overrides last."""
     return [
-        f"--model={args.model}",
-        "--seed=0",
         "--device=cpu",
-        "--torch-threads=1",
-        "--backend=gloo",
-        "--lr=1e-5",
-        f"--max-tokens-per-mb={args.max_tokens_per_mb}",
-        "--collective-timeout-s=300",
         "--log-level=WARNING",
+        f"model.source={args.model}",
+        "model.seed=0",
+        "trainer.torch_threads=1",
+        "trainer.backend=gloo",
+        "trainer.lr=1e-5",
+        f"trainer.max_tokens_per_mb={args.max_tokens_per_mb}",
+        "trainer.collective_timeout_s=300",
     ]
 
 
@@ -149,11 +150,11 @@ def worker_main(args: argparse.Namespace) -> None:
     add_trainer_args(parser)
     targs = parser.parse_args(
         [
-            *trainer_flags(args),
             f"--rank={args.rank}",
             f"--world-size={WORLD}",
             "--master-addr=127.0.0.1",
             f"--master-port={args.master_port}",
+            *trainer_flags(args),
         ]
     )
     cfg = config_from_args(targs)

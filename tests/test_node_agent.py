@@ -78,7 +78,7 @@ def rollout(
     _build: subprocess.Popen[bytes], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Child]:
     """A real rollout server serving builtin:micro at version 0."""
-    argv = python_module_argv("areal_servers.rollout", "--port", "0", "--model", "builtin:micro")
+    argv = python_module_argv("areal_servers.rollout", "--port", "0", "model.source=builtin:micro")
     child = start_child("rollout", argv, log_dir=tmp_path_factory.mktemp("rollout-logs"))
     yield child
     stop_children([child])

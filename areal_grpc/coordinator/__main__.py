@@ -43,13 +43,13 @@ from areal_grpc.coordinator.loop import (
     fleet_available,
     fleet_weight_sync,
 )
-from areal_grpc.coordinator.mesh import check_supported
 from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.launch import LaunchError
 from areal_grpc.model import resolve_source
 from areal_grpc.paths import check_replaceable
 from areal_grpc.server import set_default_channel_options, start_server
+from areal_grpc.server_config import check_supported
 
 __all__ = ["main", "parse_args", "run"]
 

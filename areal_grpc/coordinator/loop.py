@@ -53,18 +53,14 @@ from areal_grpc.config import RunConfig
 from areal_grpc.coordinator.checkpoint import CheckpointStore
 from areal_grpc.coordinator.dataloader import PromptLoader
 from areal_grpc.coordinator.evaluator import Evaluator
-from areal_grpc.coordinator.mesh import (
-    ROLLOUT_SERVICE,
-    TRAINER_SERVICE,
-    FleetLauncher,
-    max_new_tokens,
-)
+from areal_grpc.coordinator.mesh import ROLLOUT_SERVICE, TRAINER_SERVICE, FleetLauncher
 from areal_grpc.coordinator.metrics import MetricsWriter, plot_curves
 from areal_grpc.coordinator.pool import Finished, Work, WorkPool
 from areal_grpc.data import load_file
 from areal_grpc.dispatch import balance_ratio, dispatch_groups
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.launch import health_status
+from areal_grpc.server_config import max_new_tokens
 from areal_grpc.tasks import task_dataset
 
 __all__ = [

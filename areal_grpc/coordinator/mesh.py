@@ -13,11 +13,12 @@ import json
 import logging
 import socket
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from areal_grpc.cli import security_argv
 from areal_grpc.config import RunConfig
@@ -31,7 +32,7 @@ from areal_grpc.launch import (
     start_children,
     stop_children,
 )
-from areal_grpc.tasks import TASKS
+from areal_grpc.server_config import check_supported, config_argv
 
 __all__ = [
     "FleetLauncher",
@@ -58,76 +59,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def max_new_tokens(cfg: RunConfig) -> int:
-    """Configured max_new_tokens, else the built-in task's answer length, else 16."""
-    if cfg.rollout.sampling.max_new_tokens is not None:
-        return cfg.rollout.sampling.max_new_tokens
-    task = TASKS.get(cfg.data.task)
-    return task.max_new_tokens if task is not None else 16
-
-
-def check_supported(cfg: RunConfig) -> None:
-    """Raises FieldError for settings the servers have no option for (not silently ignored)."""
-    p = cfg.trainer.ppo
-    if p.ppo_epochs != 1:
-        raise FieldError("trainer.ppo.ppo_epochs", "the trainer runs one PPO epoch per step")
-    if p.norm_eps != 1e-5:
-        raise FieldError("trainer.ppo.norm_eps", "the trainer's normalisation eps is fixed: 1e-5")
-
-
-def weights_root(cfg: RunConfig) -> str:
-    """Directory of DISK weight updates (shared by trainer rank 0 and the rollout servers)."""
-    root = cfg.weight_sync.disk_root or str(Path(cfg.output.dir) / "weights")
-    return str(Path(root).resolve())
-
-
-def trainer_path_roots(cfg: RunConfig) -> list[str]:
-    """Where trainer ranks may write checkpoints and exports: the run's output directory, and
-    the checkpoint directory when it lies elsewhere (resolved: children may start elsewhere)."""
-    roots = [Path(cfg.output.dir).resolve()]
-    if cfg.checkpoint.dir:
-        ck = Path(cfg.checkpoint.dir).resolve()
-        if not ck.is_relative_to(roots[0]):
-            roots.append(ck)
-    return [str(r) for r in roots]
-
-
 def rollout_argv(cfg: RunConfig, index: int) -> list[str]:
-    """Command line of rollout server ``index``."""
+    """Command line of rollout server ``index``: its address and the run config."""
     r = cfg.rollout
-    argv = [
-        "--host",
-        cfg.launcher.host,
-        "--port",
-        "0",
-        "--log-level",
-        cfg.output.log_level,
-        "--model",
-        cfg.model.source,
-        # The same seed everywhere: it also seeds the built-in model's init, which must equal
-        # the trainers' (version 0 is never transferred).
-        "--seed",
-        str(cfg.model.seed),
-        "--engine",
-        r.engine,
-        "--device",
-        r.device,
-        "--default-workflow",
-        r.workflow,
-        "--max-new-tokens",
-        str(max_new_tokens(cfg)),
-        "--torch-threads",
-        str(r.torch_threads),
-    ]
-    if r.max_batch_tokens is not None:
-        argv += ["--max-batch-tokens", str(r.max_batch_tokens)]
-    argv += ["--weight-methods", ",".join(cfg.weight_sync.methods)]
-    if "disk" in cfg.weight_sync.methods:
-        argv += ["--weights-root", weights_root(cfg)]
+    argv = ["--host", cfg.launcher.host, "--port", "0", "--log-level", cfg.output.log_level]
     if r.engine == "sglang":
         argv += ["--sglang-url", r.sglang_urls[index]]
     argv += security_argv(cfg.security)
-    return python_module_argv("areal_servers.rollout", *argv)
+    return python_module_argv("areal_servers.rollout", *argv, *config_argv(cfg))
 
 
 def local_trainer_device(cfg: RunConfig, rank: int) -> str:
@@ -161,10 +100,8 @@ def local_trainer_device(cfg: RunConfig, rank: int) -> str:
 
 
 def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
-    """Command line of trainer rank ``rank``."""
+    """Command line of trainer rank ``rank``: its address, rendezvous, device, the run config."""
     check_supported(cfg)
-    t = cfg.trainer
-    p = t.ppo
     argv = [
         "--host",
         cfg.launcher.host,
@@ -175,64 +112,18 @@ def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
         "--rank",
         str(rank),
         "--world-size",
-        str(t.ranks),
+        str(cfg.trainer.ranks),
         "--master-addr",
         cfg.launcher.host,
         "--master-port",
         str(master_port),
-        "--backend",
-        t.backend,
-        "--model",
-        cfg.model.source,
-        "--seed",
-        str(cfg.model.seed),
-        "--torch-threads",
-        str(t.torch_threads),
-        "--lr",
-        repr(t.lr),
-        "--weight-decay",
-        repr(t.weight_decay),
-        "--warmup-steps",
-        str(t.warmup_steps),
-        "--lr-schedule",
-        t.lr_schedule,
-        "--total-steps",
-        str(cfg.total_steps),
-        "--max-grad-norm",
-        repr(t.grad_clip),
-        "--max-tokens-per-mb",
-        str(t.max_tokens_per_mb),
-        "--eps-clip",
-        repr(p.eps_clip),
-        "--behav-imp-weight-cap",
-        repr(p.behav_imp_weight_cap if p.behav_imp_weight_cap is not None else 0.0),
-        "--behav-imp-weight-mode",
-        p.behav_imp_weight_mode,
-        "--reward-norm",
-        p.reward_norm,
-        "--adv-norm",
-        p.adv_norm,
-        "--kl-ctl",
-        repr(p.kl_ctl),
-        # Log-probs are recomputed under the same temperature the rollouts sampled with.
-        "--temperature",
-        repr(cfg.rollout.sampling.temperature or 1.0),
     ]
-    argv += ["--weights-timeout-s", repr(cfg.weight_sync.timeout_s)]
-    for root in trainer_path_roots(cfg):
-        argv += ["--path-root", root]
-    if "disk" in cfg.weight_sync.methods:
-        argv += ["--weights-root", weights_root(cfg)]
-    device = local_trainer_device(cfg, rank) if cfg.launcher.mode == "local" else t.device
+    device = local_trainer_device(cfg, rank) if cfg.launcher.mode == "local" else cfg.trainer.device
     if device != "auto":
         argv += ["--device", device]
-    if p.eps_clip_higher is not None:
-        argv += ["--eps-clip-higher", repr(p.eps_clip_higher)]
-    if p.c_clip is not None:
-        argv += ["--c-clip", repr(p.c_clip)]
     # Rank 0 also calls the rollout servers (weight updates): same TLS and token.
     argv += security_argv(cfg.security)
-    return python_module_argv("areal_servers.trainer", *argv)
+    return python_module_argv("areal_servers.trainer", *argv, *config_argv(cfg))
 
 
 @dataclass
@@ -296,16 +187,26 @@ class Mesh:
 
 
 def wait_healthy(addresses: Sequence[tuple[str, str]], timeout_s: float = 300.0) -> None:
-    """Waits until every ``(address, service)`` reports SERVING."""
-    deadline = time.monotonic() + timeout_s
-    for address, svc in addresses:
-        while True:
-            state = health_status(address, svc, timeout_s=5.0)
-            if state == "SERVING":
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{svc} at {address} is not serving (health {state})")
-            time.sleep(0.2)
+    """Waits until every ``(address, service)`` reports SERVING (RuntimeError at timeout_s)."""
+    pending = list(addresses)
+    last: dict[tuple[str, str], str] = {}
+
+    def all_serving() -> bool:
+        last.update({key: health_status(*key, timeout_s=5.0) for key in pending})
+        pending[:] = [key for key in pending if last[key] != "SERVING"]
+        return not pending
+
+    poll = Retrying(
+        retry=retry_if_result(lambda done: not done),
+        stop=stop_after_delay(timeout_s),
+        wait=wait_fixed(0.2),
+    )
+    try:
+        poll(all_serving)
+    except RetryError:
+        raise RuntimeError(
+            "; ".join(f"{svc} at {a} is not serving (health {last[a, svc]})" for a, svc in pending)
+        ) from None
 
 
 class MeshStartCancelled(RuntimeError):

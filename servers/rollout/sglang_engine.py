@@ -31,7 +31,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,9 +48,13 @@ from areal_servers.rollout.engine import (
 from safetensors.torch import save_file
 from tenacity import (
     AsyncRetrying,
+    RetryError,
     retry_if_exception_type,
+    retry_if_result,
     stop_after_attempt,
+    stop_after_delay,
     wait_exponential,
+    wait_fixed,
 )
 from transformers import ByT5Tokenizer
 
@@ -245,19 +248,25 @@ class SGLangEngine(InferenceEngine):
 
     async def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Polls ``GET /health`` every second until it answers 200 (TimeoutError otherwise)."""
-        deadline = time.monotonic() + (timeout_s or self.config.setup_timeout_s)
-        while True:
+
+        async def healthy() -> bool:
             if self._process is not None and self._process.poll() is not None:
                 raise RuntimeError(f"sglang exited with code {self._process.returncode}")
             try:
                 health = await http_request(self.url, "GET", "/health", None, 5.0, self._http)
-                if health.status == 200:
-                    return
             except TransientHTTPError:
-                pass
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"sglang at {self.url} not healthy in time")
-            await asyncio.sleep(1.0)
+                return False
+            return health.status == 200
+
+        poll = AsyncRetrying(
+            retry=retry_if_result(lambda ok: not ok),
+            stop=stop_after_delay(timeout_s or self.config.setup_timeout_s),
+            wait=wait_fixed(1.0),
+        )
+        try:
+            await poll(healthy)
+        except RetryError:
+            raise TimeoutError(f"sglang at {self.url} not healthy in time") from None
 
     async def start(self) -> None:
         """Launches the server when configured to, then waits for it to be healthy."""

@@ -10,7 +10,6 @@ trained token more than η versions stale, and no child process left behind.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
@@ -21,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from areal_grpc.coordinator.metrics import read_jsonl
+
+from .runs import alive, mesh_children
 
 pytestmark = pytest.mark.slow
 
@@ -37,22 +38,6 @@ EVENTS = [
 ]
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def children(out: Path) -> list[dict]:
-    while True:
-        try:
-            return json.loads((out / "mesh.json").read_text())["children"]
-        except ValueError:  # caught while being rewritten
-            time.sleep(0.1)
-
-
 def last_step(out: Path) -> int:
     path = out / "metrics.jsonl"
     if not path.is_file():
@@ -66,7 +51,7 @@ def last_step(out: Path) -> int:
 
 def hit(out: Path, action: str, target: str, seen: set[int]) -> list[int]:
     """Sends the event's signal to the current process(es) of ``target``; their pids."""
-    now = children(out)
+    now = mesh_children(out)
     seen.update(c["pid"] for c in now)
     pids = []
     rollout = [c["pid"] for c in now if c["name"].startswith("rollout-")]
@@ -154,7 +139,7 @@ def test_a_run_survives_killed_and_frozen_servers_and_ranks(tmp_path, coordinato
     assert train[-1]["trainer_restarts"] >= 3  # killed, frozen, and both-at-once ranks
     assert train[-1]["rollout_restarts"] >= 2  # killed twice (a frozen one may rejoin)
     # No child left: neither the ones started first nor any replacement.
-    seen.update(c["pid"] for c in children(out))
+    seen.update(c["pid"] for c in mesh_children(out))
     for pid in seen:
         end = time.monotonic() + 30
         while alive(pid) and time.monotonic() < end:

@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from areal_grpc.config import RunConfig, load_config
 from areal_grpc.coordinator.dataloader import PromptLoader
 from areal_grpc.coordinator.launcher import start_mesh
-from areal_grpc.coordinator.loop import Coordinator, TrainerGroupFailed
+from areal_grpc.coordinator.loop import Coordinator, RunResult, TrainerGroupFailed
 from areal_grpc.coordinator.mesh import Mesh, free_port, trainer_argv
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
@@ -84,6 +84,32 @@ async def served_versions(addresses: Sequence[str]) -> list[int]:
     return versions
 
 
+def run_to_the_end(
+    cfg: RunConfig,
+    mesh: Mesh,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    restart_trainers: Callable[[Sequence[str]], Awaitable[list[str]]] | None = None,
+) -> tuple[RunResult, list[int]]:
+    """A Coordinator over ``mesh``, run to its end: (result, versions the servers serve)."""
+
+    async def scenario() -> tuple[RunResult, list[int]]:
+        coord = Coordinator(
+            cfg,
+            mesh.rollout_addresses,
+            mesh.trainer_addresses,
+            Path(cfg.output.dir),
+            on_step=on_step,
+            restart_trainers=restart_trainers,
+        )
+        try:
+            result = await coord.run()
+            return result, await served_versions(mesh.rollout_addresses)
+        finally:
+            await coord.close()
+
+    return asyncio.run(scenario())
+
+
 def trained(out: Path) -> list[dict[str, Any]]:
     return [g for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
 
@@ -124,22 +150,7 @@ def test_a_lost_trainer_rank_restarts_the_group_from_the_checkpoint_and_the_run_
         async def restart(addresses: Sequence[str]) -> list[str]:
             return await asyncio.to_thread(mesh.restart_trainers, cfg)
 
-        async def scenario() -> tuple[Any, list[int]]:
-            coord = Coordinator(
-                cfg,
-                mesh.rollout_addresses,
-                mesh.trainer_addresses,
-                out,
-                on_step=kill_after_step_4,
-                restart_trainers=restart,
-            )
-            try:
-                result = await coord.run()
-                return result, await served_versions(mesh.rollout_addresses)
-            finally:
-                await coord.close()
-
-        result, served = asyncio.run(scenario())
+        result, served = run_to_the_end(cfg, mesh, kill_after_step_4, restart)
         new_pids = trainer_pids(mesh)
 
     assert result.steps == steps and result.trainer_restarts == 1
@@ -194,21 +205,7 @@ def test_a_rank_dying_during_the_restart_leads_to_another_restart_not_a_failed_r
                 next(c for c in mesh.children if c.name == "trainer-1").process.kill()
             return new
 
-        async def scenario() -> Any:
-            coord = Coordinator(
-                cfg,
-                mesh.rollout_addresses,
-                mesh.trainer_addresses,
-                out,
-                on_step=kill_after_step_4,
-                restart_trainers=restart,
-            )
-            try:
-                return await coord.run()
-            finally:
-                await coord.close()
-
-        result = asyncio.run(scenario())
+        result, _ = run_to_the_end(cfg, mesh, kill_after_step_4, restart)
 
     assert result.steps == steps and result.trainer_restarts == 2
     assert len(restarts) == 2 and not set(restarts[0]) & set(restarts[1])
@@ -235,22 +232,8 @@ def test_a_trainer_failure_before_any_checkpoint_fails_the_run_clearly(tmp_path)
         async def restart(addresses: Sequence[str]) -> list[str]:
             raise AssertionError("nothing to restore: the group must not be restarted")
 
-        async def scenario() -> None:
-            coord = Coordinator(
-                cfg,
-                mesh.rollout_addresses,
-                mesh.trainer_addresses,
-                Path(cfg.output.dir),
-                on_step=kill,
-                restart_trainers=restart,
-            )
-            try:
-                await coord.run()
-            finally:
-                await coord.close()
-
         with pytest.raises(TrainerGroupFailed, match="before the first checkpoint"):
-            asyncio.run(scenario())
+            run_to_the_end(cfg, mesh, kill, restart)
 
 
 @pytest.mark.slow
@@ -282,19 +265,9 @@ def test_under_attach_mode_the_run_waits_for_the_group_its_supervisor_restarts(t
                 supervisor.append(threading.Thread(target=restart_like_torchrun))
                 supervisor[0].start()
 
-        async def scenario() -> tuple[Any, list[int]]:
-            # No restart hook: the coordinator waits for the ranks at the same addresses.
-            coord = Coordinator(
-                cfg, mesh.rollout_addresses, mesh.trainer_addresses, out, on_step=kill_after_step_4
-            )
-            try:
-                result = await coord.run()
-                return result, await served_versions(mesh.rollout_addresses)
-            finally:
-                await coord.close()
-
         try:
-            result, served = asyncio.run(scenario())
+            # No restart hook: the coordinator waits for the ranks at the same addresses.
+            result, served = run_to_the_end(cfg, mesh, kill_after_step_4)
         finally:
             for t in supervisor:
                 t.join()

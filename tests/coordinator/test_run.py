@@ -38,18 +38,11 @@ from areal_grpc.errors import retry_delay_s
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import sync_channel
 
+from .runs import alive, mesh_children
+
 pytestmark = pytest.mark.slow
 
 ECHO_PROMPTS = 36  # the built-in "echo" task: one epoch is 36 prompts
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie whose parent is gone is reaped by init soon; treat "exists" as alive.
-    return True
 
 
 def wait_for(predicate, timeout: float = 180.0) -> None:
@@ -166,7 +159,7 @@ def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path, co
     wait_for(lambda: (out / "checkpoints" / "latest").is_file())
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    for child in json.loads((out / "mesh.json").read_text())["children"]:
+    for child in mesh_children(out):
         with_pid = child["pid"]
         if alive(with_pid):
             os.kill(with_pid, signal.SIGKILL)
@@ -189,7 +182,7 @@ def test_ctrl_c_stops_the_run_and_every_child(tmp_path, coordinator_command):
     out = tmp_path / "run"
     proc = coordinator_command.start(out, "total_steps=100000", "eval.every_steps=0")
     wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size)
-    children = json.loads((out / "mesh.json").read_text())["children"]
+    children = mesh_children(out)
     assert len(children) == 3
     proc.send_signal(signal.SIGINT)
     log = coordinator_command.finish(proc, timeout=120)
@@ -333,7 +326,7 @@ def kill_rollout_0_after(
     """Sends ``sig`` to the rollout-0 child once ``steps`` steps are recorded; (pid, children)."""
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.is_file() and metrics.read_text().count('"train"') >= steps)
-    children = json.loads((out / "mesh.json").read_text())["children"]
+    children = mesh_children(out)
     pid = next(c["pid"] for c in children if c["name"] == "rollout-0")
     os.kill(pid, sig)
     return pid, children

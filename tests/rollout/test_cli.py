@@ -27,12 +27,9 @@ def test_areal_rollout_serves_and_drains_on_sigterm():
             "areal_servers.rollout",
             "--port",
             "0",
-            "--model",
-            "builtin:micro",
-            "--seed",
-            "3",
-            "--max-new-tokens",
-            "3",
+            "model.source=builtin:micro",
+            "model.seed=3",
+            "rollout.sampling.max_new_tokens=3",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -64,7 +61,8 @@ def test_areal_rollout_serves_and_drains_on_sigterm():
                 ),
                 timeout=30,
             )
-            # The server default --max-new-tokens applies when the request leaves it unset.
+            # The server default (rollout.sampling.max_new_tokens) applies when the request
+            # leaves it unset.
             assert len(resp.completions[0].output_ids) == 3
             ws = weight_sync_pb2_grpc.WeightSyncServiceStub(channel)
             stream = weight_sync_pb2.TransferOption(

@@ -295,3 +295,33 @@ async def test_sglang_protocol_fake_server_distributed_update_payloads(fake):
         await engine.update_weights_from_distributed(["a"], ["float32"], [[1]], "g", version=5)
     assert len(fake.posts("/update_weights_from_distributed")) == 2  # one attempt, no retry
     assert engine.version == 4
+
+
+async def test_sglang_protocol_fake_server_unhealthy_until_ready_then_timeout_names_the_url():
+    # SGLang answers GET /health with 503 while it loads the model, 200 once it serves.
+    answers = [503, 503, 200]
+    polls = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal polls
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while (await reader.readuntil(b"\r\n\r\n")).lower().startswith(b"get /health"):
+                code = answers[min(polls, len(answers) - 1)]
+                polls += 1
+                writer.write(f"HTTP/1.1 {code} X\r\nContent-Length: 0\r\n\r\n".encode())
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    engine = SGLangEngine(SGLangEngineConfig(model="builtin:micro", url=url))
+    try:
+        await engine.wait_healthy(timeout_s=30)
+        assert polls == 3  # polled until the 200, not past it
+        answers[:] = [503]
+        with pytest.raises(TimeoutError, match=url):
+            await engine.wait_healthy(timeout_s=1.5)
+        assert polls >= 5  # kept polling (about once a second) until the deadline
+    finally:
+        await engine.close()
+        server.close()

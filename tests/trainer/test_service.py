@@ -69,14 +69,14 @@ def start_ranks(log_dir: Path, root: Path, world: int = 2) -> list[Rank]:
             f"--world-size={world}",
             "--master-addr=127.0.0.1",
             f"--master-port={port}",
-            f"--model={MODEL}",
-            "--torch-threads=1",
-            f"--lr={LR}",
-            "--warmup-steps=2",
-            f"--max-tokens-per-mb={MAX_TOKENS}",
-            "--collective-timeout-s=120",
             "--log-level=WARNING",
-            f"--path-root={root}",
+            f"model.source={MODEL}",
+            "trainer.torch_threads=1",
+            f"trainer.lr={LR}",
+            "trainer.warmup_steps=2",
+            f"trainer.max_tokens_per_mb={MAX_TOKENS}",
+            "trainer.collective_timeout_s=120",
+            f"output.dir={root}",
         ]
         log = open(log_dir / f"rank{r}.log", "w")  # noqa: SIM115 (lives with the process)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
@@ -173,7 +173,8 @@ def plain_engine() -> TrainerEngine:
             model=MODEL,
             fsdp=False,
             device="cpu",
-            optim=OptimConfig(lr=LR, warmup_steps=2),
+            # The ranks' settings: their run config's defaults (weight decay 0) and overrides.
+            optim=OptimConfig(lr=LR, warmup_steps=2, weight_decay=0.0),
             ppo=PPOConfig(),
             microbatch=MicroBatchSpec(max_tokens_per_mb=MAX_TOKENS),
         )

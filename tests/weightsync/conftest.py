@@ -180,20 +180,20 @@ def start_trainers(
             f"--world-size={ranks}",
             "--master-addr=127.0.0.1",
             f"--master-port={port}",
-            f"--model={MODEL}",
             f"--device={device if device != 'cuda' else f'cuda:{r}'}",
-            "--torch-threads=1",
-            # Large enough that one step visibly changes greedy outputs.
-            "--lr=3e-3",
-            "--behav-imp-weight-cap=0",
-            "--collective-timeout-s=120",
-            f"--weights-root={weights_root}",
-            f"--path-root={export_root}",
-            "--weights-keep=2",
-            # Small buckets so even the micro model travels in several of them.
-            "--weights-bucket-mb=0.1",
-            "--weights-timeout-s=120",
             "--log-level=WARNING",
+            f"model.source={MODEL}",
+            "trainer.torch_threads=1",
+            # Large enough that one step visibly changes greedy outputs.
+            "trainer.lr=3e-3",
+            "trainer.ppo.behav_imp_weight_cap=null",
+            "trainer.collective_timeout_s=120",
+            f"weight_sync.disk_root={weights_root}",
+            f"output.dir={export_root}",
+            "weight_sync.keep_versions=2",
+            # Small buckets so even the micro model travels in several of them.
+            "weight_sync.bucket_mb=0.1",
+            "weight_sync.timeout_s=120",
             *extra,
         ]
         log = open(base / f"rank{r}.log", "w")  # noqa: SIM115 (lives with the process)

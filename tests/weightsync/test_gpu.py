@@ -50,7 +50,7 @@ def gpu_trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainers]:
 @pytest.fixture(scope="module")
 def gpu_trainer_gloo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainers]:
     """One trainer rank on cuda:0 that publishes over a gloo weight group."""
-    yield from _gpu_trainer(tmp_path_factory, "--weights-backend=gloo")
+    yield from _gpu_trainer(tmp_path_factory, "weight_sync.backend=gloo")
 
 
 def update(trainers: Trainers, rollouts, *methods: str) -> FleetUpdateResult:

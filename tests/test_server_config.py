@@ -1,0 +1,120 @@
+"""One config source: the servers read the coordinator's run config, defaults defined once."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+import pytest
+from areal_servers.rollout.__main__ import add_rollout_args
+from areal_servers.trainer.__main__ import add_trainer_args, config_from_args
+
+from areal_grpc.cli import base_parser
+from areal_grpc.config import RunConfig, load_config
+from areal_grpc.coordinator.mesh import rollout_argv, trainer_argv
+from areal_grpc.launch import python_module_argv
+from areal_grpc.server_config import (
+    ROLLOUT_SECTIONS,
+    TRAINER_SECTIONS,
+    for_servers,
+    run_config_from_args,
+)
+
+
+def trainer_args(argv: list[str]) -> argparse.Namespace:
+    parser = base_parser("areal-trainer", "", 0)
+    add_trainer_args(parser)
+    return parser.parse_args(argv)
+
+
+def rollout_args(argv: list[str]) -> argparse.Namespace:
+    return add_rollout_args(base_parser("areal-rollout", "", 0)).parse_args(argv)
+
+
+def test_a_standalone_trainer_takes_the_run_configs_defaults():
+    engine = config_from_args(trainer_args([])).engine
+    run = RunConfig()
+    assert engine.model == run.model.source
+    assert engine.optim.lr == run.trainer.lr
+    assert engine.optim.weight_decay == run.trainer.weight_decay
+    assert engine.optim.max_grad_norm == run.trainer.grad_clip
+    assert engine.optim.total_steps == run.total_steps
+    assert engine.microbatch.max_tokens_per_mb == run.trainer.max_tokens_per_mb
+    assert engine.ppo.behav_imp_weight_cap == run.trainer.ppo.behav_imp_weight_cap
+
+
+def test_the_trainer_reads_the_coordinators_file_and_overrides(tmp_path: Path):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "total_steps: 7\n"
+        "trainer:\n  lr: 3.0e-4\n  ppo:\n    reward_norm: rloo\n    norm_eps: 1.0e-3\n"
+        f"output:\n  dir: {tmp_path / 'out'}\n"
+        "weight_sync:\n  methods: [stream]\n"
+    )
+    cfg = config_from_args(
+        trainer_args(["--config", str(config), "trainer.lr=2e-5", "trainer.ppo.kl_estimator=k3"])
+    )
+    assert cfg.engine.optim.lr == 2e-5 and cfg.engine.optim.total_steps == 7
+    assert cfg.engine.ppo.kl_estimator == "k3"
+    # RLOO: a leave-one-out group mean and no std, with the configured eps.
+    norm = cfg.engine.ppo.reward_norm
+    assert norm is not None and norm.mean_leave1out and norm.std_level is None
+    assert norm.eps == 1e-3
+    # It may write under the run's output directory only; no disk method, no weights root.
+    assert cfg.path_roots == (str((tmp_path / "out").resolve()),)
+    assert cfg.weights.disk_root is None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_what_the_coordinator_runs_with_is_what_each_trainer_rank_gets(tmp_path: Path, rank: int):
+    run = load_config(
+        None,
+        [
+            f"output.dir={tmp_path}/out",
+            "trainer.lr=4e-4",
+            "trainer.ppo.adv_norm=group-mean",
+            "trainer.device=cpu",
+            "weight_sync.bucket_mb=8",
+        ],
+    )
+    argv = trainer_argv(run, rank, master_port=29999)
+    assert argv[1:3] == ["-m", "areal_servers.trainer"]
+    args = trainer_args(argv[3:])
+    assert (args.rank, args.world_size, args.master_port) == (rank, run.trainer.ranks, 29999)
+    assert run_config_from_args(args, TRAINER_SECTIONS) == for_servers(run)
+    cfg = config_from_args(args)
+    assert cfg.engine.optim.lr == 4e-4 and cfg.weights.bucket_bytes == 8 << 20
+    assert cfg.weights.disk_root == str((tmp_path / "out" / "weights").resolve())
+
+
+def test_what_the_coordinator_runs_with_is_what_each_rollout_server_gets(tmp_path: Path):
+    run = load_config(
+        None,
+        [
+            f"output.dir={tmp_path}/out",
+            "rollout.max_running_requests=7",
+            "rollout.sampling.max_new_tokens=5",
+            "model.seed=11",
+        ],
+    )
+    argv = rollout_argv(run, 0)
+    assert argv[1:3] == ["-m", "areal_servers.rollout"]
+    got = run_config_from_args(rollout_args(argv[3:]), ROLLOUT_SECTIONS)
+    assert got == for_servers(run)
+    assert got.rollout.max_running_requests == 7 and got.model.seed == 11
+    # Directories are absolute: a server may start in another working directory.
+    assert Path(got.output.dir).is_absolute()
+
+
+@pytest.mark.parametrize("module", ["areal_servers.trainer", "areal_servers.rollout"])
+def test_a_bad_setting_stops_a_server_with_one_line_naming_the_key(module: str):
+    out = subprocess.run(
+        python_module_argv(module, "--port", "0", "model.seed=-1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == "config error: model.seed: must be >= 0, got -1"
+    assert "LISTENING" not in out.stdout
