@@ -213,11 +213,15 @@ class LatencyEngine(InferenceEngine):
         """Returns when not paused."""
         await self.inner.wait_until_resumed()
 
+    async def start(self) -> None:
+        """The inner engine's start."""
+        await self.inner.start()
+
     async def load_weights(
-        self, state_dict: Mapping[str, torch.Tensor], version: int, **kwargs: Any
-    ) -> None:
+        self, state_dict: Mapping[str, torch.Tensor], version: int, *, owned: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The inner engine's weight swap."""
-        await self.inner.load_weights(state_dict, version, **kwargs)  # type: ignore[call-arg]
+        return await self.inner.load_weights(state_dict, version, owned=owned)
 
     @property
     def version(self) -> int:

@@ -80,10 +80,8 @@ def create_rollout_servicer(run: RunConfig, engine: InferenceEngine) -> RolloutS
 async def rollout_services(run: RunConfig, engine: InferenceEngine) -> list[Service]:
     """RolloutService and WeightSyncService over ``engine`` (started first if it must be)."""
     rollout = create_rollout_servicer(run, engine)
-    start = getattr(engine, "start", None)
-    if start is not None:
-        # The sglang engine launches or attaches to its server and waits until it is healthy.
-        await start()
+    # The sglang engine launches or attaches to its server and waits until it is healthy.
+    await engine.start()
     return [
         service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
         build_weight_sync_service(

@@ -225,12 +225,22 @@ class InferenceEngine(abc.ABC):
     async def wait_until_resumed(self) -> None:
         """Returns at once when not paused, else when :meth:`resume` is called."""
 
+    async def start(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op here
+        """Gets ready to serve; an engine backed by a server of its own launches or reaches
+        it here (default: nothing to do)."""
+
     @abc.abstractmethod
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    async def load_weights(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, *, owned: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Swaps in a full state dict atomically, serving ``version`` from then on.
 
-        Raises :class:`areal_grpc.errors.PreconditionError` unless ``version`` is newer than
-        the served one, and ValueError (nothing changed) when the state dict does not match.
+        ``owned``: the caller hands the tensors over (fresh, referenced by nobody else, never
+        changed afterwards), so the engine may keep them without a copy and hand back the
+        tensors they replaced, by name, for the caller to reuse; ``{}`` when it hands nothing
+        back (always, for an engine that copies). Raises
+        :class:`areal_grpc.errors.PreconditionError` unless ``version`` is newer than the
+        served one, and ValueError (nothing changed) when the state dict does not match.
         """
 
     @property

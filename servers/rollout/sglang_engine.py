@@ -418,8 +418,11 @@ class SGLangEngine(InferenceEngine):
         if version is not None:
             self._version = version
 
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Writes ``state_dict`` as a safetensors checkpoint, then loads it from disk."""
+    async def load_weights(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, *, owned: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Writes ``state_dict`` as a safetensors checkpoint, then loads it from disk (SGLang
+        reads its own copy, so nothing is handed back)."""
         if version <= self._version:
             raise PreconditionError(
                 f"weights version {version} is not newer than the served version {self._version}"
@@ -428,6 +431,7 @@ class SGLangEngine(InferenceEngine):
         path = Path(root) / f"v{version}"
         await asyncio.to_thread(_write_checkpoint, self.config.model, state_dict, path)
         await self.update_weights_from_disk(str(path), version)
+        return {}
 
     def _tmp_root(self) -> str:
         if self._weights_tmp is None:

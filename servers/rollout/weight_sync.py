@@ -30,7 +30,6 @@ once; the blocked collective is left to its thread until the group timeout.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 import uuid
@@ -142,13 +141,6 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         if self.config.max_chunk_bytes > MAX_CHUNK_BYTES or self.config.max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes must be in 1..{MAX_CHUNK_BYTES}")
         self._sglang = _is_sglang(engine)
-        # Engines whose load_weights takes ``owned``: the tensors every data plane here builds
-        # (reassembled chunks, loaded safetensors, broadcast buffers) are fresh and private, so
-        # they are handed over instead of copied again.
-        try:
-            self._handover = "owned" in inspect.signature(engine.load_weights).parameters
-        except (TypeError, ValueError):
-            self._handover = False
         if self.config.backends is not None:
             self.backends = tuple(self.config.backends)
         elif self._sglang:
@@ -171,19 +163,14 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     async def _load(
         self, state_dict: dict[str, torch.Tensor], version: int, keep_spare: bool = True
     ) -> None:
-        """Swaps a freshly received state dict in (handed over where the engine allows).
+        """Swaps a freshly received state dict in, handed over to the engine.
 
+        The tensors every data plane here builds (reassembled chunks, loaded safetensors,
+        broadcast buffers) are fresh and private, so the engine may keep them uncopied.
         ``keep_spare``: keep the replaced weights as the next update's receive buffers.
         """
-        if self._handover:
-            spare = await self.engine.load_weights(  # type: ignore[call-arg,func-returns-value]
-                state_dict, version, owned=True
-            )
-            self._spare = {}
-            if keep_spare and self.config.reuse_buffers and isinstance(spare, dict):
-                self._spare = spare
-        else:
-            await self.engine.load_weights(state_dict, version)
+        spare = await self.engine.load_weights(state_dict, version, owned=True)
+        self._spare = spare if keep_spare and self.config.reuse_buffers else {}
 
     # ------------------------------------------------------------------------ negotiation
 

@@ -78,16 +78,18 @@ def test_owned_load_refuses_stale_versions_and_bad_shapes(engine):
         assert torch.equal(v, before[k]), k
 
 
-def test_receiver_hands_over_to_engines_that_take_ownership(engine):
-    assert WeightSyncServicer(engine)._handover
-
-    class Legacy:
-        kind = "fake"
-
-        async def load_weights(self, state_dict, version):  # the abstract signature
-            pass
-
-    assert not WeightSyncServicer(Legacy())._handover  # type: ignore[arg-type]
+def test_the_receiver_hands_its_tensors_over_and_keeps_the_replaced_ones_for_reuse(engine):
+    served = {k: v.data_ptr() for k, v in engine.model.state_dict().items()}
+    received = _fresh(4)
+    receiver = WeightSyncServicer(engine)
+    asyncio.run(receiver._load(received, version=1))
+    # The received tensors are the parameters now (no copy)...
+    params = engine.model.state_dict()
+    assert all(params[k].data_ptr() == t.data_ptr() for k, t in received.items())
+    # ...and the ones served before wait as the next update's receive buffers.
+    assert receiver._spare and {k: t.data_ptr() for k, t in receiver._spare.items()} == {
+        k: served[k] for k in receiver._spare
+    }
 
 
 def test_owned_load_hands_back_the_replaced_weights_nothing_uses_any_more(engine):
