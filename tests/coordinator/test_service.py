@@ -114,6 +114,10 @@ def test_bad_submission_is_invalid_argument_naming_the_field_and_nothing_is_lost
         reply = await client.submit([(lease.lease_id, group(lease.lease_id))])
         assert reply.accepted_groups == 0 and reply.rejections[0].reason.startswith("lease_id")
         assert (await client.status()).accepted == 1
+        # The lease is checked before the group (the order coordinator.proto documents): even
+        # a malformed group under an unknown lease is a rejection, not an error of the call.
+        reply = await client.submit([(lease.lease_id, bad)])
+        assert reply.accepted_groups == 0 and reply.rejections[0].reason.startswith("lease_id")
         await client.close()
 
     asyncio.run(scenario())

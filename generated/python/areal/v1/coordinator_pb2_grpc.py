@@ -86,22 +86,35 @@ class CoordinatorServiceServicer:
     """
 
     def AcquireRollout(self, request, context):
-        """Takes a rollout lease when staleness capacity allows; RESOURCE_EXHAUSTED with retry
-        info when it does not.
+        """Takes a rollout lease when staleness capacity allows. Errors: INVALID_ARGUMENT
+        (google.rpc.BadRequest naming group_size) when group_size < 1; RESOURCE_EXHAUSTED with
+        google.rpc.RetryInfo when capacity is full (ask again after its delay).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseRollout(self, request, context):
-        """Gives a lease back unused; its capacity is freed.
+        """Gives a lease back unused; its capacity is freed. NOT_FOUND when the lease is unknown
+        or has expired.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SubmitTrajectories(self, request_iterator, context):
-        """Submits trajectory groups produced under leases.
+        """Submits trajectory groups produced under leases, one per message; answers when the
+        stream ends. Each group is checked in this order:
+        1. an empty lease_id ends the call with INVALID_ARGUMENT, as in 3;
+        2. an unknown or expired lease: the group is listed in rejections (before the group
+        itself is looked at) and the call goes on;
+        3. a malformed group (a field out of range, a task_id other than lease_id) ends the
+        call with INVALID_ARGUMENT, a google.rpc.BadRequest naming requests[i] and the
+        field; groups before it stay accepted and its lease stays valid for a corrected
+        group;
+        4. a group whose first generated token is more than max_staleness versions behind:
+        listed in rejections, its lease used up.
+        Any other group is accepted into the training buffer, its lease used up.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,14 +135,17 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterWorker(self, request, context):
-        """Adds a rollout server or trainer rank to the mesh.
+        """Adds a rollout server or trainer rank to the mesh. INVALID_ARGUMENT naming role or
+        address when either is malformed; FAILED_PRECONDITION when a worker at that address is
+        already registered or worker_id is taken.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeregisterWorker(self, request, context):
-        """Removes a worker from the mesh; its in-flight work is re-queued.
+        """Removes a worker from the mesh; its in-flight work is re-queued. NOT_FOUND for an
+        unknown worker_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,8 +155,9 @@ class CoordinatorServiceServicer:
         """Starts or stops rollout servers (through the run's launcher: local subprocesses or Ray
         actors) until the run has the requested number. New servers are brought to the current
         policy version before they enter rotation; removed ones (the most recently started
-        first) have their in-flight work re-queued. FAILED_PRECONDITION when the run cannot
-        start servers (attach mode, or a coordinator without a run).
+        first) have their in-flight work re-queued. INVALID_ARGUMENT when servers is not in
+        1-64; FAILED_PRECONDITION when the run cannot start servers (attach mode, or a
+        coordinator without a run).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

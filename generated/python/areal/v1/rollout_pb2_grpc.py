@@ -77,14 +77,20 @@ class RolloutServiceServicer:
 
     def RunEpisodes(self, request_iterator, context):
         """Runs episodes. The caller streams tasks (and cancellations); the server streams back one
-        result per task as each finishes, in completion order, not request order.
+        result per task as each finishes, in completion order, not request order. A task that
+        cannot run (an empty or duplicate task_id, bad sampling, a prompt over the limits) is
+        not an error of the call: its result has EPISODE_OUTCOME_FAILED and a reason starting
+        "INVALID_ARGUMENT: " naming the field, and the other tasks go on. A cancel for an
+        unknown task_id is ignored (the task may have finished).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Generates completions for a tokenized prompt and returns them whole.
+        """Generates completions for a tokenized prompt and returns them whole. INVALID_ARGUMENT
+        (google.rpc.BadRequest naming the field) for bad sampling or input_ids: empty, a token
+        outside the vocabulary, longer than the model's context or the server's memory budget.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +98,7 @@ class RolloutServiceServicer:
 
     def GenerateStream(self, request, context):
         """Generates one completion for a tokenized prompt, streaming tokens as they are decoded.
+        Errors as for Generate; sampling.n_samples must be 0 or 1.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -76,7 +76,13 @@ class TrainerServiceServicer:
     def TrainStep(self, request_iterator, context):
         """Runs one training step on this rank's shard of the batch. The caller streams a
         StepBegin, then the rank's trajectory groups, then StepEnd; the rank streams back
-        progress and, last, the step's statistics.
+        progress and, last, the step's statistics. The ranks agree before training, so a step
+        trains on every rank or on none. Errors: INVALID_ARGUMENT (google.rpc.BadRequest naming
+        the field) for this rank's malformed stream or shard; FAILED_PRECONDITION when
+        begin.policy_version is not the version of the rank's weights, or the ranks disagree on
+        begin.global_step; ABORTED on a rank whose own part was fine when another rank refused
+        its part; UNAVAILABLE while the rank is not ready or after its process group broke
+        (restart the group).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,13 +90,16 @@ class TrainerServiceServicer:
 
     def SaveCheckpoint(self, request, context):
         """Saves this rank's shard of model, optimizer and scheduler state (sharded, atomic).
+        INVALID_ARGUMENT naming path when it resolves outside the rank's configured roots;
+        FAILED_PRECONDITION when path is a directory this project did not write.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LoadCheckpoint(self, request, context):
-        """Loads a checkpoint written by SaveCheckpoint.
+        """Loads a checkpoint written by SaveCheckpoint. INVALID_ARGUMENT naming path (outside the
+        roots) or min_policy_version (negative); NOT_FOUND when path holds no checkpoint.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +107,8 @@ class TrainerServiceServicer:
 
     def ExportModel(self, request, context):
         """Writes the full model in Hugging Face format (collective; rank 0 writes the files).
+        INVALID_ARGUMENT naming path when outside the roots; FAILED_PRECONDITION when path is a
+        directory this project did not write (it is never replaced).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,7 +125,9 @@ class TrainerServiceServicer:
         """Publishes the current weights to rollout servers (collective: call it on every rank with
         the same request). Every rank gathers the full parameters piece by piece; rank 0 sends
         each piece as it is gathered, by the method each server accepts (see WeightSyncService),
-        and reports one result per server. A server that fails does not stop the others.
+        and reports one result per server. A server that fails does not stop the others: its
+        failure is its PublishTargetResult.status, and the call is OK. The call itself fails
+        with INVALID_ARGUMENT naming the field for a malformed request (on every rank alike).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

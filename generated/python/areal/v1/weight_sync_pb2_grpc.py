@@ -67,7 +67,9 @@ class WeightSyncServiceServicer:
 
     def Negotiate(self, request, context):
         """Agrees on how weights travel: the sender offers methods in preference order, the
-        receiver answers with the first it accepts and its parameters.
+        receiver answers with the first it accepts and its parameters. INVALID_ARGUMENT naming
+        the field for a malformed offer; FAILED_PRECONDITION, listing what this server supports
+        and why it declined each offer, when it accepts none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -76,6 +78,13 @@ class WeightSyncServiceServicer:
     def PushWeights(self, request_iterator, context):
         """Streams a full state dict as chunks; applied atomically once the stream completes (a
         broken stream leaves the old weights serving).
+
+        Errors of the three update calls, after which the old weights keep serving:
+        INVALID_ARGUMENT (google.rpc.BadRequest naming the field) for a malformed message, a
+        chunk whose CRC-32C or size does not match, a path outside the receiver's root, or a
+        state dict that does not fit the model; FAILED_PRECONDITION when plan_id is unknown
+        (negotiate again), the policy version is not newer than the served one, or the server
+        does not take this method.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,13 +92,17 @@ class WeightSyncServiceServicer:
 
     def UpdateFromDisk(self, request, context):
         """Loads weights from a Hugging Face safetensors directory under the receiver's root.
+        Errors as for PushWeights; a directory that is missing, not under the root, or lacks
+        a readable weights file is INVALID_ARGUMENT naming path.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UpdateFromDistributed(self, request, context):
-        """Receives weights by broadcast over the negotiated torch.distributed group.
+        """Receives weights by broadcast over the negotiated torch.distributed group. Errors as for
+        PushWeights. When another member of the group fails, the sender cancels this call
+        (CANCELLED) and negotiates a new group for the next update.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -2254,8 +2254,9 @@ export const ScaleRolloutFleetResponse: MessageFns<ScaleRolloutFleetResponse> = 
 export type CoordinatorServiceService = typeof CoordinatorServiceService;
 export const CoordinatorServiceService = {
   /**
-   * Takes a rollout lease when staleness capacity allows; RESOURCE_EXHAUSTED with retry
-   * info when it does not.
+   * Takes a rollout lease when staleness capacity allows. Errors: INVALID_ARGUMENT
+   * (google.rpc.BadRequest naming group_size) when group_size < 1; RESOURCE_EXHAUSTED with
+   * google.rpc.RetryInfo when capacity is full (ask again after its delay).
    */
   acquireRollout: {
     path: "/areal.v1.CoordinatorService/AcquireRollout" as const,
@@ -2268,7 +2269,10 @@ export const CoordinatorServiceService = {
       Buffer.from(AcquireRolloutResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): AcquireRolloutResponse => AcquireRolloutResponse.decode(value),
   },
-  /** Gives a lease back unused; its capacity is freed. */
+  /**
+   * Gives a lease back unused; its capacity is freed. NOT_FOUND when the lease is unknown
+   * or has expired.
+   */
   releaseRollout: {
     path: "/areal.v1.CoordinatorService/ReleaseRollout" as const,
     requestStream: false as const,
@@ -2280,7 +2284,20 @@ export const CoordinatorServiceService = {
       Buffer.from(ReleaseRolloutResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): ReleaseRolloutResponse => ReleaseRolloutResponse.decode(value),
   },
-  /** Submits trajectory groups produced under leases. */
+  /**
+   * Submits trajectory groups produced under leases, one per message; answers when the
+   * stream ends. Each group is checked in this order:
+   * 1. an empty lease_id ends the call with INVALID_ARGUMENT, as in 3;
+   * 2. an unknown or expired lease: the group is listed in rejections (before the group
+   *    itself is looked at) and the call goes on;
+   * 3. a malformed group (a field out of range, a task_id other than lease_id) ends the
+   *    call with INVALID_ARGUMENT, a google.rpc.BadRequest naming requests[i] and the
+   *    field; groups before it stay accepted and its lease stays valid for a corrected
+   *    group;
+   * 4. a group whose first generated token is more than max_staleness versions behind:
+   *    listed in rejections, its lease used up.
+   * Any other group is accepted into the training buffer, its lease used up.
+   */
   submitTrajectories: {
     path: "/areal.v1.CoordinatorService/SubmitTrajectories" as const,
     requestStream: true as const,
@@ -2315,7 +2332,11 @@ export const CoordinatorServiceService = {
       Buffer.from(GetCoordinatorStatusResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): GetCoordinatorStatusResponse => GetCoordinatorStatusResponse.decode(value),
   },
-  /** Adds a rollout server or trainer rank to the mesh. */
+  /**
+   * Adds a rollout server or trainer rank to the mesh. INVALID_ARGUMENT naming role or
+   * address when either is malformed; FAILED_PRECONDITION when a worker at that address is
+   * already registered or worker_id is taken.
+   */
   registerWorker: {
     path: "/areal.v1.CoordinatorService/RegisterWorker" as const,
     requestStream: false as const,
@@ -2327,7 +2348,10 @@ export const CoordinatorServiceService = {
       Buffer.from(RegisterWorkerResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): RegisterWorkerResponse => RegisterWorkerResponse.decode(value),
   },
-  /** Removes a worker from the mesh; its in-flight work is re-queued. */
+  /**
+   * Removes a worker from the mesh; its in-flight work is re-queued. NOT_FOUND for an
+   * unknown worker_id.
+   */
   deregisterWorker: {
     path: "/areal.v1.CoordinatorService/DeregisterWorker" as const,
     requestStream: false as const,
@@ -2343,8 +2367,9 @@ export const CoordinatorServiceService = {
    * Starts or stops rollout servers (through the run's launcher: local subprocesses or Ray
    * actors) until the run has the requested number. New servers are brought to the current
    * policy version before they enter rotation; removed ones (the most recently started
-   * first) have their in-flight work re-queued. FAILED_PRECONDITION when the run cannot
-   * start servers (attach mode, or a coordinator without a run).
+   * first) have their in-flight work re-queued. INVALID_ARGUMENT when servers is not in
+   * 1-64; FAILED_PRECONDITION when the run cannot start servers (attach mode, or a
+   * coordinator without a run).
    */
   scaleRolloutFleet: {
     path: "/areal.v1.CoordinatorService/ScaleRolloutFleet" as const,
@@ -2361,36 +2386,62 @@ export const CoordinatorServiceService = {
 
 export interface CoordinatorServiceServer extends UntypedServiceImplementation {
   /**
-   * Takes a rollout lease when staleness capacity allows; RESOURCE_EXHAUSTED with retry
-   * info when it does not.
+   * Takes a rollout lease when staleness capacity allows. Errors: INVALID_ARGUMENT
+   * (google.rpc.BadRequest naming group_size) when group_size < 1; RESOURCE_EXHAUSTED with
+   * google.rpc.RetryInfo when capacity is full (ask again after its delay).
    */
   acquireRollout: handleUnaryCall<AcquireRolloutRequest, AcquireRolloutResponse>;
-  /** Gives a lease back unused; its capacity is freed. */
+  /**
+   * Gives a lease back unused; its capacity is freed. NOT_FOUND when the lease is unknown
+   * or has expired.
+   */
   releaseRollout: handleUnaryCall<ReleaseRolloutRequest, ReleaseRolloutResponse>;
-  /** Submits trajectory groups produced under leases. */
+  /**
+   * Submits trajectory groups produced under leases, one per message; answers when the
+   * stream ends. Each group is checked in this order:
+   * 1. an empty lease_id ends the call with INVALID_ARGUMENT, as in 3;
+   * 2. an unknown or expired lease: the group is listed in rejections (before the group
+   *    itself is looked at) and the call goes on;
+   * 3. a malformed group (a field out of range, a task_id other than lease_id) ends the
+   *    call with INVALID_ARGUMENT, a google.rpc.BadRequest naming requests[i] and the
+   *    field; groups before it stay accepted and its lease stays valid for a corrected
+   *    group;
+   * 4. a group whose first generated token is more than max_staleness versions behind:
+   *    listed in rejections, its lease used up.
+   * Any other group is accepted into the training buffer, its lease used up.
+   */
   submitTrajectories: handleClientStreamingCall<SubmitTrajectoriesRequest, SubmitTrajectoriesResponse>;
   /** Streams the policy version: the current one at once, then each change. */
   watchVersion: handleServerStreamingCall<WatchVersionRequest, WatchVersionResponse>;
   /** Reports the run's progress and staleness counters. */
   getCoordinatorStatus: handleUnaryCall<GetCoordinatorStatusRequest, GetCoordinatorStatusResponse>;
-  /** Adds a rollout server or trainer rank to the mesh. */
+  /**
+   * Adds a rollout server or trainer rank to the mesh. INVALID_ARGUMENT naming role or
+   * address when either is malformed; FAILED_PRECONDITION when a worker at that address is
+   * already registered or worker_id is taken.
+   */
   registerWorker: handleUnaryCall<RegisterWorkerRequest, RegisterWorkerResponse>;
-  /** Removes a worker from the mesh; its in-flight work is re-queued. */
+  /**
+   * Removes a worker from the mesh; its in-flight work is re-queued. NOT_FOUND for an
+   * unknown worker_id.
+   */
   deregisterWorker: handleUnaryCall<DeregisterWorkerRequest, DeregisterWorkerResponse>;
   /**
    * Starts or stops rollout servers (through the run's launcher: local subprocesses or Ray
    * actors) until the run has the requested number. New servers are brought to the current
    * policy version before they enter rotation; removed ones (the most recently started
-   * first) have their in-flight work re-queued. FAILED_PRECONDITION when the run cannot
-   * start servers (attach mode, or a coordinator without a run).
+   * first) have their in-flight work re-queued. INVALID_ARGUMENT when servers is not in
+   * 1-64; FAILED_PRECONDITION when the run cannot start servers (attach mode, or a
+   * coordinator without a run).
    */
   scaleRolloutFleet: handleUnaryCall<ScaleRolloutFleetRequest, ScaleRolloutFleetResponse>;
 }
 
 export interface CoordinatorServiceClient extends Client {
   /**
-   * Takes a rollout lease when staleness capacity allows; RESOURCE_EXHAUSTED with retry
-   * info when it does not.
+   * Takes a rollout lease when staleness capacity allows. Errors: INVALID_ARGUMENT
+   * (google.rpc.BadRequest naming group_size) when group_size < 1; RESOURCE_EXHAUSTED with
+   * google.rpc.RetryInfo when capacity is full (ask again after its delay).
    */
   acquireRollout(
     request: AcquireRolloutRequest,
@@ -2407,7 +2458,10 @@ export interface CoordinatorServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: AcquireRolloutResponse) => void,
   ): ClientUnaryCall;
-  /** Gives a lease back unused; its capacity is freed. */
+  /**
+   * Gives a lease back unused; its capacity is freed. NOT_FOUND when the lease is unknown
+   * or has expired.
+   */
   releaseRollout(
     request: ReleaseRolloutRequest,
     callback: (error: ServiceError | null, response: ReleaseRolloutResponse) => void,
@@ -2423,7 +2477,20 @@ export interface CoordinatorServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: ReleaseRolloutResponse) => void,
   ): ClientUnaryCall;
-  /** Submits trajectory groups produced under leases. */
+  /**
+   * Submits trajectory groups produced under leases, one per message; answers when the
+   * stream ends. Each group is checked in this order:
+   * 1. an empty lease_id ends the call with INVALID_ARGUMENT, as in 3;
+   * 2. an unknown or expired lease: the group is listed in rejections (before the group
+   *    itself is looked at) and the call goes on;
+   * 3. a malformed group (a field out of range, a task_id other than lease_id) ends the
+   *    call with INVALID_ARGUMENT, a google.rpc.BadRequest naming requests[i] and the
+   *    field; groups before it stay accepted and its lease stays valid for a corrected
+   *    group;
+   * 4. a group whose first generated token is more than max_staleness versions behind:
+   *    listed in rejections, its lease used up.
+   * Any other group is accepted into the training buffer, its lease used up.
+   */
   submitTrajectories(
     callback: (error: ServiceError | null, response: SubmitTrajectoriesResponse) => void,
   ): ClientWritableStream<SubmitTrajectoriesRequest>;
@@ -2466,7 +2533,11 @@ export interface CoordinatorServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: GetCoordinatorStatusResponse) => void,
   ): ClientUnaryCall;
-  /** Adds a rollout server or trainer rank to the mesh. */
+  /**
+   * Adds a rollout server or trainer rank to the mesh. INVALID_ARGUMENT naming role or
+   * address when either is malformed; FAILED_PRECONDITION when a worker at that address is
+   * already registered or worker_id is taken.
+   */
   registerWorker(
     request: RegisterWorkerRequest,
     callback: (error: ServiceError | null, response: RegisterWorkerResponse) => void,
@@ -2482,7 +2553,10 @@ export interface CoordinatorServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: RegisterWorkerResponse) => void,
   ): ClientUnaryCall;
-  /** Removes a worker from the mesh; its in-flight work is re-queued. */
+  /**
+   * Removes a worker from the mesh; its in-flight work is re-queued. NOT_FOUND for an
+   * unknown worker_id.
+   */
   deregisterWorker(
     request: DeregisterWorkerRequest,
     callback: (error: ServiceError | null, response: DeregisterWorkerResponse) => void,
@@ -2502,8 +2576,9 @@ export interface CoordinatorServiceClient extends Client {
    * Starts or stops rollout servers (through the run's launcher: local subprocesses or Ray
    * actors) until the run has the requested number. New servers are brought to the current
    * policy version before they enter rotation; removed ones (the most recently started
-   * first) have their in-flight work re-queued. FAILED_PRECONDITION when the run cannot
-   * start servers (attach mode, or a coordinator without a run).
+   * first) have their in-flight work re-queued. INVALID_ARGUMENT when servers is not in
+   * 1-64; FAILED_PRECONDITION when the run cannot start servers (attach mode, or a
+   * coordinator without a run).
    */
   scaleRolloutFleet(
     request: ScaleRolloutFleetRequest,

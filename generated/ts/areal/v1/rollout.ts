@@ -2106,7 +2106,11 @@ export type RolloutServiceService = typeof RolloutServiceService;
 export const RolloutServiceService = {
   /**
    * Runs episodes. The caller streams tasks (and cancellations); the server streams back one
-   * result per task as each finishes, in completion order, not request order.
+   * result per task as each finishes, in completion order, not request order. A task that
+   * cannot run (an empty or duplicate task_id, bad sampling, a prompt over the limits) is
+   * not an error of the call: its result has EPISODE_OUTCOME_FAILED and a reason starting
+   * "INVALID_ARGUMENT: " naming the field, and the other tasks go on. A cancel for an
+   * unknown task_id is ignored (the task may have finished).
    */
   runEpisodes: {
     path: "/areal.v1.RolloutService/RunEpisodes" as const,
@@ -2117,7 +2121,11 @@ export const RolloutServiceService = {
     responseSerialize: (value: RunEpisodesResponse): Buffer => Buffer.from(RunEpisodesResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): RunEpisodesResponse => RunEpisodesResponse.decode(value),
   },
-  /** Generates completions for a tokenized prompt and returns them whole. */
+  /**
+   * Generates completions for a tokenized prompt and returns them whole. INVALID_ARGUMENT
+   * (google.rpc.BadRequest naming the field) for bad sampling or input_ids: empty, a token
+   * outside the vocabulary, longer than the model's context or the server's memory budget.
+   */
   generate: {
     path: "/areal.v1.RolloutService/Generate" as const,
     requestStream: false as const,
@@ -2127,7 +2135,10 @@ export const RolloutServiceService = {
     responseSerialize: (value: GenerateResponse): Buffer => Buffer.from(GenerateResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): GenerateResponse => GenerateResponse.decode(value),
   },
-  /** Generates one completion for a tokenized prompt, streaming tokens as they are decoded. */
+  /**
+   * Generates one completion for a tokenized prompt, streaming tokens as they are decoded.
+   * Errors as for Generate; sampling.n_samples must be 0 or 1.
+   */
   generateStream: {
     path: "/areal.v1.RolloutService/GenerateStream" as const,
     requestStream: false as const,
@@ -2184,12 +2195,23 @@ export const RolloutServiceService = {
 export interface RolloutServiceServer extends UntypedServiceImplementation {
   /**
    * Runs episodes. The caller streams tasks (and cancellations); the server streams back one
-   * result per task as each finishes, in completion order, not request order.
+   * result per task as each finishes, in completion order, not request order. A task that
+   * cannot run (an empty or duplicate task_id, bad sampling, a prompt over the limits) is
+   * not an error of the call: its result has EPISODE_OUTCOME_FAILED and a reason starting
+   * "INVALID_ARGUMENT: " naming the field, and the other tasks go on. A cancel for an
+   * unknown task_id is ignored (the task may have finished).
    */
   runEpisodes: handleBidiStreamingCall<RunEpisodesRequest, RunEpisodesResponse>;
-  /** Generates completions for a tokenized prompt and returns them whole. */
+  /**
+   * Generates completions for a tokenized prompt and returns them whole. INVALID_ARGUMENT
+   * (google.rpc.BadRequest naming the field) for bad sampling or input_ids: empty, a token
+   * outside the vocabulary, longer than the model's context or the server's memory budget.
+   */
   generate: handleUnaryCall<GenerateRequest, GenerateResponse>;
-  /** Generates one completion for a tokenized prompt, streaming tokens as they are decoded. */
+  /**
+   * Generates one completion for a tokenized prompt, streaming tokens as they are decoded.
+   * Errors as for Generate; sampling.n_samples must be 0 or 1.
+   */
   generateStream: handleServerStreamingCall<GenerateStreamRequest, GenerateStreamResponse>;
   /**
    * Stops decoding at the next token boundary (for a weight update). In-flight requests end
@@ -2206,7 +2228,11 @@ export interface RolloutServiceServer extends UntypedServiceImplementation {
 export interface RolloutServiceClient extends Client {
   /**
    * Runs episodes. The caller streams tasks (and cancellations); the server streams back one
-   * result per task as each finishes, in completion order, not request order.
+   * result per task as each finishes, in completion order, not request order. A task that
+   * cannot run (an empty or duplicate task_id, bad sampling, a prompt over the limits) is
+   * not an error of the call: its result has EPISODE_OUTCOME_FAILED and a reason starting
+   * "INVALID_ARGUMENT: " naming the field, and the other tasks go on. A cancel for an
+   * unknown task_id is ignored (the task may have finished).
    */
   runEpisodes(): ClientDuplexStream<RunEpisodesRequest, RunEpisodesResponse>;
   runEpisodes(options: Partial<CallOptions>): ClientDuplexStream<RunEpisodesRequest, RunEpisodesResponse>;
@@ -2214,7 +2240,11 @@ export interface RolloutServiceClient extends Client {
     metadata: Metadata,
     options?: Partial<CallOptions>,
   ): ClientDuplexStream<RunEpisodesRequest, RunEpisodesResponse>;
-  /** Generates completions for a tokenized prompt and returns them whole. */
+  /**
+   * Generates completions for a tokenized prompt and returns them whole. INVALID_ARGUMENT
+   * (google.rpc.BadRequest naming the field) for bad sampling or input_ids: empty, a token
+   * outside the vocabulary, longer than the model's context or the server's memory budget.
+   */
   generate(
     request: GenerateRequest,
     callback: (error: ServiceError | null, response: GenerateResponse) => void,
@@ -2230,7 +2260,10 @@ export interface RolloutServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: GenerateResponse) => void,
   ): ClientUnaryCall;
-  /** Generates one completion for a tokenized prompt, streaming tokens as they are decoded. */
+  /**
+   * Generates one completion for a tokenized prompt, streaming tokens as they are decoded.
+   * Errors as for Generate; sampling.n_samples must be 0 or 1.
+   */
   generateStream(
     request: GenerateStreamRequest,
     options?: Partial<CallOptions>,

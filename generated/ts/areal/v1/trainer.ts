@@ -2474,7 +2474,13 @@ export const TrainerServiceService = {
   /**
    * Runs one training step on this rank's shard of the batch. The caller streams a
    * StepBegin, then the rank's trajectory groups, then StepEnd; the rank streams back
-   * progress and, last, the step's statistics.
+   * progress and, last, the step's statistics. The ranks agree before training, so a step
+   * trains on every rank or on none. Errors: INVALID_ARGUMENT (google.rpc.BadRequest naming
+   * the field) for this rank's malformed stream or shard; FAILED_PRECONDITION when
+   * begin.policy_version is not the version of the rank's weights, or the ranks disagree on
+   * begin.global_step; ABORTED on a rank whose own part was fine when another rank refused
+   * its part; UNAVAILABLE while the rank is not ready or after its process group broke
+   * (restart the group).
    */
   trainStep: {
     path: "/areal.v1.TrainerService/TrainStep" as const,
@@ -2485,7 +2491,11 @@ export const TrainerServiceService = {
     responseSerialize: (value: TrainStepResponse): Buffer => Buffer.from(TrainStepResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): TrainStepResponse => TrainStepResponse.decode(value),
   },
-  /** Saves this rank's shard of model, optimizer and scheduler state (sharded, atomic). */
+  /**
+   * Saves this rank's shard of model, optimizer and scheduler state (sharded, atomic).
+   * INVALID_ARGUMENT naming path when it resolves outside the rank's configured roots;
+   * FAILED_PRECONDITION when path is a directory this project did not write.
+   */
   saveCheckpoint: {
     path: "/areal.v1.TrainerService/SaveCheckpoint" as const,
     requestStream: false as const,
@@ -2497,7 +2507,10 @@ export const TrainerServiceService = {
       Buffer.from(SaveCheckpointResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): SaveCheckpointResponse => SaveCheckpointResponse.decode(value),
   },
-  /** Loads a checkpoint written by SaveCheckpoint. */
+  /**
+   * Loads a checkpoint written by SaveCheckpoint. INVALID_ARGUMENT naming path (outside the
+   * roots) or min_policy_version (negative); NOT_FOUND when path holds no checkpoint.
+   */
   loadCheckpoint: {
     path: "/areal.v1.TrainerService/LoadCheckpoint" as const,
     requestStream: false as const,
@@ -2509,7 +2522,11 @@ export const TrainerServiceService = {
       Buffer.from(LoadCheckpointResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): LoadCheckpointResponse => LoadCheckpointResponse.decode(value),
   },
-  /** Writes the full model in Hugging Face format (collective; rank 0 writes the files). */
+  /**
+   * Writes the full model in Hugging Face format (collective; rank 0 writes the files).
+   * INVALID_ARGUMENT naming path when outside the roots; FAILED_PRECONDITION when path is a
+   * directory this project did not write (it is never replaced).
+   */
   exportModel: {
     path: "/areal.v1.TrainerService/ExportModel" as const,
     requestStream: false as const,
@@ -2535,7 +2552,9 @@ export const TrainerServiceService = {
    * Publishes the current weights to rollout servers (collective: call it on every rank with
    * the same request). Every rank gathers the full parameters piece by piece; rank 0 sends
    * each piece as it is gathered, by the method each server accepts (see WeightSyncService),
-   * and reports one result per server. A server that fails does not stop the others.
+   * and reports one result per server. A server that fails does not stop the others: its
+   * failure is its PublishTargetResult.status, and the call is OK. The call itself fails
+   * with INVALID_ARGUMENT naming the field for a malformed request (on every rank alike).
    */
   publishWeights: {
     path: "/areal.v1.TrainerService/PublishWeights" as const,
@@ -2554,14 +2573,31 @@ export interface TrainerServiceServer extends UntypedServiceImplementation {
   /**
    * Runs one training step on this rank's shard of the batch. The caller streams a
    * StepBegin, then the rank's trajectory groups, then StepEnd; the rank streams back
-   * progress and, last, the step's statistics.
+   * progress and, last, the step's statistics. The ranks agree before training, so a step
+   * trains on every rank or on none. Errors: INVALID_ARGUMENT (google.rpc.BadRequest naming
+   * the field) for this rank's malformed stream or shard; FAILED_PRECONDITION when
+   * begin.policy_version is not the version of the rank's weights, or the ranks disagree on
+   * begin.global_step; ABORTED on a rank whose own part was fine when another rank refused
+   * its part; UNAVAILABLE while the rank is not ready or after its process group broke
+   * (restart the group).
    */
   trainStep: handleBidiStreamingCall<TrainStepRequest, TrainStepResponse>;
-  /** Saves this rank's shard of model, optimizer and scheduler state (sharded, atomic). */
+  /**
+   * Saves this rank's shard of model, optimizer and scheduler state (sharded, atomic).
+   * INVALID_ARGUMENT naming path when it resolves outside the rank's configured roots;
+   * FAILED_PRECONDITION when path is a directory this project did not write.
+   */
   saveCheckpoint: handleUnaryCall<SaveCheckpointRequest, SaveCheckpointResponse>;
-  /** Loads a checkpoint written by SaveCheckpoint. */
+  /**
+   * Loads a checkpoint written by SaveCheckpoint. INVALID_ARGUMENT naming path (outside the
+   * roots) or min_policy_version (negative); NOT_FOUND when path holds no checkpoint.
+   */
   loadCheckpoint: handleUnaryCall<LoadCheckpointRequest, LoadCheckpointResponse>;
-  /** Writes the full model in Hugging Face format (collective; rank 0 writes the files). */
+  /**
+   * Writes the full model in Hugging Face format (collective; rank 0 writes the files).
+   * INVALID_ARGUMENT naming path when outside the roots; FAILED_PRECONDITION when path is a
+   * directory this project did not write (it is never replaced).
+   */
   exportModel: handleUnaryCall<ExportModelRequest, ExportModelResponse>;
   /** Reports the rank's version, step and group. */
   getTrainerStatus: handleUnaryCall<GetTrainerStatusRequest, GetTrainerStatusResponse>;
@@ -2569,7 +2605,9 @@ export interface TrainerServiceServer extends UntypedServiceImplementation {
    * Publishes the current weights to rollout servers (collective: call it on every rank with
    * the same request). Every rank gathers the full parameters piece by piece; rank 0 sends
    * each piece as it is gathered, by the method each server accepts (see WeightSyncService),
-   * and reports one result per server. A server that fails does not stop the others.
+   * and reports one result per server. A server that fails does not stop the others: its
+   * failure is its PublishTargetResult.status, and the call is OK. The call itself fails
+   * with INVALID_ARGUMENT naming the field for a malformed request (on every rank alike).
    */
   publishWeights: handleUnaryCall<PublishWeightsRequest, PublishWeightsResponse>;
 }
@@ -2578,7 +2616,13 @@ export interface TrainerServiceClient extends Client {
   /**
    * Runs one training step on this rank's shard of the batch. The caller streams a
    * StepBegin, then the rank's trajectory groups, then StepEnd; the rank streams back
-   * progress and, last, the step's statistics.
+   * progress and, last, the step's statistics. The ranks agree before training, so a step
+   * trains on every rank or on none. Errors: INVALID_ARGUMENT (google.rpc.BadRequest naming
+   * the field) for this rank's malformed stream or shard; FAILED_PRECONDITION when
+   * begin.policy_version is not the version of the rank's weights, or the ranks disagree on
+   * begin.global_step; ABORTED on a rank whose own part was fine when another rank refused
+   * its part; UNAVAILABLE while the rank is not ready or after its process group broke
+   * (restart the group).
    */
   trainStep(): ClientDuplexStream<TrainStepRequest, TrainStepResponse>;
   trainStep(options: Partial<CallOptions>): ClientDuplexStream<TrainStepRequest, TrainStepResponse>;
@@ -2586,7 +2630,11 @@ export interface TrainerServiceClient extends Client {
     metadata: Metadata,
     options?: Partial<CallOptions>,
   ): ClientDuplexStream<TrainStepRequest, TrainStepResponse>;
-  /** Saves this rank's shard of model, optimizer and scheduler state (sharded, atomic). */
+  /**
+   * Saves this rank's shard of model, optimizer and scheduler state (sharded, atomic).
+   * INVALID_ARGUMENT naming path when it resolves outside the rank's configured roots;
+   * FAILED_PRECONDITION when path is a directory this project did not write.
+   */
   saveCheckpoint(
     request: SaveCheckpointRequest,
     callback: (error: ServiceError | null, response: SaveCheckpointResponse) => void,
@@ -2602,7 +2650,10 @@ export interface TrainerServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: SaveCheckpointResponse) => void,
   ): ClientUnaryCall;
-  /** Loads a checkpoint written by SaveCheckpoint. */
+  /**
+   * Loads a checkpoint written by SaveCheckpoint. INVALID_ARGUMENT naming path (outside the
+   * roots) or min_policy_version (negative); NOT_FOUND when path holds no checkpoint.
+   */
   loadCheckpoint(
     request: LoadCheckpointRequest,
     callback: (error: ServiceError | null, response: LoadCheckpointResponse) => void,
@@ -2618,7 +2669,11 @@ export interface TrainerServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: LoadCheckpointResponse) => void,
   ): ClientUnaryCall;
-  /** Writes the full model in Hugging Face format (collective; rank 0 writes the files). */
+  /**
+   * Writes the full model in Hugging Face format (collective; rank 0 writes the files).
+   * INVALID_ARGUMENT naming path when outside the roots; FAILED_PRECONDITION when path is a
+   * directory this project did not write (it is never replaced).
+   */
   exportModel(
     request: ExportModelRequest,
     callback: (error: ServiceError | null, response: ExportModelResponse) => void,
@@ -2654,7 +2709,9 @@ export interface TrainerServiceClient extends Client {
    * Publishes the current weights to rollout servers (collective: call it on every rank with
    * the same request). Every rank gathers the full parameters piece by piece; rank 0 sends
    * each piece as it is gathered, by the method each server accepts (see WeightSyncService),
-   * and reports one result per server. A server that fails does not stop the others.
+   * and reports one result per server. A server that fails does not stop the others: its
+   * failure is its PublishTargetResult.status, and the call is OK. The call itself fails
+   * with INVALID_ARGUMENT naming the field for a malformed request (on every rank alike).
    */
   publishWeights(
     request: PublishWeightsRequest,

@@ -1737,7 +1737,9 @@ export type WeightSyncServiceService = typeof WeightSyncServiceService;
 export const WeightSyncServiceService = {
   /**
    * Agrees on how weights travel: the sender offers methods in preference order, the
-   * receiver answers with the first it accepts and its parameters.
+   * receiver answers with the first it accepts and its parameters. INVALID_ARGUMENT naming
+   * the field for a malformed offer; FAILED_PRECONDITION, listing what this server supports
+   * and why it declined each offer, when it accepts none.
    */
   negotiate: {
     path: "/areal.v1.WeightSyncService/Negotiate" as const,
@@ -1751,6 +1753,13 @@ export const WeightSyncServiceService = {
   /**
    * Streams a full state dict as chunks; applied atomically once the stream completes (a
    * broken stream leaves the old weights serving).
+   *
+   * Errors of the three update calls, after which the old weights keep serving:
+   * INVALID_ARGUMENT (google.rpc.BadRequest naming the field) for a malformed message, a
+   * chunk whose CRC-32C or size does not match, a path outside the receiver's root, or a
+   * state dict that does not fit the model; FAILED_PRECONDITION when plan_id is unknown
+   * (negotiate again), the policy version is not newer than the served one, or the server
+   * does not take this method.
    */
   pushWeights: {
     path: "/areal.v1.WeightSyncService/PushWeights" as const,
@@ -1761,7 +1770,11 @@ export const WeightSyncServiceService = {
     responseSerialize: (value: PushWeightsResponse): Buffer => Buffer.from(PushWeightsResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): PushWeightsResponse => PushWeightsResponse.decode(value),
   },
-  /** Loads weights from a Hugging Face safetensors directory under the receiver's root. */
+  /**
+   * Loads weights from a Hugging Face safetensors directory under the receiver's root.
+   * Errors as for PushWeights; a directory that is missing, not under the root, or lacks
+   * a readable weights file is INVALID_ARGUMENT naming path.
+   */
   updateFromDisk: {
     path: "/areal.v1.WeightSyncService/UpdateFromDisk" as const,
     requestStream: false as const,
@@ -1773,7 +1786,11 @@ export const WeightSyncServiceService = {
       Buffer.from(UpdateFromDiskResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): UpdateFromDiskResponse => UpdateFromDiskResponse.decode(value),
   },
-  /** Receives weights by broadcast over the negotiated torch.distributed group. */
+  /**
+   * Receives weights by broadcast over the negotiated torch.distributed group. Errors as for
+   * PushWeights. When another member of the group fails, the sender cancels this call
+   * (CANCELLED) and negotiates a new group for the next update.
+   */
   updateFromDistributed: {
     path: "/areal.v1.WeightSyncService/UpdateFromDistributed" as const,
     requestStream: false as const,
@@ -1790,24 +1807,43 @@ export const WeightSyncServiceService = {
 export interface WeightSyncServiceServer extends UntypedServiceImplementation {
   /**
    * Agrees on how weights travel: the sender offers methods in preference order, the
-   * receiver answers with the first it accepts and its parameters.
+   * receiver answers with the first it accepts and its parameters. INVALID_ARGUMENT naming
+   * the field for a malformed offer; FAILED_PRECONDITION, listing what this server supports
+   * and why it declined each offer, when it accepts none.
    */
   negotiate: handleUnaryCall<NegotiateRequest, NegotiateResponse>;
   /**
    * Streams a full state dict as chunks; applied atomically once the stream completes (a
    * broken stream leaves the old weights serving).
+   *
+   * Errors of the three update calls, after which the old weights keep serving:
+   * INVALID_ARGUMENT (google.rpc.BadRequest naming the field) for a malformed message, a
+   * chunk whose CRC-32C or size does not match, a path outside the receiver's root, or a
+   * state dict that does not fit the model; FAILED_PRECONDITION when plan_id is unknown
+   * (negotiate again), the policy version is not newer than the served one, or the server
+   * does not take this method.
    */
   pushWeights: handleClientStreamingCall<PushWeightsRequest, PushWeightsResponse>;
-  /** Loads weights from a Hugging Face safetensors directory under the receiver's root. */
+  /**
+   * Loads weights from a Hugging Face safetensors directory under the receiver's root.
+   * Errors as for PushWeights; a directory that is missing, not under the root, or lacks
+   * a readable weights file is INVALID_ARGUMENT naming path.
+   */
   updateFromDisk: handleUnaryCall<UpdateFromDiskRequest, UpdateFromDiskResponse>;
-  /** Receives weights by broadcast over the negotiated torch.distributed group. */
+  /**
+   * Receives weights by broadcast over the negotiated torch.distributed group. Errors as for
+   * PushWeights. When another member of the group fails, the sender cancels this call
+   * (CANCELLED) and negotiates a new group for the next update.
+   */
   updateFromDistributed: handleUnaryCall<UpdateFromDistributedRequest, UpdateFromDistributedResponse>;
 }
 
 export interface WeightSyncServiceClient extends Client {
   /**
    * Agrees on how weights travel: the sender offers methods in preference order, the
-   * receiver answers with the first it accepts and its parameters.
+   * receiver answers with the first it accepts and its parameters. INVALID_ARGUMENT naming
+   * the field for a malformed offer; FAILED_PRECONDITION, listing what this server supports
+   * and why it declined each offer, when it accepts none.
    */
   negotiate(
     request: NegotiateRequest,
@@ -1827,6 +1863,13 @@ export interface WeightSyncServiceClient extends Client {
   /**
    * Streams a full state dict as chunks; applied atomically once the stream completes (a
    * broken stream leaves the old weights serving).
+   *
+   * Errors of the three update calls, after which the old weights keep serving:
+   * INVALID_ARGUMENT (google.rpc.BadRequest naming the field) for a malformed message, a
+   * chunk whose CRC-32C or size does not match, a path outside the receiver's root, or a
+   * state dict that does not fit the model; FAILED_PRECONDITION when plan_id is unknown
+   * (negotiate again), the policy version is not newer than the served one, or the server
+   * does not take this method.
    */
   pushWeights(
     callback: (error: ServiceError | null, response: PushWeightsResponse) => void,
@@ -1844,7 +1887,11 @@ export interface WeightSyncServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: PushWeightsResponse) => void,
   ): ClientWritableStream<PushWeightsRequest>;
-  /** Loads weights from a Hugging Face safetensors directory under the receiver's root. */
+  /**
+   * Loads weights from a Hugging Face safetensors directory under the receiver's root.
+   * Errors as for PushWeights; a directory that is missing, not under the root, or lacks
+   * a readable weights file is INVALID_ARGUMENT naming path.
+   */
   updateFromDisk(
     request: UpdateFromDiskRequest,
     callback: (error: ServiceError | null, response: UpdateFromDiskResponse) => void,
@@ -1860,7 +1907,11 @@ export interface WeightSyncServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: UpdateFromDiskResponse) => void,
   ): ClientUnaryCall;
-  /** Receives weights by broadcast over the negotiated torch.distributed group. */
+  /**
+   * Receives weights by broadcast over the negotiated torch.distributed group. Errors as for
+   * PushWeights. When another member of the group fails, the sender cancels this call
+   * (CANCELLED) and negotiates a new group for the next update.
+   */
   updateFromDistributed(
     request: UpdateFromDistributedRequest,
     callback: (error: ServiceError | null, response: UpdateFromDistributedResponse) => void,
