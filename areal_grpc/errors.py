@@ -133,6 +133,11 @@ def code_of(st: status_pb2.Status) -> grpc.StatusCode:
     return _CODES.get(st.code, grpc.StatusCode.UNKNOWN)
 
 
+def describe(st: status_pb2.Status) -> str:
+    """``CODE: message``, how a failure reads in logs and per-target reports."""
+    return f"{code_of(st).name}: {st.message}"
+
+
 def status_proto(code: grpc.StatusCode, message: str) -> status_pb2.Status:
     """A ``google.rpc.Status`` with no details."""
     return status_pb2.Status(code=code.value[0], message=message)
@@ -204,6 +209,7 @@ __all__ = [
     "abort_for",
     "abort_with",
     "code_of",
+    "describe",
     "field_violations",
     "invalid_argument",
     "resource_exhausted",

@@ -286,8 +286,8 @@ def tune_malloc(
     Setting a threshold turns off glibc's own adaptive one, which grows up to 32 MiB as large
     blocks are freed. A fixed 4 MiB here made every 4-32 MiB activation of a training step an
     mmap, a munmap and a page fault per 4 KiB (a trainer rank of the 135M model: 7x the faults
-    and 1.3x the step time of the same rank without tuning), so the default is glibc's largest
-    accepted value, 32 MiB: nothing is mapped afresh that the adaptive threshold would reuse.
+    and 1.3x the step time of the same rank without tuning), so the default is 32 MiB, the
+    adaptive threshold's cap: nothing is mapped afresh that the adaptive one would reuse.
     """
     if not sys.platform.startswith("linux"):
         return False

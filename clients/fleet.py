@@ -37,8 +37,9 @@ from areal.v1 import (
     trainer_pb2_grpc,
     weight_sync_pb2,
 )
+from google.rpc import status_pb2
 
-from areal_grpc.errors import REFUSALS, code_of, status_proto_of
+from areal_grpc.errors import REFUSALS, code_of, describe, status_proto_of
 from areal_grpc.server import aio_channel
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ class ServerUpdate:
         self.code = code
         self.error = error
 
+    def fail_with(self, st: status_pb2.Status, step: str = "") -> None:
+        """Records the failure ``st`` of ``step`` (e.g. ``"pause: "``)."""
+        self.fail(code_of(st), f"{step}{describe(st)}")
+
 
 @dataclass
 class FleetUpdateResult:
@@ -107,13 +112,8 @@ def _method_name(value: int) -> str:
     return ""
 
 
-def _code(exc: BaseException) -> grpc.StatusCode:
-    return code_of(status_proto_of(exc))
-
-
 def _error(exc: BaseException) -> str:
-    st = status_proto_of(exc)
-    return f"{code_of(st).name}: {st.message}"
+    return describe(status_proto_of(exc))
 
 
 async def _each(
@@ -162,7 +162,7 @@ async def update_fleet_weights(
         paused: list[str] = []
         for a, reply in zip(rollout_addresses, await _each(rollout_addresses, pause), strict=True):
             if isinstance(reply, BaseException):
-                servers[a].fail(_code(reply), f"pause: {_error(reply)}")
+                servers[a].fail_with(status_proto_of(reply), "pause: ")
             else:
                 servers[a].policy_version = reply.policy_version
                 paused.append(a)
@@ -212,8 +212,7 @@ async def update_fleet_weights(
                 s.sent_bytes = res.sent_bytes
                 s.policy_version = res.policy_version
                 if res.status.code:
-                    code = code_of(res.status)
-                    s.fail(code, f"{code.name}: {res.status.message}")
+                    s.fail_with(res.status)
                 elif not res.ok:
                     s.fail(grpc.StatusCode.UNKNOWN, "not updated")
                 else:  # a server retried after failing the first round
@@ -254,7 +253,7 @@ async def update_fleet_weights(
 
         for a, st in zip(candidates, await _each(candidates, status), strict=True):
             if isinstance(st, BaseException):
-                servers[a].fail(_code(st), f"confirm: {_error(st)}")
+                servers[a].fail_with(status_proto_of(st), "confirm: ")
             elif st.policy_version != version:
                 servers[a].fail(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -269,7 +268,7 @@ async def update_fleet_weights(
             good, await _each(good, lambda a: _resume(rollout[a], control_timeout_s)), strict=True
         ):
             if isinstance(r, BaseException):
-                servers[a].fail(_code(r), f"resume: {_error(r)}")
+                servers[a].fail_with(status_proto_of(r), "resume: ")
             else:
                 servers[a].ok = True
         result = FleetUpdateResult(

@@ -46,7 +46,7 @@ from google.rpc import status_pb2
 from torch.distributed.tensor import DTensor
 
 from areal_grpc import tensor_codec as tc
-from areal_grpc.errors import code_of, status_proto, status_proto_of
+from areal_grpc.errors import describe, status_proto, status_proto_of
 from areal_grpc.server import aio_channel, default_channel_options
 from areal_grpc.weight_disk import VersionWriter, prune_versions, version_dir_name
 from areal_grpc.weight_transfer import (
@@ -195,9 +195,7 @@ class TargetResult:
     @property
     def error(self) -> str:
         """``CODE: message`` of the failure; empty while none."""
-        if self.status.code == 0:
-            return ""
-        return f"{code_of(self.status).name}: {self.status.message}"
+        return describe(self.status) if self.status.code else ""
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Marks the target failed (the first error is kept)."""
