@@ -138,6 +138,13 @@ def describe(st: status_pb2.Status) -> str:
     return f"{code_of(st).name}: {st.message}"
 
 
+def explain(exc: BaseException) -> str:
+    """A one-line account of an exception (a failed call: ``CODE: details``), for logs."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"[:300]
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
 def status_proto(code: grpc.StatusCode, message: str) -> status_pb2.Status:
     """A ``google.rpc.Status`` with no details."""
     return status_pb2.Status(code=code.value[0], message=message)
@@ -210,6 +217,7 @@ __all__ = [
     "abort_with",
     "code_of",
     "describe",
+    "explain",
     "field_violations",
     "invalid_argument",
     "resource_exhausted",

@@ -8,6 +8,7 @@ then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,6 +211,16 @@ def health_status(address: str, service: str = "", timeout_s: float = 5.0) -> st
         except grpc.RpcError:
             return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+# (address, service, timeout_s) -> the grpc.health.v1 status name; injectable so that the
+# coordinator's components can be unit-tested against in-process fakes.
+HealthCheck = Callable[[str, str, float], Awaitable[str]]
+
+
+async def check_health(address: str, service: str = "", timeout_s: float = 5.0) -> str:
+    """:func:`health_status` without blocking the event loop (a :data:`HealthCheck`)."""
+    return await asyncio.to_thread(health_status, address, service, timeout_s)
 
 
 def stop_children(children: Sequence[Child], grace_s: float = 15.0) -> dict[str, int]:

@@ -76,11 +76,13 @@ class TrainerClient:
         )
 
     async def load_checkpoint(
-        self, path: str, timeout_s: float | None = None
+        self, path: str, timeout_s: float | None = None, *, min_policy_version: int = 0
     ) -> trainer_pb2.LoadCheckpointResponse:
-        """Restores a checkpoint written by :meth:`save_checkpoint`."""
+        """Restores a checkpoint written by :meth:`save_checkpoint`; the rank goes on from at
+        least ``min_policy_version``."""
         return await self.stub.LoadCheckpoint(
-            trainer_pb2.LoadCheckpointRequest(path=path), timeout=timeout_s
+            trainer_pb2.LoadCheckpointRequest(path=path, min_policy_version=min_policy_version),
+            timeout=timeout_s,
         )
 
     async def export_model(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from areal_grpc.config import load_config
-from areal_grpc.coordinator.loop import load_items
+from areal_grpc.coordinator.dataloader import load_items
 from areal_grpc.data import MIX, arithmetic_items, load_file, write_arithmetic
 from areal_grpc.errors import FieldError
 from areal_grpc.rewards import gsm8k_reward

@@ -215,8 +215,8 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             # waits for them.
             restart_trainers=restart_trainers if cfg.launcher.mode != "attach" else None,
             # Attach mode (None): a lost rollout server is waited for, not replaced.
-            fleet=fleet,
-            fleet_changed=rollout_replaced,
+            launcher=fleet,
+            rollout_replaced=rollout_replaced,
         )
 
         async def add(worker: Worker) -> None:

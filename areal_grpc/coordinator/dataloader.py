@@ -1,4 +1,5 @@
-"""A deterministic prompt loader whose position is exact: one integer, the prompts handed out.
+"""The run's items (:func:`load_items`), and a deterministic prompt loader whose position is
+exact: one integer, the prompts handed out.
 
 Epoch ``e`` visits every item once, in an order that depends only on ``(seed, e)``, so the
 prompt at any position can be recomputed after a restart from the position alone (AReaL
@@ -14,9 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from areal_grpc.config import RunConfig
+from areal_grpc.data import load_file
 from areal_grpc.errors import FieldError
+from areal_grpc.tasks import task_dataset
 
-__all__ = ["Prompt", "PromptLoader"]
+__all__ = ["Prompt", "PromptLoader", "load_items"]
 
 
 @dataclass(frozen=True)
@@ -85,3 +89,24 @@ class PromptLoader:
         if position < 0:
             raise FieldError("dataloader.position", f"must be >= 0, got {position}")
         self.position = position
+
+
+def load_items(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
+    """The items of ``split`` ("train" / "eval"): a built-in task, or JSONL / Parquet files."""
+    if cfg.data.path is None:
+        return task_dataset(cfg.data.task, split, cfg.model.seed)
+    if split == "eval" and cfg.data.eval_path is not None:
+        items, key = load_file(cfg.data.eval_path, "data.eval_path"), "eval"
+    else:
+        items, key = load_file(cfg.data.path, "data.path"), "train"
+    for i, item in enumerate(items):
+        item.setdefault("task", cfg.data.task)
+        item.setdefault("id", f"{cfg.data.task}-{key}-{i}")
+    if cfg.data.eval_path is not None:
+        return items
+    # One file and no held-out one: its first 10% is held out for eval (none when the file
+    # is too small to spare any; eval then reuses the first item).
+    n_eval = len(items) // 10
+    if split == "eval":
+        return items[: max(1, n_eval)]
+    return items[n_eval:]
