@@ -1,7 +1,7 @@
 """Maps the top-level directories onto import names (metadata lives in pyproject.toml).
 
 areal_grpc (core library) <- areal_grpc/, areal_servers <- servers/, areal_clients <- clients/,
-areal.v1 (generated stubs) <- generated/python/areal/.
+arealgrpc.v1 (generated stubs) <- generated/python/arealgrpc/.
 """
 
 from setuptools import find_packages, setup
@@ -10,7 +10,7 @@ ROOTS = {
     "areal_grpc": "areal_grpc",
     "areal_servers": "servers",
     "areal_clients": "clients",
-    "areal": "generated/python/areal",
+    "arealgrpc": "generated/python/arealgrpc",
 }
 
 packages: list[str] = []
@@ -18,4 +18,4 @@ for name, directory in ROOTS.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(directory)]
 
-setup(packages=packages, package_dir=ROOTS, package_data={"areal": ["**/*.pyi"]})
+setup(packages=packages, package_dir=ROOTS, package_data={"arealgrpc": ["**/*.pyi"]})

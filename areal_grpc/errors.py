@@ -14,9 +14,11 @@ from collections.abc import Iterable
 from typing import NoReturn
 
 import grpc
-from google.protobuf import any_pb2, duration_pb2
+from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
+from areal_grpc.durations import duration, seconds
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +68,10 @@ def invalid_argument(errors: FieldError | Iterable[FieldError]) -> grpc.Status:
 
 def resource_exhausted(message: str, retry_after_s: float) -> grpc.Status:
     """RESOURCE_EXHAUSTED with ``google.rpc.RetryInfo`` telling the caller when to retry."""
-    delay = duration_pb2.Duration()
-    delay.FromNanoseconds(int(retry_after_s * 1e9))
     return _status(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         message,
-        [error_details_pb2.RetryInfo(retry_delay=delay)],
+        [error_details_pb2.RetryInfo(retry_delay=duration(retry_after_s))],
     )
 
 
@@ -203,7 +203,7 @@ def retry_delay_s(error: grpc.RpcError) -> float | None:
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             retry = error_details_pb2.RetryInfo()
             detail.Unpack(retry)
-            return retry.retry_delay.ToNanoseconds() / 1e9
+            return seconds(retry.retry_delay)
     return None
 
 

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from arealgrpc.v1 import coordinator_pb2, rollout_pb2, trainer_pb2, weight_sync_pb2
 from google.protobuf import descriptor_pool
+from google.protobuf.descriptor_pb2 import MethodOptions
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -141,15 +143,28 @@ def server_options(opts: ServerOptions) -> list[tuple[str, Any]]:
     ]
 
 
+def idempotent_methods() -> dict[str, tuple[str, ...]]:
+    """Service -> methods the contract marks safe to repeat (``option idempotency_level``).
+
+    Health.Check is one too: grpc.health.v1 says so in its comment, not in an option.
+    """
+    found: dict[str, tuple[str, ...]] = {"grpc.health.v1.Health": ("Check",)}
+    for module in (coordinator_pb2, rollout_pb2, trainer_pb2, weight_sync_pb2):
+        for svc in module.DESCRIPTOR.services_by_name.values():
+            names = tuple(
+                m.name
+                for m in svc.methods
+                if m.GetOptions().idempotency_level != MethodOptions.IDEMPOTENCY_UNKNOWN
+            )
+            if names:
+                found[svc.full_name] = names
+    return found
+
+
 # Calls that are safe to repeat: gRPC retries them on UNAVAILABLE (a peer restarting or not
 # yet listening). Everything else fails fast and is handled by the caller, who knows whether
 # the work was done.
-IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
-    "grpc.health.v1.Health": ("Check",),
-    "areal.v1.RolloutService": ("GetRolloutStatus", "PauseGeneration", "ResumeGeneration"),
-    "areal.v1.TrainerService": ("GetTrainerStatus",),
-    "areal.v1.CoordinatorService": ("GetCoordinatorStatus", "ReleaseRollout", "WatchVersion"),
-}
+IDEMPOTENT_METHODS = idempotent_methods()
 
 RETRY_SERVICE_CONFIG = json.dumps(
     {

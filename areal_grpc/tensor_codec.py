@@ -1,6 +1,6 @@
 """Tensors on the wire: torch tensor <-> ``TensorProto`` and state dicts as ``TensorChunk`` streams.
 
-Raw bytes are little-endian, C order (``protos/areal/v1/tensor.proto``). Nothing here unpickles
+Raw bytes are little-endian, C order (``protos/arealgrpc/v1/tensor.proto``). Nothing here unpickles
 or ``torch.load``s anything: a received tensor is the validated raw bytes viewed as a dtype.
 
 Two layers:
@@ -37,7 +37,7 @@ import google_crc32c
 import grpc
 import numpy as np
 import torch
-from areal.v1 import tensor_pb2
+from arealgrpc.v1 import tensor_pb2
 from google.protobuf.message import DecodeError
 
 from areal_grpc.errors import FieldError, abort_with, invalid_argument
@@ -71,7 +71,7 @@ def dtype_to_proto(dtype: torch.dtype) -> int:
     try:
         return _TO_PROTO[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} has no areal.v1.Dtype") from None
+        raise ValueError(f"dtype {dtype} has no arealgrpc.v1.Dtype") from None
 
 
 def dtype_from_proto(value: int, field: str = "dtype") -> torch.dtype:

@@ -1,7 +1,7 @@
 """OpenTelemetry for every service: provider set-up, gRPC interceptors, trace context in messages.
 
 A bidi stream is one RPC but carries many tasks, so a task's trace context travels inside each
-streamed message (``areal.v1.TraceContext``, W3C ``traceparent``/``tracestate``), not only in
+streamed message (``arealgrpc.v1.TraceContext``, W3C ``traceparent``/``tracestate``), not only in
 the call's metadata. :func:`to_proto` captures the current span; :func:`from_proto` turns a
 message's context back into a parent for the next span.
 
@@ -20,7 +20,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import grpc
-from areal.v1 import common_pb2
+from arealgrpc.v1 import common_pb2
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -85,7 +85,7 @@ def tracer(name: str = "areal_grpc") -> trace.Tracer:
 # call.write(): OpenTelemetry's aio client interceptor awaits a stream-unary call's response
 # inside the interceptor, before the caller can write, which deadlocks that style of call. The
 # transfer is covered by the PublishWeights and coordinator.weight_sync spans.
-UNTRACED_METHODS = ("/areal.v1.WeightSyncService/PushWeights",)
+UNTRACED_METHODS = ("/arealgrpc.v1.WeightSyncService/PushWeights",)
 
 
 def _traced_calls() -> Any:

@@ -1,4 +1,4 @@
-"""Typed trajectories (``areal.v1.Trajectory``) to and from padded torch batches.
+"""Typed trajectories (``arealgrpc.v1.Trajectory``) to and from padded torch batches.
 
 A batch is a dict with AReaL's keys, right-padded to the longest sequence S:
 
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from areal.v1 import common_pb2
+from arealgrpc.v1 import common_pb2
 
 from areal_grpc.errors import FieldError
 

@@ -24,13 +24,13 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from areal.v1 import tensor_pb2, weight_sync_pb2
+from arealgrpc.v1 import tensor_pb2, weight_sync_pb2
 from google.protobuf.message import DecodeError
 
 from areal_grpc import tensor_codec as tc
 
-PUSH_WEIGHTS_METHOD = "/areal.v1.WeightSyncService/PushWeights"
-SERVICE_NAME = "areal.v1.WeightSyncService"
+PUSH_WEIGHTS_METHOD = "/arealgrpc.v1.WeightSyncService/PushWeights"
+SERVICE_NAME = "arealgrpc.v1.WeightSyncService"
 #: Largest chunk data per PushWeights message (the contract's limit).
 MAX_CHUNK_BYTES = tc.MiB
 DEFAULT_BUCKET_BYTES = 64 * tc.MiB

@@ -67,8 +67,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from areal.v1 import common_pb2, coordinator_pb2
 from areal_clients.coordinator import CoordinatorClient
+from arealgrpc.v1 import common_pb2, coordinator_pb2
 from teardown import exit_on_sigterm
 
 from areal_grpc.config import load_config

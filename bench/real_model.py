@@ -57,8 +57,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import psutil
 import torch
 import yaml
-from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_servers.rollout.workflows import ChatSettings
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from teardown import exit_on_sigterm
 
 from areal_grpc.data import load_file, write_arithmetic

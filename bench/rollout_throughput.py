@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 
 import torch
-from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_servers.rollout.engine import SamplingConfig
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import EpisodeRunner, RolloutServiceConfig, item_to_struct
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from teardown import exit_on_sigterm
 
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children

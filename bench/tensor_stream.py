@@ -42,7 +42,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import grpc
 import torch
-from areal.v1 import tensor_pb2
+from arealgrpc.v1 import tensor_pb2
 
 from areal_grpc import tensor_codec as tc
 from areal_grpc.server import (

@@ -57,10 +57,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from teardown import exit_on_sigterm
 
 from areal_grpc.dispatch import dispatch_groups
+from areal_grpc.durations import seconds
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
 from areal_grpc.server import sync_channel
 
@@ -297,7 +298,7 @@ class GrpcRanks:
         tokens = {s.trained_tokens for s in stats}
         if len(tokens) != 1:
             raise RuntimeError(f"ranks disagree on trained tokens: {tokens}")
-        return wall, tokens.pop(), max(s.elapsed_seconds for s in stats)
+        return wall, tokens.pop(), max(seconds(s.elapsed) for s in stats)
 
 
 def step_messages(

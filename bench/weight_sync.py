@@ -47,7 +47,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from safetensors.torch import load_file, save_file
 from transformers import ByT5Tokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -99,10 +99,10 @@ def published_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def serve_rollout(model: str, disk_root: str) -> None:
     """Child mode: a rollout server with WeightSyncService; prints LISTENING host:port."""
-    from areal.v1 import rollout_pb2, rollout_pb2_grpc
     from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
     from areal_servers.rollout.service import RolloutServicer
     from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+    from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 
     from areal_grpc.model import load_tokenizer
     from areal_grpc.server import ServerOptions, serve_until_signal, service, start_server

@@ -1,4 +1,4 @@
-"""Typed asyncio client of ``areal.v1.CoordinatorService`` (for external producers).
+"""Typed asyncio client of ``arealgrpc.v1.CoordinatorService`` (for external producers).
 
 An external producer takes a lease, generates against the rollout server the lease names,
 and submits the group under the lease::
@@ -20,7 +20,7 @@ import functools
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
-from areal.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from arealgrpc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from areal_grpc import tracing
 from areal_grpc.server import aio_channel

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
-from areal.v1 import (
+from arealgrpc.v1 import (
     rollout_pb2,
     rollout_pb2_grpc,
     trainer_pb2,
@@ -39,6 +39,7 @@ from areal.v1 import (
 )
 from google.rpc import status_pb2
 
+from areal_grpc.durations import duration, seconds
 from areal_grpc.errors import REFUSALS, code_of, describe, status_proto_of
 from areal_grpc.server import aio_channel
 
@@ -175,7 +176,7 @@ async def update_fleet_weights(
                 rollout_addresses=targets,
                 methods=[METHODS[m] for m in methods],
                 bucket_bytes=bucket_bytes,
-                timeout_seconds=timeout_s,
+                timeout=duration(timeout_s),
             )
 
             async def publish(a: str) -> trainer_pb2.PublishWeightsResponse:
@@ -213,8 +214,6 @@ async def update_fleet_weights(
                 s.policy_version = res.policy_version
                 if res.status.code:
                     s.fail_with(res.status)
-                elif not res.ok:
-                    s.fail(grpc.StatusCode.UNKNOWN, "not updated")
                 else:  # a server retried after failing the first round
                     s.code, s.error = grpc.StatusCode.OK, ""
             for a in targets:
@@ -224,7 +223,7 @@ async def update_fleet_weights(
 
         lead, *ranks = await publish_to(paused)
         version = ranks[0].policy_version
-        publish_elapsed = lead.elapsed_seconds
+        publish_elapsed = seconds(lead.elapsed)
 
         async def status(a: str) -> rollout_pb2.GetRolloutStatusResponse:
             return await rollout[a].GetRolloutStatus(
@@ -246,7 +245,7 @@ async def update_fleet_weights(
                 "retrying the weight update of %s: %s", retry, [servers[a].error for a in retry]
             )
             again = await publish_to(retry, first=False)
-            publish_elapsed += again[0].elapsed_seconds if again else 0.0
+            publish_elapsed += seconds(again[0].elapsed) if again else 0.0
 
         # 3. confirm the version each server now serves
         candidates = [a for a in paused if not servers[a].error]

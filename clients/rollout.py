@@ -1,4 +1,4 @@
-"""Typed asyncio client of ``areal.v1.RolloutService`` (what the coordinator drives).
+"""Typed asyncio client of ``arealgrpc.v1.RolloutService`` (what the coordinator drives).
 
 A :class:`RolloutClient` wraps one server's channel. Episodes go over one long-lived
 ``RunEpisodes`` call per server, an :class:`EpisodeStream`: tasks are written as they are
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import grpc
-from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from google.protobuf import struct_pb2
 
 from areal_grpc import tracing

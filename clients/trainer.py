@@ -1,4 +1,4 @@
-"""Typed asyncio client of ``areal.v1.TrainerService`` (one trainer rank).
+"""Typed asyncio client of ``arealgrpc.v1.TrainerService`` (one trainer rank).
 
 The trainer ranks form one SPMD group, so the coordinator makes the same collective calls
 (TrainStep, SaveCheckpoint, LoadCheckpoint, ExportModel) on every rank concurrently;
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
-from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 from areal_grpc.server import aio_channel
 

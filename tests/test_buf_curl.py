@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from arealgrpc.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from areal_grpc.server import BackgroundServer, service
 
@@ -45,21 +45,21 @@ def test_buf_curl_lists_services_through_reflection(server):
     out = buf_curl("--list-services", f"http://{server.address}")
     assert out.returncode == 0, out.stderr
     services = set(out.stdout.split())
-    assert {"areal.v1.CoordinatorService", "grpc.health.v1.Health"} <= services
+    assert {"arealgrpc.v1.CoordinatorService", "grpc.health.v1.Health"} <= services
 
 
 def test_buf_curl_lists_methods_of_our_service(server):
     out = buf_curl("--list-methods", f"http://{server.address}")
     assert out.returncode == 0, out.stderr
     methods = set(out.stdout.split())
-    assert "areal.v1.CoordinatorService/AcquireRollout" in methods
+    assert "arealgrpc.v1.CoordinatorService/AcquireRollout" in methods
     assert "grpc.health.v1.Health/Check" in methods
 
 
 def test_buf_curl_calls_the_health_check(server):
     out = buf_curl(
         "-d",
-        '{"service": "areal.v1.CoordinatorService"}',
+        '{"service": "arealgrpc.v1.CoordinatorService"}',
         f"http://{server.address}/grpc.health.v1.Health/Check",
     )
     assert out.returncode == 0, out.stderr

@@ -1,6 +1,6 @@
 """The README's layering rule, checked on the source: imports go one way and never round.
 
-``areal.v1`` <- ``areal_grpc`` (core) <- ``areal_servers`` / ``areal_clients`` <- entry points
+``arealgrpc.v1`` <- ``areal_grpc`` (core) <- ``areal_servers`` / ``areal_clients`` <- entry points
 (``areal_grpc.coordinator``). Imports inside functions count: hiding a cycle in a function
 body keeps it a cycle.
 """

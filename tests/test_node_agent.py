@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from arealgrpc.v1 import coordinator_pb2, coordinator_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 

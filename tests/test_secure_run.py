@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import trustme
-from areal.v1 import (
+from arealgrpc.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
     rollout_pb2,

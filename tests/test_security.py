@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 import trustme
-from areal.v1 import rollout_pb2, rollout_pb2_grpc
+from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_grpc.cli import base_parser, channel_options_from_args

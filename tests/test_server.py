@@ -9,7 +9,7 @@ import subprocess
 
 import grpc
 import pytest
-from areal.v1 import rollout_pb2, rollout_pb2_grpc
+from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -40,7 +40,7 @@ class EchoRollout(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def GetRolloutStatus(self, request, context):
         await asyncio.sleep(0.5)  # long enough to be in flight during a graceful stop
-        return rollout_pb2.GetRolloutStatusResponse(engine="echo")
+        return rollout_pb2.GetRolloutStatusResponse(model="echo")
 
 
 def run(coro):
@@ -57,7 +57,7 @@ def test_health_serving_for_each_service_and_overall():
         try:
             async with aio_channel(running.address) as ch:
                 stub = health_pb2_grpc.HealthStub(ch)
-                for name in ("", "areal.v1.RolloutService"):
+                for name in ("", "arealgrpc.v1.RolloutService"):
                     reply = await stub.Check(health_pb2.HealthCheckRequest(service=name))
                     assert reply.status == health_pb2.HealthCheckResponse.SERVING
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -79,9 +79,9 @@ def test_reflection_lists_services_and_resolves_messages():
     with BackgroundServer([_echo_service()]) as server, sync_channel(server.address) as ch:
         db = ProtoReflectionDescriptorDatabase(ch)
         names = set(db.get_services())
-        assert {"areal.v1.RolloutService", "grpc.health.v1.Health"} <= names
-        file_desc = db.FindFileContainingSymbol("areal.v1.GenerateRequest")
-        assert file_desc.name == "areal/v1/rollout.proto"
+        assert {"arealgrpc.v1.RolloutService", "grpc.health.v1.Health"} <= names
+        file_desc = db.FindFileContainingSymbol("arealgrpc.v1.GenerateRequest")
+        assert file_desc.name == "arealgrpc/v1/rollout.proto"
 
 
 def test_bad_input_gets_invalid_argument_naming_field_and_server_stays_up():
@@ -143,7 +143,7 @@ def test_graceful_stop_finishes_in_flight_calls_and_reports_not_serving():
             state = await running.health.Check(health_pb2.HealthCheckRequest(service=""), None)
             assert state.status == health_pb2.HealthCheckResponse.NOT_SERVING
             reply = await in_flight
-            assert reply.engine == "echo"
+            assert reply.model == "echo"
             await stopping
 
     run(body())
@@ -168,7 +168,7 @@ def test_entry_point_serves_and_drains_on_sigterm(tmp_path):
         log_dir=tmp_path,
     )
     try:
-        assert health_status(child.address, "areal.v1.CoordinatorService") == "SERVING"
+        assert health_status(child.address, "arealgrpc.v1.CoordinatorService") == "SERVING"
         child.process.send_signal(signal.SIGTERM)
         assert child.process.wait(timeout=30) == 0
         assert "draining" in (tmp_path / "coordinator.log").read_text()
@@ -202,7 +202,7 @@ class Flaky(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def GetRolloutStatus(self, request, context):
         await self._maybe_fail("status", context)
-        return rollout_pb2.GetRolloutStatusResponse(engine="flaky")
+        return rollout_pb2.GetRolloutStatusResponse(model="flaky")
 
     async def Generate(self, request, context):
         await self._maybe_fail("generate", context)
@@ -215,7 +215,7 @@ def test_idempotent_calls_are_retried_on_unavailable_others_fail_fast():
     with BackgroundServer([svc]) as server, sync_channel(server.address) as ch:
         stub = rollout_pb2_grpc.RolloutServiceStub(ch)
         reply = stub.GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=30)
-        assert reply.engine == "flaky"
+        assert reply.model == "flaky"
         assert flaky.calls["status"] == 3
         with pytest.raises(grpc.RpcError) as err:
             stub.Generate(rollout_pb2.GenerateRequest(input_ids=[1]), timeout=30)
@@ -246,11 +246,11 @@ def test_unparsable_request_bytes_are_invalid_argument_for_any_handler():
     )
     raw = Service("test.Raw", custom, lambda h, server: server.add_generic_rpc_handlers((h,)))
     with BackgroundServer([_echo_service(), raw]) as server, sync_channel(server.address) as ch:
-        generate = ch.unary_unary("/areal.v1.RolloutService/Generate")
+        generate = ch.unary_unary("/arealgrpc.v1.RolloutService/Generate")
         with pytest.raises(grpc.RpcError) as err:
             generate(b"\xff", timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "not a valid areal.v1.GenerateRequest" in err.value.details()
+        assert "not a valid arealgrpc.v1.GenerateRequest" in err.value.details()
         echo = ch.stream_stream("/test.Raw/Echo")
         assert list(echo(iter([b"ok1", b"ok2"]), timeout=10)) == [b"ok1", b"ok2"]
         with pytest.raises(grpc.RpcError) as err:

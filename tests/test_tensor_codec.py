@@ -10,7 +10,7 @@ import sys
 import google_crc32c
 import pytest
 import torch
-from areal.v1 import tensor_pb2, weight_sync_pb2
+from arealgrpc.v1 import tensor_pb2, weight_sync_pb2
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

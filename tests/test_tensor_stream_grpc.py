@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterable
 import grpc
 import pytest
 import torch
-from areal.v1 import tensor_pb2
+from arealgrpc.v1 import tensor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from areal_grpc import tensor_codec as tc

@@ -8,7 +8,7 @@ import time
 
 import grpc
 import pytest
-from areal.v1 import coordinator_pb2, coordinator_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from arealgrpc.v1 import coordinator_pb2, coordinator_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -69,7 +69,7 @@ def test_rpcs_get_client_and_server_spans_in_one_trace(spans):
     finished = spans.get_finished_spans()
     names = [s.name for s in finished]
     assert not any("Health" in n for n in names), names  # health checks are not traced
-    rpc = [s for s in finished if s.name == "/areal.v1.RolloutService/Generate"]
+    rpc = [s for s in finished if s.name == "/arealgrpc.v1.RolloutService/Generate"]
     kinds = sorted(s.kind.name for s in rpc)
     assert kinds == ["CLIENT", "SERVER"]
     turn = next(s for s in finished if s.name == "agent.turn")
@@ -107,7 +107,7 @@ def test_server_process_exports_spans_over_otlp(tmp_path, otlp_collector):
     spans_by_service: dict[str, list[str]] = {}
     for name, span in otlp_collector.spans():
         spans_by_service.setdefault(name, []).append(span.name)
-    assert "/areal.v1.CoordinatorService/GetCoordinatorStatus" in spans_by_service.get(
+    assert "/arealgrpc.v1.CoordinatorService/GetCoordinatorStatus" in spans_by_service.get(
         "areal-coordinator", []
     ), spans_by_service
 
@@ -157,7 +157,7 @@ def test_one_training_run_is_one_connected_trace_across_the_mesh(
     trainer_calls = [
         s
         for name, s in spans
-        if name == "areal-trainer" and s.name == "/areal.v1.TrainerService/TrainStep"
+        if name == "areal-trainer" and s.name == "/arealgrpc.v1.TrainerService/TrainStep"
     ]
     assert len(trainer_calls) == 4  # 2 steps x 2 ranks
     step_ids = {s.span_id for s in steps}

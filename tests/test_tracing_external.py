@@ -20,9 +20,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from areal.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from areal_clients.coordinator import CoordinatorClient
 from areal_clients.rollout import RolloutClient
+from arealgrpc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor

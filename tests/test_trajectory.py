@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from areal.v1 import common_pb2
+from arealgrpc.v1 import common_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

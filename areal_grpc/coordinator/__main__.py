@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from areal.v1 import coordinator_pb2
+from arealgrpc.v1 import coordinator_pb2
 
 from areal_grpc import tracing
 from areal_grpc.cli import run_channel_options, run_server_options

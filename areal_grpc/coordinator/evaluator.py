@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from areal.v1 import common_pb2, rollout_pb2
 from areal_clients.rollout import RolloutClient, item_struct
+from arealgrpc.v1 import common_pb2, rollout_pb2
 from google.protobuf import struct_pb2
 
 __all__ = ["EvalResult", "Evaluator"]
@@ -118,7 +118,7 @@ class Evaluator:
                     workflow_params=self.workflow_params,
                     group_size=1,
                     sampling=self.sampling,
-                    is_eval=True,
+                    eval=True,
                 )
             )
         stream.close()

@@ -48,8 +48,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_SERVICE = "areal.v1.RolloutService"
-TRAINER_SERVICE = "areal.v1.TrainerService"
+ROLLOUT_SERVICE = "arealgrpc.v1.RolloutService"
+TRAINER_SERVICE = "arealgrpc.v1.TrainerService"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal.v1 import common_pb2
+from arealgrpc.v1 import common_pb2
 
 from areal_grpc.coordinator.dataloader import PromptLoader
 from areal_grpc.errors import FieldError

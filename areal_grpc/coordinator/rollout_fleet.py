@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import grpc
-from areal.v1 import common_pb2, rollout_pb2
 from areal_clients.rollout import RolloutClient, item_struct
+from arealgrpc.v1 import common_pb2, rollout_pb2
 from google.protobuf import struct_pb2
 
 from areal_grpc import tracing

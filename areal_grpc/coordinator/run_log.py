@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal.v1 import trainer_pb2
+from arealgrpc.v1 import trainer_pb2
 
 from areal_grpc.coordinator.metrics import MetricsWriter, plot_curves
 from areal_grpc.coordinator.pool import Finished

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
-from areal.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from arealgrpc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from google.protobuf import timestamp_pb2
 
 from areal_grpc import tracing
@@ -58,13 +58,13 @@ class Worker:
     address: str
     healthy: bool = True
     policy_version: int = 0
-    # areal.v1.RolloutServerState of a rollout server (set by the run's refresh hook).
+    # arealgrpc.v1.RolloutServerState of a rollout server (set by the run's refresh hook).
     state: int = coordinator_pb2.ROLLOUT_SERVER_STATE_UNSPECIFIED
     # Times the run replaced this rollout server after it died.
     restarts: int = 0
 
     def to_proto(self) -> coordinator_pb2.WorkerInfo:
-        """As ``areal.v1.WorkerInfo``."""
+        """As ``arealgrpc.v1.WorkerInfo``."""
         return coordinator_pb2.WorkerInfo(
             worker_id=self.worker_id,
             role=self.role,  # type: ignore[arg-type]
@@ -95,7 +95,7 @@ class WorkerHooks:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    """The handlers of ``areal.v1.CoordinatorService`` over a work pool."""
+    """The handlers of ``arealgrpc.v1.CoordinatorService`` over a work pool."""
 
     def __init__(
         self,

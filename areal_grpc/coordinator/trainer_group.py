@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
-from areal.v1 import common_pb2, trainer_pb2
 from areal_clients.trainer import TrainerClient, on_all_ranks
+from arealgrpc.v1 import common_pb2, trainer_pb2
 
 from areal_grpc.config import TrainerConfig
 from areal_grpc.coordinator.mesh import TRAINER_SERVICE

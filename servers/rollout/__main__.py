@@ -13,11 +13,11 @@ import argparse
 from collections.abc import Sequence
 
 import torch
-from areal.v1 import rollout_pb2, rollout_pb2_grpc
 from areal_servers.rollout.engine import InferenceEngine
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
 from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 
 from areal_grpc.cli import base_parser, serve_main
 from areal_grpc.config import RunConfig

@@ -19,13 +19,13 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-from areal.v1 import common_pb2, rollout_pb2
+from arealgrpc.v1 import common_pb2, rollout_pb2
 
 from areal_grpc.errors import FieldError
 
 
 class FinishReason(enum.IntEnum):
-    """Why a generation ended; values equal ``areal.v1.FinishReason``."""
+    """Why a generation ended; values equal ``arealgrpc.v1.FinishReason``."""
 
     UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
     STOP = common_pb2.FINISH_REASON_STOP
@@ -144,7 +144,7 @@ class GenerationResult:
             self.finish_reason = event.finish
 
     def to_proto(self) -> rollout_pb2.Completion:
-        """As an ``areal.v1.Completion``."""
+        """As an ``arealgrpc.v1.Completion``."""
         return rollout_pb2.Completion(
             output_ids=self.output_ids,
             output_logprobs=self.output_logprobs,

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_servers.rollout.engine import InferenceEngine, SamplingConfig
 from areal_servers.rollout.workflows import (
     AcceptFn,
@@ -27,14 +26,19 @@ from areal_servers.rollout.workflows import (
     get_accept_filter,
     maybe_await,
 )
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from google.protobuf import json_format, struct_pb2
 from transformers import PreTrainedTokenizerBase
 
 from areal_grpc import tracing
+from areal_grpc.durations import duration
 from areal_grpc.errors import FieldError, abort_for
 from areal_grpc.trajectory import validate_group
 
 log = logging.getLogger(__name__)
+
+# Engine kinds the contract names (others, a test's or a plug-in's, report UNSPECIFIED).
+ENGINE_KINDS = {"hf": rollout_pb2.ROLLOUT_ENGINE_HF, "sglang": rollout_pb2.ROLLOUT_ENGINE_SGLANG}
 
 
 @dataclass
@@ -153,7 +157,7 @@ class EpisodeRunner:
                 task_id=task.task_id,
                 group_size=prepared.group_size,
                 sampling=prepared.sampling,
-                is_eval=task.is_eval,
+                is_eval=task.eval,
                 # Trajectories carry the episode span's context when traced, so the trainer's
                 # spans for them join the same trace.
                 trace_context=tracing.to_proto() if tracing.enabled() else task.trace_context,
@@ -168,7 +172,7 @@ class EpisodeRunner:
             if group is None:
                 response.outcome = rollout_pb2.EPISODE_OUTCOME_REJECTED
                 response.reason = "the workflow returned no group"
-            elif not task.is_eval and not await maybe_await(prepared.accept(group)):
+            elif not task.eval and not await maybe_await(prepared.accept(group)):
                 response.outcome = rollout_pb2.EPISODE_OUTCOME_REJECTED
                 response.reason = f"accept filter {prepared.accept_name!r} dropped the group"
             else:
@@ -187,7 +191,7 @@ class EpisodeRunner:
             response = _failed(task.task_id, exc, start_version)
         finally:
             self.running_episodes -= 1
-        response.elapsed_seconds = time.monotonic() - started
+        response.elapsed.CopyFrom(duration(time.monotonic() - started))
         return response
 
 
@@ -195,7 +199,7 @@ _INPUT_DONE = object()
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    """The gRPC handlers of ``areal.v1.RolloutService`` over one engine."""
+    """The gRPC handlers of ``arealgrpc.v1.RolloutService`` over one engine."""
 
     def __init__(
         self,
@@ -389,7 +393,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             queued_requests=st.queued,
             running_episodes=self.runner.running_episodes,
             paused=st.paused,
-            engine=self.engine.kind,
+            engine=ENGINE_KINDS.get(self.engine.kind, rollout_pb2.ROLLOUT_ENGINE_UNSPECIFIED),
             model=self.engine.model_name,
             vocab_size=self.engine.vocab_size,
             generated_tokens=st.generated_tokens,

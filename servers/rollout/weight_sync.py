@@ -41,8 +41,8 @@ from typing import NoReturn
 
 import grpc
 import torch
-from areal.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 from areal_servers.rollout.engine import InferenceEngine
+from arealgrpc.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 
 from areal_grpc import tensor_codec as tc
 from areal_grpc.errors import (
@@ -130,7 +130,7 @@ def _is_sglang(engine: InferenceEngine) -> bool:
 
 
 class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
-    """The handlers of ``areal.v1.WeightSyncService`` over one inference engine."""
+    """The handlers of ``arealgrpc.v1.WeightSyncService`` over one inference engine."""
 
     def __init__(self, engine: InferenceEngine, config: WeightSyncConfig | None = None) -> None:
         self.engine = engine

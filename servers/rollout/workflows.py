@@ -1,4 +1,4 @@
-"""Rollout workflows: turn one dataset item into one ``areal.v1.TrajectoryGroup``.
+"""Rollout workflows: turn one dataset item into one ``arealgrpc.v1.TrajectoryGroup``.
 
 A workflow is named in config by short name (``"rlvr"``, ``"multi_turn"``) or import path
 (``"package.module:Class"``); it is built from a parameter dict (``EpisodeTask
@@ -19,13 +19,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from areal.v1 import common_pb2
 from areal_servers.rollout.engine import (
     GenerationResult,
     InferenceEngine,
     SamplingConfig,
     generate_resumable,
 )
+from arealgrpc.v1 import common_pb2
 from transformers import PreTrainedTokenizerBase
 
 from areal_grpc import tracing

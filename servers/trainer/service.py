@@ -27,7 +27,6 @@ from typing import TypeVar
 import grpc
 import torch
 import torch.distributed as dist
-from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from areal_servers.trainer.engine import (
     DistConfig,
     EngineConfig,
@@ -44,8 +43,10 @@ from areal_servers.trainer.weight_publisher import (
     WeightPublisher,
     run_publication,
 )
+from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weight_sync_pb2
 from opentelemetry import trace
 
+from areal_grpc.durations import duration, seconds
 from areal_grpc.errors import (
     AbortedError,
     FieldError,
@@ -60,6 +61,16 @@ from areal_grpc.paths import check_replaceable, open_roots, resolve_inside
 from areal_grpc.trajectory import groups_to_batch
 
 log = logging.getLogger(__name__)
+
+BACKENDS = {
+    "gloo": weight_sync_pb2.COLLECTIVE_BACKEND_GLOO,
+    "nccl": weight_sync_pb2.COLLECTIVE_BACKEND_NCCL,
+}
+PHASES = {
+    "received": trainer_pb2.STEP_PHASE_RECEIVED,
+    "logprobs": trainer_pb2.STEP_PHASE_LOGPROBS,
+    "update": trainer_pb2.STEP_PHASE_UPDATE,
+}
 
 T = TypeVar("T")
 
@@ -113,7 +124,7 @@ def _stats_proto(r: StepResult) -> trainer_pb2.StepStats:
         trained_tokens=r.trained_tokens,
         sequences=r.sequences,
         learning_rate=r.learning_rate,
-        elapsed_seconds=r.elapsed_seconds,
+        elapsed=duration(r.elapsed_seconds),
         extra={**r.extra, "microbatches": float(r.microbatches)},
     )
 
@@ -136,8 +147,8 @@ def _check_publish(request: trainer_pb2.PublishWeightsRequest) -> tuple[list[str
         raise FieldError("methods", "lists a method twice")
     if request.bucket_bytes < 0:
         raise FieldError("bucket_bytes", f"is negative ({request.bucket_bytes})")
-    if request.timeout_seconds < 0:
-        raise FieldError("timeout_seconds", f"is negative ({request.timeout_seconds})")
+    if seconds(request.timeout) < 0:
+        raise FieldError("timeout", f"is negative ({seconds(request.timeout)} s)")
     return addresses, methods
 
 
@@ -363,7 +374,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
 
         def progress(phase: str, done: int, total: int) -> None:
             msg = trainer_pb2.StepProgress(
-                microbatches_done=done, microbatches_total=total, phase=phase
+                microbatches_done=done, microbatches_total=total, phase=PHASES[phase]
             )
             span.add_event(
                 "microbatch", {"areal.phase": phase, "areal.done": done, "areal.total": total}
@@ -485,7 +496,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         loop = asyncio.get_running_loop()
         wcfg = self.cfg.weights
         bucket_bytes = request.bucket_bytes or wcfg.bucket_bytes
-        timeout_s = request.timeout_seconds or wcfg.timeout_s
+        timeout_s = seconds(request.timeout) or wcfg.timeout_s
 
         def job() -> trainer_pb2.PublishWeightsResponse:
             engine = self.engine
@@ -531,8 +542,6 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
                     trainer_pb2.PublishTargetResult(
                         address=r.address,
                         method=r.method,  # type: ignore[arg-type]
-                        ok=r.ok,
-                        error=r.error,
                         policy_version=r.policy_version,
                         sent_bytes=r.sent_bytes,
                         status=r.status
@@ -541,7 +550,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
                     )
                     for r in results
                 ],
-                elapsed_seconds=elapsed,
+                elapsed=duration(elapsed),
                 tensor_count=stats.tensor_count,
                 total_bytes=stats.total_bytes,
             )
@@ -564,7 +573,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             world_size=engine.world_size,
             policy_version=engine.version,
             global_step=engine.global_step,
-            backend=engine.backend,
+            backend=BACKENDS.get(engine.backend, weight_sync_pb2.COLLECTIVE_BACKEND_UNSPECIFIED),
             model=self.cfg.engine.model,
             busy=self._busy,
             ready=True,

@@ -41,7 +41,7 @@ from typing import TypeVar
 
 import grpc
 import torch
-from areal.v1 import tensor_pb2, weight_sync_pb2, weight_sync_pb2_grpc
+from arealgrpc.v1 import tensor_pb2, weight_sync_pb2, weight_sync_pb2_grpc
 from google.rpc import status_pb2
 from torch.distributed.tensor import DTensor
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from areal.v1 import common_pb2, rollout_pb2, trainer_pb2
+from arealgrpc.v1 import common_pb2, rollout_pb2, trainer_pb2
 
 from areal_grpc.config import RunConfig, load_config
 from areal_grpc.coordinator.loop import Coordinator

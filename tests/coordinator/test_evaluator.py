@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_clients.rollout import RolloutClient
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from google.protobuf import struct_pb2
 
 from areal_grpc.coordinator.evaluator import Evaluator

@@ -19,10 +19,10 @@ from typing import Any
 
 import grpc
 import pytest
-from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from areal_clients.rollout import RolloutClient
 from areal_servers.trainer.engine import EngineConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
+from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 from areal_grpc.config import RunConfig, load_config
 from areal_grpc.coordinator.dataloader import PromptLoader

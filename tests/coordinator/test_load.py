@@ -30,8 +30,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from areal.v1 import common_pb2, coordinator_pb2
 from areal_clients.coordinator import CoordinatorClient
+from arealgrpc.v1 import common_pb2, coordinator_pb2
 
 from areal_grpc.config import load_config
 from areal_grpc.coordinator.launcher import start_mesh

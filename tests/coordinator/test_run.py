@@ -19,15 +19,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from areal.v1 import (
+from areal_clients.coordinator import CoordinatorClient
+from areal_clients.rollout import RolloutClient
+from arealgrpc.v1 import (
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
 )
-from areal_clients.coordinator import CoordinatorClient
-from areal_clients.rollout import RolloutClient
 
 from areal_grpc.config import load_config
 from areal_grpc.coordinator.launcher import start_mesh

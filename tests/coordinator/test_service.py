@@ -7,8 +7,8 @@ import time
 
 import grpc
 import pytest
-from areal.v1 import common_pb2, coordinator_pb2
 from areal_clients.coordinator import CoordinatorClient
+from arealgrpc.v1 import common_pb2, coordinator_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from areal.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from arealgrpc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -488,14 +488,14 @@ def test_out_of_range_worker_port_is_refused(coordinator: Coordinator) -> None:
 def test_undecodable_bytes_are_invalid_argument(coordinator: Coordinator) -> None:
     """Bytes that are not the request message get INVALID_ARGUMENT naming its type."""
     register = coordinator.channel.unary_unary(
-        "/areal.v1.CoordinatorService/RegisterWorker", request_serializer=lambda b: b
+        "/arealgrpc.v1.CoordinatorService/RegisterWorker", request_serializer=lambda b: b
     )
     submit = coordinator.channel.stream_unary(
-        "/areal.v1.CoordinatorService/SubmitTrajectories", request_serializer=lambda b: b
+        "/arealgrpc.v1.CoordinatorService/SubmitTrajectories", request_serializer=lambda b: b
     )
     calls = {
-        "areal.v1.RegisterWorkerRequest": lambda: register(b"\xff", timeout=TIMEOUT),
-        "areal.v1.SubmitTrajectoriesRequest": lambda: submit(iter([b"\xff"]), timeout=TIMEOUT),
+        "arealgrpc.v1.RegisterWorkerRequest": lambda: register(b"\xff", timeout=TIMEOUT),
+        "arealgrpc.v1.SubmitTrajectoriesRequest": lambda: submit(iter([b"\xff"]), timeout=TIMEOUT),
     }
     for type_name, send in calls.items():
         with pytest.raises(grpc.RpcError) as info:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
-from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer, item_to_struct
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from google.protobuf import struct_pb2
 from hypothesis import given
 from hypothesis import strategies as st
@@ -72,7 +72,8 @@ class Rollout:
         assert st_.policy_version == 0
         assert not st_.paused
         assert (st_.running_requests, st_.queued_requests, st_.running_episodes) == (0, 0, 0)
-        assert st_.vocab_size == VOCAB and st_.engine == "hf" and st_.model == MODEL
+        assert st_.vocab_size == VOCAB and st_.model == MODEL
+        assert st_.engine == rollout_pb2.ROLLOUT_ENGINE_HF
         assert self.greedy() == self.probe
         task = rollout_pb2.RunEpisodesRequest(
             task=rollout_pb2.EpisodeTask(
@@ -364,7 +365,7 @@ def episode_requests(draw: st.DrawFn) -> rollout_pb2.RunEpisodesRequest:
                 st.one_of(st.integers(-2, 3), st.integers(MAX_SAMPLES, MAX_SAMPLES + 1), I32)
             ),
             sampling=draw(sampling_params()),
-            is_eval=draw(st.booleans()),
+            eval=draw(st.booleans()),
             trace_context=common_pb2.TraceContext(traceparent=draw(st.text(max_size=60))),
         )
     )
@@ -597,7 +598,7 @@ corrupt_bytes = st.sampled_from(
 
 
 def send_raw(r: Rollout, method: str, payload: bytes) -> object:
-    path = f"/areal.v1.RolloutService/{method}"
+    path = f"/arealgrpc.v1.RolloutService/{method}"
     if method == "RunEpisodes":
         return list(r.channel.stream_stream(path)(iter([payload]), timeout=TIMEOUT))
     if method == "GenerateStream":
@@ -618,9 +619,9 @@ def test_corrupt_bytes_do_not_hurt_the_server(
 def test_corrupt_bytes_are_invalid_argument(rollout: Rollout) -> None:
     """Bytes that are not the request message get INVALID_ARGUMENT naming its type."""
     cases = {
-        "Generate": "areal.v1.GenerateRequest",
-        "GenerateStream": "areal.v1.GenerateStreamRequest",
-        "RunEpisodes": "areal.v1.RunEpisodesRequest",
+        "Generate": "arealgrpc.v1.GenerateRequest",
+        "GenerateStream": "arealgrpc.v1.GenerateStreamRequest",
+        "RunEpisodes": "arealgrpc.v1.RunEpisodesRequest",
     }
     for method, type_name in cases.items():
         with pytest.raises(grpc.RpcError) as info:

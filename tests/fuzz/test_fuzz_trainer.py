@@ -19,13 +19,15 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from areal_servers.trainer.engine import EngineConfig, OptimConfig
 from areal_servers.trainer.microbatch import MicroBatchSpec
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
+from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from google.protobuf import duration_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
+from areal_grpc.durations import duration
 from areal_grpc.paths import is_marked
 from areal_grpc.server import BackgroundServer, service
 
@@ -534,6 +536,13 @@ def test_checkpoint_and_export_paths(
 
 # All refused by validation: random "host:port" strings would make the trainer resolve
 # random host names.
+# Any Duration message: valid ones (including zero: the rank's default, and the largest a
+# Duration may hold) and invalid ones (negative, nanos out of range or of the other sign).
+DURATIONS = st.builds(
+    duration_pb2.Duration,
+    seconds=st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(0, 3)),
+    nanos=st.one_of(st.integers(-(2**31), 2**31 - 1), st.integers(0, 999_999_999)),
+)
 ADDRESSES = st.one_of(
     st.sampled_from(["", ":", ":80", "host", "127.0.0.1", "[::1]", "::1"]),
     st.text(max_size=20).filter(lambda a: ":" not in a),
@@ -545,13 +554,13 @@ ADDRESSES = st.one_of(
     addresses=st.lists(ADDRESSES, min_size=1, max_size=3),
     methods=st.lists(st.one_of(st.integers(0, 4), I32), max_size=4),
     bucket=st.one_of(st.integers(-(2**63), -1), I64),
-    timeout_s=st.one_of(st.floats(max_value=-1e-9), st.just(math.nan), st.floats(0, 2)),
+    timeout=DURATIONS,
 )
 def test_publish_weights_bad_requests(
-    trainer: Trainer, tally: Tally, addresses, methods, bucket, timeout_s
+    trainer: Trainer, tally: Tally, addresses, methods, bucket, timeout
 ) -> None:
     req = trainer_pb2.PublishWeightsRequest(
-        rollout_addresses=addresses, methods=methods, bucket_bytes=bucket, timeout_seconds=timeout_s
+        rollout_addresses=addresses, methods=methods, bucket_bytes=bucket, timeout=timeout
     )
     code, resp = tally.call(
         "Trainer.PublishWeights", lambda: trainer.stub.PublishWeights(req, timeout=TIMEOUT)
@@ -559,7 +568,7 @@ def test_publish_weights_bad_requests(
     if code == grpc.StatusCode.OK:
         # Well-formed but unreachable targets are reported per target, never as success.
         assert len(resp.results) == len(addresses)
-        assert not any(r.ok for r in resp.results)
+        assert all(r.status.code != grpc.StatusCode.OK.value[0] for r in resp.results)
         assert resp.policy_version == trainer.version
     trainer.check_intact()
 
@@ -568,16 +577,16 @@ def test_publish_weights_bad_requests(
 @given(
     port=st.integers(1, 65535),
     methods=st.lists(st.sampled_from([1, 2, 3]), unique=True, max_size=3),
-    timeout_s=st.sampled_from([0.5, 2.0, math.inf, math.nan]),
+    timeout=st.one_of(st.sampled_from([0.5, 2.0]).map(duration), DURATIONS),
 )
 def test_publish_weights_unreachable_targets(
-    trainer: Trainer, tally: Tally, port, methods, timeout_s
+    trainer: Trainer, tally: Tally, port, methods, timeout
 ) -> None:
     """Valid requests to addresses with nothing listening: per-target failures, no hang."""
     req = trainer_pb2.PublishWeightsRequest(
         rollout_addresses=[f"127.0.0.1:{port}", f"no-such-host.invalid:{port}"],
         methods=methods,
-        timeout_seconds=timeout_s,
+        timeout=timeout,
     )
     code, resp = tally.call(
         "Trainer.PublishWeights", lambda: trainer.stub.PublishWeights(req, timeout=TIMEOUT)
@@ -690,14 +699,14 @@ def test_very_unlikely_behaviour_tokens_do_not_poison_weights(fresh: Trainer) ->
 def test_undecodable_bytes_are_invalid_argument(trainer: Trainer) -> None:
     """Bytes that are not the request message get INVALID_ARGUMENT naming its type."""
     status = trainer.channel.unary_unary(
-        "/areal.v1.TrainerService/GetTrainerStatus", request_serializer=lambda b: b
+        "/arealgrpc.v1.TrainerService/GetTrainerStatus", request_serializer=lambda b: b
     )
     step = trainer.channel.stream_stream(
-        "/areal.v1.TrainerService/TrainStep", request_serializer=lambda b: b
+        "/arealgrpc.v1.TrainerService/TrainStep", request_serializer=lambda b: b
     )
     calls = {
-        "areal.v1.GetTrainerStatusRequest": lambda: status(b"\xff", timeout=TIMEOUT),
-        "areal.v1.TrainStepRequest": lambda: list(step(iter([b"\xff"]), timeout=TIMEOUT)),
+        "arealgrpc.v1.GetTrainerStatusRequest": lambda: status(b"\xff", timeout=TIMEOUT),
+        "arealgrpc.v1.TrainStepRequest": lambda: list(step(iter([b"\xff"]), timeout=TIMEOUT)),
     }
     for type_name, send in calls.items():
         with pytest.raises(grpc.RpcError) as info:

@@ -18,12 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from areal.v1 import weight_sync_pb2 as pb
-from areal.v1 import weight_sync_pb2_grpc as pb_grpc
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
 from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from arealgrpc.v1 import weight_sync_pb2 as pb
+from arealgrpc.v1 import weight_sync_pb2_grpc as pb_grpc
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -724,12 +724,12 @@ def test_non_finite_weights_do_not_kill_the_server(tmp_path: Path, bad: float) -
 def test_undecodable_bytes_are_invalid_argument(receiver: Receiver) -> None:
     """Bytes that are not the request message get INVALID_ARGUMENT naming its type."""
     negotiate = receiver.channel.unary_unary(
-        "/areal.v1.WeightSyncService/Negotiate", request_serializer=lambda b: b
+        "/arealgrpc.v1.WeightSyncService/Negotiate", request_serializer=lambda b: b
     )
     push = receiver.channel.stream_unary(PUSH_WEIGHTS_METHOD, request_serializer=lambda b: b)
     calls = {
-        "areal.v1.NegotiateRequest": lambda: negotiate(b"\xff", timeout=TIMEOUT),
-        "areal.v1.PushWeightsRequest": lambda: push(iter([b"\xff"]), timeout=TIMEOUT),
+        "arealgrpc.v1.NegotiateRequest": lambda: negotiate(b"\xff", timeout=TIMEOUT),
+        "arealgrpc.v1.PushWeightsRequest": lambda: push(iter([b"\xff"]), timeout=TIMEOUT),
     }
     for type_name, send in calls.items():
         with pytest.raises(grpc.RpcError) as info:

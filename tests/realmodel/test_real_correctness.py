@@ -24,13 +24,13 @@ import grpc
 import pytest
 import torch
 import transformers
-from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from areal.v1 import weight_sync_pb2 as wpb
 from areal_servers.rollout.service import item_to_struct
 from areal_servers.trainer.algorithm import trainable_mask
 from areal_servers.trainer.engine import DistConfig, EngineConfig, OptimConfig, TrainerEngine
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from areal_servers.trainer.weight_publisher import PublisherConfig
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from arealgrpc.v1 import weight_sync_pb2 as wpb
 from torch.distributed.tensor import DTensor
 
 from areal_grpc.model import load_tokenizer
@@ -325,7 +325,7 @@ def test_rollout_logprobs_equal_the_trainers_recomputation(mesh: Mesh, tokenizer
         timeout=TIMEOUT,
     )
     [target] = reply.results
-    assert target.ok, target.error
+    assert target.status.code == 0, target.status
     version = engine.version
     assert target.policy_version == version == mesh.rollout.version
 

@@ -16,11 +16,11 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from areal.v1 import weight_sync_pb2 as wpb
 from areal_servers.trainer.engine import EngineConfig, OptimConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from areal_servers.trainer.weight_publisher import PublisherConfig
+from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from arealgrpc.v1 import weight_sync_pb2 as wpb
 
 TIMEOUT = 300.0
 # The ``serve`` fixture (conftest.py): (trainer service, model dir, weights root) -> Served.
@@ -113,7 +113,7 @@ def test_a_real_model_update_is_bit_exact_on_the_rollout_side(mesh: Mesh, method
     version = mesh.step()
     reply = mesh.publish(method)
     [target] = reply.results
-    assert target.ok, target.error
+    assert target.status.code == 0, target.status
     assert target.method == method and target.policy_version == version
     trained = mesh.trainer.engine.full_state_dict()  # type: ignore[union-attr]
     served = mesh.engine.model.state_dict()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import grpc
-from areal.v1 import (
+from arealgrpc.v1 import (
     common_pb2,
     rollout_pb2,
     rollout_pb2_grpc,
@@ -44,13 +44,13 @@ def test_areal_rollout_serves_and_drains_on_sigterm():
         address = line.split()[1]
         with sync_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="areal.v1.RolloutService"), timeout=10
+                health_pb2.HealthCheckRequest(service="arealgrpc.v1.RolloutService"), timeout=10
             )
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
             st = stub.GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=10)
             assert (st.engine, st.model, st.vocab_size, st.policy_version) == (
-                "hf",
+                rollout_pb2.ROLLOUT_ENGINE_HF,
                 "builtin:micro",
                 384,
                 0,

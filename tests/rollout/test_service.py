@@ -7,9 +7,9 @@ import contextlib
 
 import grpc
 import pytest
-from areal.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer, item_to_struct
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_model, load_tokenizer
@@ -351,4 +351,5 @@ async def test_expired_deadline_and_cancelled_stream_free_the_slot():
         assert len((await stub.Generate(short)).completions[0].output_ids) == 2
         st = await wait_status(stub, lambda st: st.running_requests == 0)
         assert st.generated_tokens < 2 * 480
-        assert st.engine == "hf" and st.model == "builtin:micro" and st.vocab_size == 384
+        assert st.engine == rollout_pb2.ROLLOUT_ENGINE_HF
+        assert st.model == "builtin:micro" and st.vocab_size == 384

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from areal.v1 import common_pb2, rollout_pb2
+from arealgrpc.v1 import common_pb2, rollout_pb2
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 

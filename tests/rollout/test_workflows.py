@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from areal.v1 import common_pb2
 from areal_servers.rollout.engine import SamplingConfig
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.workflows import (
@@ -16,6 +15,7 @@ from areal_servers.rollout.workflows import (
     build_workflow,
     get_accept_filter,
 )
+from arealgrpc.v1 import common_pb2
 
 from areal_grpc.errors import FieldError
 from areal_grpc.model import load_model, load_tokenizer

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import pytest
 import ray
-from areal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from arealgrpc.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ray.cluster_utils import Cluster
 
 from areal_grpc.config import load_config

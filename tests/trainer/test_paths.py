@@ -13,9 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from areal.v1 import trainer_pb2, trainer_pb2_grpc
 from areal_servers.trainer.engine import EngineConfig, OptimConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
+from arealgrpc.v1 import trainer_pb2, trainer_pb2_grpc
 
 from areal_grpc.errors import field_violations
 from areal_grpc.paths import DEFAULT_ROOT_NAME, MARKER_NAME

@@ -23,10 +23,10 @@ import grpc
 import pytest
 import torch
 import transformers
-from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from areal_servers.trainer.algorithm import PPOConfig
 from areal_servers.trainer.engine import EngineConfig, OptimConfig, TrainerEngine
 from areal_servers.trainer.microbatch import MicroBatchSpec
+from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weight_sync_pb2
 from safetensors.torch import load_file
 
 from areal_grpc.errors import field_violations
@@ -196,7 +196,7 @@ def test_two_ranks_over_grpc_equal_one_plain_step_and_export_generates(ranks, ma
         progress, stats = res
         assert stats.policy_version == 1 and stats.global_step == 0
         assert stats.sequences == 8
-        assert progress[-1].phase == "update"
+        assert progress[-1].phase == trainer_pb2.STEP_PHASE_UPDATE
         assert progress[-1].microbatches_done == progress[-1].microbatches_total
     # Both ranks ran the same number of micro-batches and report the same global stats.
     assert results[0][1].trained_tokens == results[1][1].trained_tokens
@@ -206,8 +206,8 @@ def test_two_ranks_over_grpc_equal_one_plain_step_and_export_generates(ranks, ma
     }
     st = [status(r) for r in ranks]
     assert [(s.rank, s.world_size, s.policy_version, s.backend) for s in st] == [
-        (0, 2, 1, "gloo"),
-        (1, 2, 1, "gloo"),
+        (0, 2, 1, weight_sync_pb2.COLLECTIVE_BACKEND_GLOO),
+        (1, 2, 1, weight_sync_pb2.COLLECTIVE_BACKEND_GLOO),
     ]
 
     plain = plain_engine()

@@ -8,10 +8,10 @@ import math
 
 import grpc
 import pytest
-from areal.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from areal_servers.trainer.engine import EngineConfig, OptimConfig
 from areal_servers.trainer.microbatch import MicroBatchSpec
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
+from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 from areal_grpc.errors import field_violations
 from areal_grpc.server import ServerOptions, aio_channel, service, start_server
@@ -94,7 +94,8 @@ async def scenario(tmp_path) -> None:
         assert stats.loss == 0.0 and math.isfinite(stats.grad_norm)
         assert stats.trained_tokens == 3 * 4
         phases = [r.progress.phase for r in out[:-1]]
-        assert phases[0] == "received" and phases[-1] == "update"
+        assert phases[0] == trainer_pb2.STEP_PHASE_RECEIVED
+        assert phases[-1] == trainer_pb2.STEP_PHASE_UPDATE
 
         status = await stub.GetTrainerStatus(trainer_pb2.GetTrainerStatusRequest())
         assert (status.rank, status.world_size, status.policy_version, status.busy) == (

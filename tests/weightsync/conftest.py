@@ -25,7 +25,14 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from areal.v1 import (
+from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.service import RolloutServicer
+from areal_servers.rollout.weight_sync import (
+    WeightSyncConfig,
+    WeightSyncServicer,
+    build_weight_sync_service,
+)
+from arealgrpc.v1 import (
     common_pb2,
     rollout_pb2,
     rollout_pb2_grpc,
@@ -33,13 +40,6 @@ from areal.v1 import (
     trainer_pb2_grpc,
     weight_sync_pb2,
     weight_sync_pb2_grpc,
-)
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
-from areal_servers.rollout.service import RolloutServicer
-from areal_servers.rollout.weight_sync import (
-    WeightSyncConfig,
-    WeightSyncServicer,
-    build_weight_sync_service,
 )
 
 from areal_grpc.model import load_tokenizer

@@ -89,12 +89,12 @@ def check_moved(trainers: Trainers, rollouts, version: int, tag: str) -> None:
 
 
 def test_trainer_rank_trains_on_the_gpu_over_nccl(gpu_trainer: Trainers) -> None:
-    from areal.v1 import trainer_pb2
+    from arealgrpc.v1 import trainer_pb2
 
     before = gpu_trainer.version()
     assert gpu_trainer.train_step() == before + 1
     status = gpu_trainer.stubs[0].GetTrainerStatus(trainer_pb2.GetTrainerStatusRequest())
-    assert status.ready and status.backend == "nccl"
+    assert status.ready and status.backend == weight_sync_pb2.COLLECTIVE_BACKEND_NCCL
 
 
 @pytest.mark.parametrize("method", ["stream", "disk"])

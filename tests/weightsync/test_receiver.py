@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from areal.v1 import weight_sync_pb2 as pb
+from arealgrpc.v1 import weight_sync_pb2 as pb
 
 from areal_grpc import tensor_codec as tc
 from areal_grpc.errors import field_violations

@@ -18,11 +18,11 @@ from typing import Any
 
 import grpc
 import pytest
-from areal.v1 import tensor_pb2
-from areal.v1 import weight_sync_pb2 as pb
-from areal.v1 import weight_sync_pb2_grpc as pb_grpc
 from areal_servers.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+from arealgrpc.v1 import tensor_pb2
+from arealgrpc.v1 import weight_sync_pb2 as pb
+from arealgrpc.v1 import weight_sync_pb2_grpc as pb_grpc
 
 from areal_grpc.errors import field_violations
 from areal_grpc.server import BackgroundServer, sync_channel

@@ -13,18 +13,18 @@ import { parseArgs } from "node:util";
 
 import { credentials, Metadata, status as Code, type ServiceError } from "@grpc/grpc-js";
 
-import { type TraceContext, type Trajectory, type TrajectoryGroup } from "../../../generated/ts/areal/v1/common";
+import { type TraceContext, type Trajectory, type TrajectoryGroup } from "../../../generated/ts/arealgrpc/v1/common";
 import {
   type AcquireRolloutResponse,
   CoordinatorServiceClient,
   type RolloutLease,
   SubmitTrajectoriesResponse,
-} from "../../../generated/ts/areal/v1/coordinator";
+} from "../../../generated/ts/arealgrpc/v1/coordinator";
 import {
   type Completion,
   type GenerateResponse,
   RolloutServiceClient,
-} from "../../../generated/ts/areal/v1/rollout";
+} from "../../../generated/ts/arealgrpc/v1/rollout";
 import { retryDelayOf } from "./status_details";
 import { first3Prompt, type Prompt, reward, rng } from "./task";
 import { decode, encode } from "./tokenizer";
