@@ -63,7 +63,7 @@ class ServerOptions:
     keepalive_timeout_s: float = 10.0
     # Concurrent RPCs; further calls wait (bounded memory under load).
     max_concurrent_rpcs: int | None = 256
-    # Further core channel arguments, e.g. tensor_codec.stream_channel_options().
+    # Further core channel arguments, e.g. chunk_wire.stream_channel_options().
     extra: list[tuple[str, Any]] = field(default_factory=list)
     # TLS (mutual when it names a client CA); None serves plaintext, loopback only unless
     # allow_plaintext is set.

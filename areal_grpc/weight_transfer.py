@@ -28,6 +28,8 @@ from arealgrpc.v1 import tensor_pb2, weight_sync_pb2
 from google.protobuf.message import DecodeError
 
 from areal_grpc import tensor_codec as tc
+from areal_grpc.chunk_wire import decode_chunk, encode_chunk
+from areal_grpc.chunks import ChunkLike, ChunkView
 
 PUSH_WEIGHTS_METHOD = "/arealgrpc.v1.WeightSyncService/PushWeights"
 SERVICE_NAME = "arealgrpc.v1.WeightSyncService"
@@ -35,7 +37,7 @@ SERVICE_NAME = "arealgrpc.v1.WeightSyncService"
 MAX_CHUNK_BYTES = tc.MiB
 DEFAULT_BUCKET_BYTES = 64 * tc.MiB
 
-PushMessage = weight_sync_pb2.PushWeightsRequest | tc.ChunkView
+PushMessage = weight_sync_pb2.PushWeightsRequest | ChunkView
 
 T = TypeVar("T")
 
@@ -71,17 +73,17 @@ def run_in_thread(fn: Callable[[], T], name: str = "weight-group") -> asyncio.Fu
     return fut
 
 
-def encode_push_request(msg: weight_sync_pb2.PushWeightsRequest | tc.ChunkLike) -> bytes:
+def encode_push_request(msg: weight_sync_pb2.PushWeightsRequest | ChunkLike) -> bytes:
     """Wire bytes of a PushWeights message: a full request, or a chunk (view) as field 2."""
     if isinstance(msg, weight_sync_pb2.PushWeightsRequest):
         return msg.SerializeToString()
-    return tc.encode_chunk(msg, wrap_field=2)
+    return encode_chunk(msg, wrap_field=2)
 
 
 def decode_push_request(buf: bytes) -> PushMessage:
     """A chunk as a zero-copy :class:`ChunkView`, or any other message parsed in full."""
     try:
-        return tc.decode_chunk(buf, wrap_field=2)
+        return decode_chunk(buf, wrap_field=2)
     except DecodeError:
         # No single chunk field: a header (or an unusual encoding the full parser handles).
         return weight_sync_pb2.PushWeightsRequest.FromString(buf)

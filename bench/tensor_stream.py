@@ -5,7 +5,7 @@ Run by hand: ``.venv/bin/python bench/tensor_stream.py [--reps N] [--mib M] [--c
 Every case sends the same state dict (a few large float32/bf16 matrices and ~170 small
 tensors) from this process (the client) to a server in another process that reassembles it
 into one buffer per tensor, allocated as the tensor's header arrives
-(:func:`areal_grpc.tensor_codec.empty_buffer` in every case), and answers once the whole
+(:func:`areal_grpc.host_memory.empty_buffer` in every case), and answers once the whole
 state dict is in place; the time is from the first byte sent to that answer.
 
 * ``tcp``: the baseline. A length-prefixed framing per tensor (name length, byte count, name)
@@ -13,7 +13,7 @@ state dict is in place; the time is from the first byte sent to that answer.
 * ``tensor_stream_naive``: gRPC with plain protobuf ``TensorChunk`` messages (1 MiB chunks,
   ``SerializeToString`` / ``FromString``), default channel settings, glibc malloc defaults
   on the server.
-* ``tensor_stream``: gRPC with :mod:`areal_grpc.tensor_codec`'s fast path (wire bytes built
+* ``tensor_stream``: gRPC with :mod:`areal_grpc.chunk_wire`'s fast path (wire bytes built
   with one copy out of tensor memory, data sliced out of received bytes without a copy, CRC-32C
   on memory in place), its channel options and ``tune_malloc`` on the server.
 
@@ -44,7 +44,10 @@ import grpc
 import torch
 from arealgrpc.v1 import tensor_pb2
 
-from areal_grpc import tensor_codec as tc
+from areal_grpc.checksum import crc32c, crc32c_at
+from areal_grpc.chunk_wire import CHUNK_SERIALIZERS, stream_channel_options
+from areal_grpc.chunks import assemble_or_abort, iter_chunk_views, iter_chunks
+from areal_grpc.host_memory import empty_buffer, tune_malloc
 from areal_grpc.server import (
     ChannelOptions,
     ServerOptions,
@@ -106,25 +109,25 @@ def _digest(sd: dict[str, torch.Tensor]) -> int:
     for name, t in sd.items():
         raw = t.reshape(-1).view(torch.uint8)
         header = f"{name}|{t.dtype}|{list(t.shape)}".encode()
-        parts.append(header + struct.pack("<I", tc.crc32c_at(raw.data_ptr(), raw.numel())))
-    return tc.crc32c(b"".join(parts))
+        parts.append(header + struct.pack("<I", crc32c_at(raw.data_ptr(), raw.numel())))
+    return crc32c(b"".join(parts))
 
 
 def grpc_server_main(fast: bool, ready: Any) -> None:
     """Server process: a grpc.aio server reassembling each incoming stream."""
     torch.set_num_threads(1)
     if fast:
-        tc.tune_malloc()
+        tune_malloc()
 
     async def sink(requests: Any, context: grpc.aio.ServicerContext) -> bytes:
-        sd = await tc.assemble_or_abort(requests, context)
+        sd = await assemble_or_abort(requests, context)
         meta = dict(context.invocation_metadata() or ())
         if meta.get("verify") == "1":
             return struct.pack("<QQQ", len(sd), nbytes(sd), _digest(sd))
         return _summary(sd)
 
     async def main() -> None:
-        decode = tc.CHUNK_SERIALIZERS[1] if fast else _naive_decode
+        decode = CHUNK_SERIALIZERS[1] if fast else _naive_decode
         handler = grpc.method_handlers_generic_handler(
             SERVICE,
             {
@@ -137,7 +140,7 @@ def grpc_server_main(fast: bool, ready: Any) -> None:
         # arguments, and health/reflection play no part here.
         options = server_options(ServerOptions())
         if fast:
-            options += tc.stream_channel_options()
+            options += stream_channel_options()
         server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((handler,))
         port = server.add_insecure_port("127.0.0.1:0")
@@ -150,16 +153,16 @@ def grpc_server_main(fast: bool, ready: Any) -> None:
 
 def grpc_push(port: int, sd: dict[str, torch.Tensor], fast: bool, verify: bool = False) -> bytes:
     """Client side: one stream of the whole state dict; returns the server's answer."""
-    extra = tc.stream_channel_options() if fast else []
+    extra = stream_channel_options() if fast else []
     channel = grpc.insecure_channel(
         f"127.0.0.1:{port}", options=channel_options(ChannelOptions(extra=extra))
     )
     try:
-        encode = tc.CHUNK_SERIALIZERS[0] if fast else _naive_encode
+        encode = CHUNK_SERIALIZERS[0] if fast else _naive_encode
         call = channel.stream_unary(
             f"/{SERVICE}/Push", request_serializer=encode, response_deserializer=bytes
         )
-        chunks: Iterator[Any] = tc.iter_chunk_views(sd) if fast else tc.iter_chunks(sd)
+        chunks: Iterator[Any] = iter_chunk_views(sd) if fast else iter_chunks(sd)
         return call(chunks, metadata=(("verify", "1" if verify else "0"),))
     finally:
         channel.close()
@@ -179,7 +182,7 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> None:
 def tcp_server_main(ready: Any) -> None:
     """Server process: reads framed tensors into preallocated buffers, acks each state dict."""
     torch.set_num_threads(1)
-    tc.tune_malloc()  # as the fast gRPC server does, so neither side has an edge
+    tune_malloc()  # as the fast gRPC server does, so neither side has an edge
     lsock = socket.create_server(("127.0.0.1", 0))
     ready.send(lsock.getsockname()[1])
     head = bytearray(FRAME.size)
@@ -197,7 +200,7 @@ def tcp_server_main(ready: Any) -> None:
                 while (name_len, size) != (0, 0):
                     name = bytearray(name_len)
                     _recv_exact(conn, memoryview(name))
-                    buf = tc.empty_buffer(size)  # same allocation as the assembler's
+                    buf = empty_buffer(size)  # same allocation as the assembler's
                     if size:
                         _recv_exact(conn, memoryview(buf.numpy()))
                     sd[name.decode()] = buf
@@ -295,7 +298,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     # Client process of every case (naive included): buffers stay mapped for reuse.
-    tc.tune_malloc()
+    tune_malloc()
     sd = make_state_dict(args.mib)
     total = nbytes(sd)
     expect = _summary(sd)[:16]

@@ -16,7 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from areal_grpc import tensor_codec as tc
+from areal_grpc.checksum import crc32c
+from areal_grpc.chunk_wire import decode_chunk, encode_chunk
+from areal_grpc.chunks import ChunkView, StateDictAssembler, assemble, iter_chunk_views, iter_chunks
 from areal_grpc.errors import FieldError
+from areal_grpc.host_memory import empty_buffer
 
 DTYPES = list(tc.SUPPORTED_DTYPES)
 SHAPES = [(), (0,), (0, 3), (3, 0, 2), (1,), (7,), (3, 4, 5)]
@@ -53,8 +57,8 @@ def make(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Ten
 
 def chunked_round_trip(sd: dict[str, torch.Tensor], max_chunk_bytes: int) -> dict:
     """Through the wire bytes, as a gRPC stream would carry them."""
-    wires = [tc.encode_chunk(c) for c in tc.iter_chunk_views(sd, max_chunk_bytes)]
-    return tc.assemble((tc.decode_chunk(w) for w in wires), expected_tensors=len(sd))
+    wires = [encode_chunk(c) for c in iter_chunk_views(sd, max_chunk_bytes)]
+    return assemble((decode_chunk(w) for w in wires), expected_tensors=len(sd))
 
 
 # --- round trips ---------------------------------------------------------------------------
@@ -71,7 +75,7 @@ def test_round_trip_every_dtype_and_shape(dtype, shape):
     back = tc.tensor_from_proto(tensor_pb2.TensorProto.FromString(proto.SerializeToString()))
     assert same(back, t)
     # The same tensor as a chunk stream, 5-byte chunks so most tensors span several.
-    assert same(tc.assemble(tc.iter_chunks({"w": t}, max_chunk_bytes=5))["w"], t)
+    assert same(assemble(iter_chunks({"w": t}, max_chunk_bytes=5))["w"], t)
     assert same(chunked_round_trip({"w": t}, 5)["w"], t)
 
 
@@ -98,7 +102,7 @@ def test_multi_chunk_layout_follows_the_contract():
         "b": make(torch.int8, (0,)),
         "c": make(torch.bool, (9,)),
     }
-    chunks = list(tc.iter_chunks(sd, max_chunk_bytes=1024))
+    chunks = list(iter_chunks(sd, max_chunk_bytes=1024))
     by_tensor: dict[int, list[tensor_pb2.TensorChunk]] = {}
     for c in chunks:
         assert len(c.data) <= 1024
@@ -117,7 +121,7 @@ def test_multi_chunk_layout_follows_the_contract():
 
 def test_default_chunks_are_at_most_one_mib():
     t = make(torch.float32, (600_000,))  # 2.4 MB -> 3 chunks
-    chunks = list(tc.iter_chunk_views({"w": t}))
+    chunks = list(iter_chunk_views({"w": t}))
     assert [len(c.data) for c in chunks] == [1 << 20, 1 << 20, 600_000 * 4 - 2 * (1 << 20)]
 
 
@@ -135,7 +139,7 @@ def test_decoding_a_bytearray_is_zero_copy_and_outputs_are_cpu():
 
 def test_empty_buffer_is_a_writable_flat_byte_tensor():
     for n in (0, 5, 8 << 20):  # the big one is advised onto huge pages
-        buf = tc.empty_buffer(n)
+        buf = empty_buffer(n)
         assert buf.dtype == torch.uint8 and buf.shape == (n,) and buf.is_contiguous()
         buf.fill_(7)
         assert n == 0 or int(buf[-1]) == 7
@@ -158,10 +162,10 @@ def test_spec_and_dtype_helpers():
 def test_crc_helpers_match_google_crc32c():
     data = bytes(random.Random(1).randbytes(5000))
     want = google_crc32c.value(data)
-    assert tc.crc32c(data) == want
-    assert tc.crc32c(bytearray(data)) == want
-    assert tc.crc32c(memoryview(data)[10:]) == google_crc32c.value(data[10:])
-    assert tc.crc32c(b"") == 0
+    assert crc32c(data) == want
+    assert crc32c(bytearray(data)) == want
+    assert crc32c(memoryview(data)[10:]) == google_crc32c.value(data[10:])
+    assert crc32c(b"") == 0
 
 
 # --- TensorProto validation ---------------------------------------------------------------
@@ -208,12 +212,12 @@ def test_tensor_proto_size_cap_is_configurable():
 def stream() -> list[tensor_pb2.TensorChunk]:
     """Tensor "a" in 4 chunks of 8 bytes, then "b" in 1 chunk."""
     sd = {"a": make(torch.float32, (8,)), "b": make(torch.int32, (2,))}
-    return list(tc.iter_chunks(sd, max_chunk_bytes=8))
+    return list(iter_chunks(sd, max_chunk_bytes=8))
 
 
 def fail(chunks, **kw) -> FieldError:
     with pytest.raises(FieldError) as e:
-        tc.assemble(chunks, **kw)
+        assemble(chunks, **kw)
     return e.value
 
 
@@ -297,10 +301,10 @@ def test_stream_validation_names_tensor_and_field():
 
 def test_expected_tensors_and_total_byte_cap():
     s = stream()
-    assert set(tc.assemble(s, expected_tensors=2)) == {"a", "b"}
+    assert set(assemble(s, expected_tensors=2)) == {"a", "b"}
     assert fail(s[:4], expected_tensors=2).field == "tensors"
     assert fail(s, expected_tensors=1).field == 'tensor["b"].tensor_index'
-    assert set(tc.assemble(s, max_total_bytes=40)) == {"a", "b"}
+    assert set(assemble(s, max_total_bytes=40)) == {"a", "b"}
     assert fail(s, max_total_bytes=39).field == 'tensor["b"].shape'
 
 
@@ -319,7 +323,7 @@ def test_bool_stream_rejects_non_boolean_bytes():
 
 def test_assembler_is_spent_after_an_error():
     s = stream()
-    asm = tc.StateDictAssembler()
+    asm = StateDictAssembler()
     asm.add(s[0])
     with pytest.raises(FieldError):
         asm.add(s[2])
@@ -429,12 +433,12 @@ def corrupt(
     seed=st.integers(0, 2**32),
 )
 def test_property_corruption_is_a_field_error(sd, chunk, how, seed):
-    chunks = list(tc.iter_chunks(sd, chunk))
+    chunks = list(iter_chunks(sd, chunk))
     bad = corrupt(random.Random(seed), how, chunks, sd)
     if bad is None:
         return
     with pytest.raises(FieldError) as e:
-        tc.assemble(bad, expected_tensors=len(sd))
+        assemble(bad, expected_tensors=len(sd))
     field = e.value.field
     labels = [tc.tensor_label(n) for n in sd]
     assert field == "tensors" or any(field.startswith(lb) for lb in labels), (how, field)
@@ -483,16 +487,16 @@ def fields_of(c) -> dict:
 @FAST
 @given(f=chunk_fields())
 def test_property_hand_built_wire_bytes_are_a_valid_tensor_chunk(f):
-    view = tc.ChunkView(**f)
-    wire = tc.encode_chunk(view)
+    view = ChunkView(**f)
+    wire = encode_chunk(view)
     parsed = tensor_pb2.TensorChunk.FromString(wire)
     assert fields_of(parsed) == f
     assert wire == parsed.SerializeToString()  # even the canonical field order
-    assert fields_of(tc.decode_chunk(parsed.SerializeToString())) == f
+    assert fields_of(decode_chunk(parsed.SerializeToString())) == f
     # Wrapped in PushWeightsRequest.chunk (field 2), as the WeightSync stream sends it.
-    outer = weight_sync_pb2.PushWeightsRequest.FromString(tc.encode_chunk(view, wrap_field=2))
+    outer = weight_sync_pb2.PushWeightsRequest.FromString(encode_chunk(view, wrap_field=2))
     assert outer.WhichOneof("kind") == "chunk" and fields_of(outer.chunk) == f
-    assert fields_of(tc.decode_chunk(outer.SerializeToString(), wrap_field=2)) == f
+    assert fields_of(decode_chunk(outer.SerializeToString(), wrap_field=2)) == f
 
 
 @FAST
@@ -503,7 +507,7 @@ def test_property_decoder_agrees_with_protobuf_on_arbitrary_bytes(junk):
     except DecodeError:
         want = None
     try:
-        got = tc.decode_chunk(junk)
+        got = decode_chunk(junk)
     except DecodeError:
         got = None
     if want is None:
@@ -513,22 +517,22 @@ def test_property_decoder_agrees_with_protobuf_on_arbitrary_bytes(junk):
 
 
 def test_wrapped_decoder_leaves_anything_but_one_chunk_field_to_protobuf():
-    chunk = tc.ChunkView(name="w", chunk_count=1, data=b"abc", crc32c=tc.crc32c(b"abc"))
-    once = tc.encode_chunk(chunk, wrap_field=2)
+    chunk = ChunkView(name="w", chunk_count=1, data=b"abc", crc32c=crc32c(b"abc"))
+    once = encode_chunk(chunk, wrap_field=2)
     with pytest.raises(DecodeError):
-        tc.decode_chunk(once + once, wrap_field=2)
+        decode_chunk(once + once, wrap_field=2)
     with pytest.raises(DecodeError):
-        tc.decode_chunk(b"", wrap_field=2)
+        decode_chunk(b"", wrap_field=2)
     with pytest.raises(DecodeError):
-        tc.decode_chunk(once[:-1], wrap_field=2)
+        decode_chunk(once[:-1], wrap_field=2)
     # A oneof sibling after the chunk wins in protobuf: only the full parser may decide.
     header = weight_sync_pb2.PushWeightsRequest(
         header=weight_sync_pb2.PushWeightsHeader(plan_id="p")
     ).SerializeToString()
     with pytest.raises(DecodeError):
-        tc.decode_chunk(once + header, wrap_field=2)
+        decode_chunk(once + header, wrap_field=2)
     with pytest.raises(DecodeError):
-        tc.decode_chunk(header, wrap_field=2)
+        decode_chunk(header, wrap_field=2)
 
 
 def test_decoder_accepts_unpacked_shape_and_unknown_fields():
@@ -541,7 +545,7 @@ def test_decoder_accepts_unpacked_shape_and_unknown_fields():
     odd = name + extra + wire[len(name) :]
     want = tensor_pb2.TensorChunk.FromString(odd)
     assert list(want.shape) == [3, 4, 3, 4]
-    assert fields_of(tc.decode_chunk(odd)) == fields_of(want)
+    assert fields_of(decode_chunk(odd)) == fields_of(want)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt is Linux-only")
@@ -554,8 +558,8 @@ def test_tune_malloc_reuses_freed_activation_sized_blocks():
     """
     code = (
         "import resource, torch\n"
-        "from areal_grpc import tensor_codec as tc\n"
-        "assert tc.tune_malloc()\n"
+        "from areal_grpc.host_memory import tune_malloc\n"
+        "assert tune_malloc()\n"
         "for _ in range(20):\n"  # warm-up: the heap grows to its working size
         "    torch.empty(16 << 20, dtype=torch.uint8).fill_(1)\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"

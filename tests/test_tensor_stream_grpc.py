@@ -11,7 +11,14 @@ import torch
 from arealgrpc.v1 import tensor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from areal_grpc import tensor_codec as tc
+from areal_grpc.chunk_wire import CHUNK_SERIALIZERS, stream_channel_options
+from areal_grpc.chunks import (
+    ChunkView,
+    assemble,
+    assemble_async,
+    assemble_or_abort,
+    iter_chunk_views,
+)
 from areal_grpc.errors import field_violations
 from areal_grpc.server import ChannelOptions, Service, aio_channel, start_server, sync_channel
 
@@ -21,16 +28,16 @@ MiB = 1 << 20
 
 
 async def echo(
-    requests: AsyncIterator[tc.ChunkView], context: grpc.aio.ServicerContext
-) -> AsyncIterator[tc.ChunkView]:
+    requests: AsyncIterator[ChunkView], context: grpc.aio.ServicerContext
+) -> AsyncIterator[ChunkView]:
     """Reassembles the incoming state dict, then streams it back."""
-    sd = await tc.assemble_or_abort(requests, context)
-    for view in tc.iter_chunk_views(sd):
+    sd = await assemble_or_abort(requests, context)
+    for view in iter_chunk_views(sd):
         yield view
 
 
 def echo_service() -> Service:
-    encode, decode = tc.CHUNK_SERIALIZERS
+    encode, decode = CHUNK_SERIALIZERS
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
         {
@@ -45,24 +52,24 @@ def echo_service() -> Service:
 
 
 async def round_trip(address: str, chunks: Iterable[object]) -> dict[str, torch.Tensor]:
-    encode, decode = tc.CHUNK_SERIALIZERS
-    opts = ChannelOptions(extra=tc.stream_channel_options())
+    encode, decode = CHUNK_SERIALIZERS
+    opts = ChannelOptions(extra=stream_channel_options())
     async with aio_channel(address, opts) as channel:
         call = channel.stream_stream(
             METHOD, request_serializer=encode, response_deserializer=decode
         )
-        return await tc.assemble_async(call(iter(chunks)))
+        return await assemble_async(call(iter(chunks)))
 
 
 def sync_round_trip_error(address: str, chunks: list[tensor_pb2.TensorChunk]) -> grpc.RpcError:
     """The error a blocking client gets for ``chunks`` (AssertionError if none)."""
-    encode, decode = tc.CHUNK_SERIALIZERS
+    encode, decode = CHUNK_SERIALIZERS
     with sync_channel(address) as channel:
         call = channel.stream_stream(
             METHOD, request_serializer=encode, response_deserializer=decode
         )
         try:
-            tc.assemble(call(iter(chunks)))
+            assemble(call(iter(chunks)))
         except grpc.RpcError as e:
             return e
     raise AssertionError("the corrupt stream was accepted")
@@ -107,7 +114,7 @@ def test_64mib_state_dict_round_trips_bit_identical():
     async def main() -> dict[str, torch.Tensor]:
         server = await start_server([echo_service()])
         try:
-            return await round_trip(server.address, tc.iter_chunk_views(sd))
+            return await round_trip(server.address, iter_chunk_views(sd))
         finally:
             await server.stop(0)
 
@@ -119,7 +126,7 @@ def test_64mib_state_dict_round_trips_bit_identical():
 
 def test_corrupt_chunk_is_invalid_argument_and_server_keeps_serving():
     sd = {"a": torch.arange(10, dtype=torch.float32), "x": torch.randn(3000)}
-    chunks = [c.to_proto() for c in tc.iter_chunk_views(sd, max_chunk_bytes=1000)]
+    chunks = [c.to_proto() for c in iter_chunk_views(sd, max_chunk_bytes=1000)]
     target = next(i for i, c in enumerate(chunks) if c.name == "x" and c.chunk_index == 3)
     bad = list(chunks)
     bad[target] = tensor_pb2.TensorChunk.FromString(chunks[target].SerializeToString())

@@ -45,6 +45,7 @@ from areal_servers.rollout.engine import InferenceEngine
 from arealgrpc.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 
 from areal_grpc import tensor_codec as tc
+from areal_grpc.chunks import ChunkLike, StateDictAssembler
 from areal_grpc.errors import (
     FieldError,
     PreconditionError,
@@ -53,6 +54,7 @@ from areal_grpc.errors import (
     invalid_argument,
     status,
 )
+from areal_grpc.host_memory import tune_malloc
 from areal_grpc.server import Service
 from areal_grpc.weight_disk import load_version, resolve_confined
 from areal_grpc.weight_transfer import (
@@ -158,7 +160,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         if "stream" in self.config.methods:
             # Each PushWeights message is a ~1 MiB buffer allocated and freed in turn; keep
             # freed ones mapped instead of faulting fresh pages in for every message.
-            tc.tune_malloc()
+            tune_malloc()
 
     async def _load(
         self, state_dict: dict[str, torch.Tensor], version: int, keep_spare: bool = True
@@ -409,7 +411,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 "header.total_bytes",
                 f"{header.total_bytes} exceeds this server's limit {self.config.max_total_bytes}",
             )
-        asm = tc.StateDictAssembler(
+        asm = StateDictAssembler(
             expected_tensors=header.tensor_count,
             max_total_bytes=header.total_bytes,
             buffers=self._spare,
@@ -434,7 +436,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         return header, state_dict, asm.total_bytes
 
     async def _read_chunks(
-        self, requests: AsyncIterator[PushMessage], asm: tc.StateDictAssembler, max_chunk: int
+        self, requests: AsyncIterator[PushMessage], asm: StateDictAssembler, max_chunk: int
     ) -> None:
         async for msg in requests:
             if isinstance(msg, pb.PushWeightsRequest):
@@ -442,7 +444,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     raise FieldError("header", "sent twice")
                 if not msg.HasField("chunk"):
                     raise FieldError("kind", "empty message: set header or chunk")
-                chunk: tc.ChunkLike = msg.chunk
+                chunk: ChunkLike = msg.chunk
             else:
                 chunk = msg
             n = len(chunk.data)

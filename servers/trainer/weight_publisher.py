@@ -46,7 +46,10 @@ from google.rpc import status_pb2
 from torch.distributed.tensor import DTensor
 
 from areal_grpc import tensor_codec as tc
+from areal_grpc.chunk_wire import stream_channel_options
+from areal_grpc.chunks import iter_chunk_views
 from areal_grpc.errors import describe, status_proto, status_proto_of
+from areal_grpc.host_memory import tune_malloc
 from areal_grpc.server import aio_channel, default_channel_options
 from areal_grpc.weight_disk import VersionWriter, prune_versions, version_dir_name
 from areal_grpc.weight_transfer import (
@@ -267,7 +270,7 @@ class WeightPublisher:
         self._group: _GroupCache | None = None
         # A STREAM publication allocates and frees a ~1 MiB message buffer per chunk; keep
         # freed ones mapped instead of faulting fresh pages in for every message.
-        tc.tune_malloc()
+        tune_malloc()
 
     def session(
         self,
@@ -331,7 +334,7 @@ class PublishSession:
         self._start = time.monotonic()
         self.targets: list[_Target] = []
         # The process default carries the run's TLS and token (set from the server flags).
-        opts = default_channel_options(extra=tc.stream_channel_options())
+        opts = default_channel_options(extra=stream_channel_options())
         for address in addresses:
             channel = aio_channel(address, opts)
             self.targets.append(
@@ -639,7 +642,7 @@ class PublishSession:
         # while the previous one is being written.
         writing: asyncio.Future[list[None]] | None = None
         for k, (name, tensor) in enumerate(bucket.items()):
-            for view in tc.iter_chunk_views({name: tensor}, chunk):
+            for view in iter_chunk_views({name: tensor}, chunk):
                 view.tensor_index = index + k
                 # Encoded once (the data's one copy), written to every stream server.
                 data = encode_push_request(view)

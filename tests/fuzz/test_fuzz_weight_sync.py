@@ -21,7 +21,7 @@ import torch
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
 from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
-from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tensor_pb2
 from arealgrpc.v1 import weight_sync_pb2 as pb
 from arealgrpc.v1 import weight_sync_pb2_grpc as pb_grpc
 from hypothesis import given
@@ -29,6 +29,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from areal_grpc import tensor_codec as tc
+from areal_grpc.checksum import crc32c
+from areal_grpc.chunks import iter_chunks
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import BackgroundServer, service
 from areal_grpc.weight_disk import write_version
@@ -160,7 +162,7 @@ def push_messages(sd: dict[str, torch.Tensor], version: int, plan_id: str = "") 
             plan_id=plan_id, policy_version=version, tensor_count=len(sd), total_bytes=nbytes(sd)
         )
     )
-    return [header, *tc.iter_chunks(sd, CHUNK)]
+    return [header, *iter_chunks(sd, CHUNK)]
 
 
 def negotiate(r: Receiver, method: int) -> str:
@@ -290,7 +292,7 @@ MUTATIONS = [
 
 
 def _chunk_positions(msgs: list[object]) -> list[int]:
-    return [i for i, m in enumerate(msgs) if isinstance(m, tc.tensor_pb2.TensorChunk)]
+    return [i for i, m in enumerate(msgs) if isinstance(m, tensor_pb2.TensorChunk)]
 
 
 def mutate(r: Receiver, msgs: list[object], op: str, data: st.DataObject) -> list[object]:
@@ -304,8 +306,8 @@ def mutate(r: Receiver, msgs: list[object], op: str, data: st.DataObject) -> lis
     def pick() -> int:
         return data.draw(st.sampled_from(chunks), label=f"{op} at")
 
-    def edit(i: int) -> tc.tensor_pb2.TensorChunk:
-        c = tc.tensor_pb2.TensorChunk()
+    def edit(i: int) -> tensor_pb2.TensorChunk:
+        c = tensor_pb2.TensorChunk()
         c.CopyFrom(msgs[i])  # type: ignore[arg-type]
         msgs[i] = c
         return c
@@ -379,7 +381,7 @@ def mutate(r: Receiver, msgs: list[object], op: str, data: st.DataObject) -> lis
         c.offset = data.draw(st.integers(0, 2**64 - 1).filter(lambda o: o != c.offset))
     elif op == "name":
         c = edit(pick())
-        names = {m.name for m in msgs if isinstance(m, tc.tensor_pb2.TensorChunk)}
+        names = {m.name for m in msgs if isinstance(m, tensor_pb2.TensorChunk)}
         c.name = data.draw(
             st.sampled_from(["", *sorted(names - {c.name})])
             | st.text(max_size=8).filter(lambda s: s != c.name)
@@ -417,10 +419,10 @@ def mutate(r: Receiver, msgs: list[object], op: str, data: st.DataObject) -> lis
     elif op == "oversized_chunk":
         c = edit(pick())
         c.data = c.data + b"\0" * (tc.MiB + 1 - len(c.data))
-        c.crc32c = tc.crc32c(c.data)
+        c.crc32c = crc32c(c.data)
     elif op == "unknown_tensor":
-        last = max(m.tensor_index for m in msgs if isinstance(m, tc.tensor_pb2.TensorChunk))
-        extra = next(tc.iter_chunks({"model.no_such_tensor.weight": torch.zeros(3)}, CHUNK))
+        last = max(m.tensor_index for m in msgs if isinstance(m, tensor_pb2.TensorChunk))
+        extra = next(iter_chunks({"model.no_such_tensor.weight": torch.zeros(3)}, CHUNK))
         extra.tensor_index = last + 1
         msgs.append(extra)
         h = edit_header()
@@ -462,7 +464,7 @@ def test_push_weights_damaged_wire_bytes(
     receiver: Receiver, tally: Tally, cut, flips, tail
 ) -> None:
     sd = {"model.norm.weight": receiver.weights["model.norm.weight"]}
-    chunk = next(tc.iter_chunks(sd, CHUNK))
+    chunk = next(iter_chunks(sd, CHUNK))
     raw = bytearray(encode_push_request(pb.PushWeightsRequest(chunk=chunk)))
     raw = raw[: len(raw) - cut % len(raw)] if cut else raw
     for pos, x in flips:
@@ -622,7 +624,7 @@ def distributed_requests(
     specs = draw(
         st.lists(
             st.builds(
-                lambda name, dtype, shape: tc.tensor_pb2.TensorSpec(
+                lambda name, dtype, shape: tensor_pb2.TensorSpec(
                     name=name, dtype=dtype, shape=shape
                 ),
                 st.sampled_from(["a", "b", ""]) | st.text(max_size=6),
@@ -646,21 +648,19 @@ def distributed_requests(
         if flaw == "no_tensors":
             del req.tensors[:]
         elif flaw == "dup":
-            req.tensors.extend([tc.tensor_pb2.TensorSpec(name="d", dtype=1)] * 2)
+            req.tensors.extend([tensor_pb2.TensorSpec(name="d", dtype=1)] * 2)
         elif flaw == "neg_dim":
-            req.tensors.append(tc.tensor_pb2.TensorSpec(name="neg", dtype=1, shape=[2, -1]))
+            req.tensors.append(tensor_pb2.TensorSpec(name="neg", dtype=1, shape=[2, -1]))
         elif flaw == "dtype":
             req.tensors.append(
-                tc.tensor_pb2.TensorSpec(
-                    name="dt", dtype=draw(st.integers(9, 2**31 - 1) | st.just(0))
-                )
+                tensor_pb2.TensorSpec(name="dt", dtype=draw(st.integers(9, 2**31 - 1) | st.just(0)))
             )
         elif flaw == "version":
             req.policy_version = draw(st.integers(-(2**63), 0))
         elif flaw == "bucket":
             req.bucket_bytes = draw(st.integers(-(2**63), -1))
         else:
-            req.tensors.append(tc.tensor_pb2.TensorSpec(name="huge", dtype=1, shape=[2**40, 2**20]))
+            req.tensors.append(tensor_pb2.TensorSpec(name="huge", dtype=1, shape=[2**40, 2**20]))
     return req
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from arealgrpc.v1 import weight_sync_pb2 as pb
 
-from areal_grpc import tensor_codec as tc
+from areal_grpc.chunks import iter_chunk_views
 from areal_grpc.errors import field_violations
 from areal_grpc.weight_disk import write_version
 from areal_grpc.weight_transfer import PUSH_WEIGHTS_METHOD, encode_push_request
@@ -38,7 +38,7 @@ def push_messages(
     header = pb.PushWeightsRequest(
         header=pb.PushWeightsHeader(policy_version=version, tensor_count=len(sd), total_bytes=total)
     )
-    return [header, *tc.iter_chunk_views(sd, chunk_bytes)]
+    return [header, *iter_chunk_views(sd, chunk_bytes)]
 
 
 def push(r: Rollout, messages: Iterator[object] | list[object]) -> pb.PushWeightsResponse:
