@@ -28,8 +28,8 @@ import torch
 from areal_servers.trainer.algorithm import NormConfig, PPOConfig, RewardConfig
 from areal_servers.trainer.engine import DistConfig, EngineConfig, OptimConfig
 from areal_servers.trainer.microbatch import MicroBatchSpec
+from areal_servers.trainer.publish.base import PublisherConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
-from areal_servers.trainer.weight_publisher import PublisherConfig
 from arealgrpc.v1 import trainer_pb2, trainer_pb2_grpc
 
 from areal_grpc.cli import base_parser, serve_main

@@ -35,11 +35,10 @@ from areal_servers.trainer.engine import (
     init_distributed,
     resolve_device,
 )
+from areal_servers.trainer.publish.base import PublisherConfig, TensorMeta
 from areal_servers.trainer.weight_publisher import (
     DEFAULT_METHODS,
-    PublisherConfig,
     PublishSession,
-    TensorMeta,
     WeightPublisher,
     run_publication,
 )

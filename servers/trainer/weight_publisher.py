@@ -8,23 +8,13 @@ the full model never exists twice on rank 0 (at most two buckets do, plus, for D
 buckets whose shard files are still being written: ``disk_writers`` at most).
 
 A session negotiates with every rollout server (methods in the caller's preference order),
-then moves each bucket by the plan each server accepted:
-
-* STREAM: one ``PushWeights`` call per server; each chunk is encoded once and written to every
-  stream server.
-* DISK: rank 0 writes the bucket as the next shard of a versioned safetensors directory
-  (``disk_writers`` shard files at once; atomic rename when complete, then ``UpdateFromDisk``
-  on each disk server; older versions beyond ``keep_versions`` are deleted).
-* DISTRIBUTED: a private process group (rank 0 here, the servers at their rank offsets) is
-  formed once and reused while its members stay the same; each server gets the metadata
-  (``UpdateFromDistributed``), then every tensor is broadcast in order.
+then moves each bucket by the plan each server accepted, through that method's transport
+(:mod:`areal_servers.trainer.publish`: ``stream``, ``disk``, ``distributed``, one module each
+behind one interface).
 
 A server that fails (refuses, times out, drops) is reported failed with the gRPC status, and
-the others go on. Nothing here raises for a server's failure. A DISTRIBUTED member whose call
-fails while the group forms or broadcasts (its process died) breaks the group at once: gloo
-would keep the survivors waiting on it until the group timeout, so the group's blocked thread
-is abandoned (it ends by itself at that timeout), the survivors' calls are cancelled (they drop
-the group too) and reported failed with a retryable error; ``clients.fleet`` retries them.
+the others go on. Nothing here raises for a server's failure; a broken DISTRIBUTED group's
+survivors are reported with a retryable error, and ``clients.fleet`` retries them.
 """
 
 from __future__ import annotations
@@ -34,35 +24,35 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
 import torch
-from arealgrpc.v1 import tensor_pb2, weight_sync_pb2, weight_sync_pb2_grpc
-from google.rpc import status_pb2
+from areal_servers.trainer.publish.base import (
+    PublishContext,
+    PublisherConfig,
+    Target,
+    TargetResult,
+    TensorMeta,
+    Transport,
+)
+from areal_servers.trainer.publish.disk import DiskTransport
+from areal_servers.trainer.publish.distributed import DistributedTransport, GroupCache
+from areal_servers.trainer.publish.stream import StreamTransport
+from arealgrpc.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 from torch.distributed.tensor import DTensor
 
-from areal_grpc import tensor_codec as tc
 from areal_grpc.chunk_wire import stream_channel_options
-from areal_grpc.chunks import iter_chunk_views
-from areal_grpc.errors import describe, status_proto, status_proto_of
+from areal_grpc.errors import status_proto_of
 from areal_grpc.host_memory import tune_malloc
 from areal_grpc.server import aio_channel, default_channel_options
-from areal_grpc.weight_disk import VersionWriter, prune_versions, version_dir_name
 from areal_grpc.weight_transfer import (
-    DEFAULT_BUCKET_BYTES,
-    MAX_CHUNK_BYTES,
-    PUSH_WEIGHTS_METHOD,
-    GroupParams,
-    WeightGroup,
     cuda_uuid,
-    encode_push_request,
     free_port,
     plan_buckets,
-    run_in_thread,
 )
 
 log = logging.getLogger(__name__)
@@ -74,54 +64,6 @@ DEFAULT_METHODS = (
     pb.TRANSFER_METHOD_STREAM,
     pb.TRANSFER_METHOD_DISK,
 )
-
-
-@dataclass
-class PublisherConfig:
-    """How a trainer rank publishes weights."""
-
-    # Where rank 0 writes versioned directories for DISK; None: DISK is never offered.
-    disk_root: str | None = None
-    # Published versions kept under disk_root (older ones are deleted after an update).
-    keep_versions: int = 2
-    # Gather / broadcast / shard bucket size when a request gives none.
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    # Address the rollout servers use to reach rank 0's weight-group rendezvous.
-    master_address: str = "127.0.0.1"
-    # "gloo" or "nccl"; None: nccl when the trainer's parameters are on a GPU, else gloo.
-    backend: str | None = None
-    # Seconds for a group rendezvous or one broadcast.
-    group_timeout_s: float = 300.0
-    # Seconds for the whole publication when a request gives none.
-    timeout_s: float = 600.0
-    # Largest PushWeights chunk this sender offers.
-    max_chunk_bytes: int = MAX_CHUNK_BYTES
-    # DISK shard files written at once, each by its own thread (>= 1). A bucket is held until
-    # its shard is written: up to this many gathered buckets besides the one being gathered.
-    disk_writers: int = 2
-
-
-@dataclass
-class TensorMeta:
-    """A parameter's published name, dtype and full (unsharded) shape."""
-
-    name: str
-    dtype: torch.dtype
-    shape: list[int]
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the full tensor in bytes."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
-
-    def spec(self) -> tensor_pb2.TensorSpec:
-        """As a ``TensorSpec``."""
-        return tensor_pb2.TensorSpec(
-            name=self.name, dtype=tc.dtype_to_proto(self.dtype), shape=self.shape
-        )
 
 
 def published_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -179,64 +121,6 @@ def gather_buckets(
             yield out
 
 
-class GroupBroken(RuntimeError):
-    """A member of the weight group failed while the group's collective work was running."""
-
-
-@dataclass
-class TargetResult:
-    """Outcome for one rollout server."""
-
-    address: str
-    method: int = pb.TRANSFER_METHOD_UNSPECIFIED
-    ok: bool = False
-    # Code 0 (OK) until the first failure, which is kept (with the server's error details).
-    status: status_pb2.Status = field(default_factory=status_pb2.Status)
-    policy_version: int = 0
-    sent_bytes: int = 0
-
-    @property
-    def error(self) -> str:
-        """``CODE: message`` of the failure; empty while none."""
-        return describe(self.status) if self.status.code else ""
-
-    def fail(self, code: grpc.StatusCode, message: str) -> None:
-        """Marks the target failed (the first error is kept)."""
-        self.fail_with(status_proto(code, message))
-
-    def fail_with(self, st: status_pb2.Status) -> None:
-        """Marks the target failed with ``st`` (the first error is kept)."""
-        if self.ok or not self.status.code:
-            self.status.CopyFrom(st)
-        self.ok = False
-
-
-@dataclass
-class _Target:
-    result: TargetResult
-    stub: weight_sync_pb2_grpc.WeightSyncServiceStub
-    channel: grpc.aio.Channel
-    plan: weight_sync_pb2.NegotiateResponse | None = None
-    call: grpc.aio.StreamUnaryCall | None = None  # type: ignore[type-arg]
-    task: asyncio.Task[None] | None = None
-    rank: int = 0
-
-    @property
-    def alive(self) -> bool:
-        return self.plan is not None and not self.result.error
-
-
-@dataclass
-class _GroupCache:
-    members: list[str]
-    params: GroupParams
-    group: WeightGroup | None = None
-
-
-def _bytes_passthrough(msg: bytes) -> bytes:
-    return msg
-
-
 @dataclass
 class SessionStats:
     """What a session moved."""
@@ -267,7 +151,8 @@ class WeightPublisher:
         self.device = device
         # Receivers on this very GPU decline NCCL (it refuses two ranks on one device).
         self.device_uuid = cuda_uuid(device) if backend == "nccl" else ""
-        self._group: _GroupCache | None = None
+        # The weight group kept between publications (see publish.distributed).
+        self.group: GroupCache | None = None
         # A STREAM publication allocates and frees a ~1 MiB message buffer per chunk; keep
         # freed ones mapped instead of faulting fresh pages in for every message.
         tune_malloc()
@@ -299,9 +184,9 @@ class WeightPublisher:
 
     def close(self) -> None:
         """Leaves the weight group."""
-        if self._group is not None and self._group.group is not None:
-            self._group.group.close()
-        self._group = None
+        if self.group is not None and self.group.group is not None:
+            self.group.group.close()
+        self.group = None
 
 
 class PublishSession:
@@ -324,84 +209,47 @@ class PublishSession:
         self.cfg = publisher.config
         self.methods = methods
         self.version = version
-        self.metas = metas
-        self.buckets = buckets
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-        self.config_json = config_json
-        self.deadline = time.monotonic() + timeout_s
-        self.stats = SessionStats(tensor_count=len(metas), total_bytes=sum(m.nbytes for m in metas))
+        self.ctx = PublishContext(
+            cfg=self.cfg,
+            version=version,
+            metas=metas,
+            bucket_count=len(buckets),
+            bucket_bytes=bucket_bytes,
+            config_json=config_json,
+            deadline=time.monotonic() + timeout_s,
+        )
+        self.stats = SessionStats(tensor_count=len(metas), total_bytes=self.ctx.total_bytes)
         self._start = time.monotonic()
-        self.targets: list[_Target] = []
+        self.distributed = DistributedTransport(self.ctx, publisher)
+        self.transports: dict[int, Transport] = {
+            pb.TRANSFER_METHOD_STREAM: StreamTransport(self.ctx),
+            pb.TRANSFER_METHOD_DISK: DiskTransport(self.ctx),
+            pb.TRANSFER_METHOD_DISTRIBUTED: self.distributed,
+        }
+        self.targets: list[Target] = []
         # The process default carries the run's TLS and token (set from the server flags).
         opts = default_channel_options(extra=stream_channel_options())
         for address in addresses:
             channel = aio_channel(address, opts)
             self.targets.append(
-                _Target(
+                Target(
                     TargetResult(address),
                     weight_sync_pb2_grpc.WeightSyncServiceStub(channel),
                     channel,
                 )
             )
         self._tensor_index = 0
-        self._disk: VersionWriter | None = None
-        self._disk_writes: list[asyncio.Task[None]] = []
-        self._disk_slots = asyncio.Semaphore(max(1, self.cfg.disk_writers))
-        self._disk_error: status_pb2.Status | None = None
-        self._group: WeightGroup | None = None
-        # Set when a DISTRIBUTED member's call fails: the group can no longer complete.
-        self._member_failed = asyncio.Event()
-        self._failed_member = ""
 
-    # --------------------------------------------------------------------------- helpers
-
-    def _left(self) -> float:
-        return max(1.0, self.deadline - time.monotonic())
-
-    def _of(self, method: int) -> list[_Target]:
+    def _of(self, method: int) -> list[Target]:
         return [t for t in self.targets if t.alive and t.result.method == method]
 
-    def _offer(
-        self, method: int, rank: int, world: int, params: tuple[int, str] | None
-    ) -> pb.TransferOption | None:
-        if method == pb.TRANSFER_METHOD_STREAM:
-            return pb.TransferOption(
-                method=method, stream=pb.StreamParams(max_chunk_bytes=self.cfg.max_chunk_bytes)
-            )
-        if method == pb.TRANSFER_METHOD_DISK:
-            if not self.cfg.disk_root:
-                return None
-            return pb.TransferOption(method=method, disk=pb.DiskParams(root=self.cfg.disk_root))
-        if method == pb.TRANSFER_METHOD_DISTRIBUTED and params is not None:
-            port, name = params
-            backend = (
-                pb.COLLECTIVE_BACKEND_NCCL
-                if self.publisher.backend == "nccl"
-                else pb.COLLECTIVE_BACKEND_GLOO
-            )
-            return pb.TransferOption(
-                method=method,
-                distributed=pb.DistributedParams(
-                    backend=backend,
-                    master_address=self.cfg.master_address,
-                    master_port=port,
-                    world_size=world,
-                    rank_offset=rank,
-                    group_name=name,
-                    bucket_bytes=self.bucket_bytes,
-                    device_uuid=self.publisher.device_uuid,
-                ),
-            )
-        return None
-
     async def _negotiate(
-        self, target: _Target, methods: Sequence[int], rank: int, world: int, params: object
+        self, target: Target, methods: Sequence[int], rank: int, world: int
     ) -> None:
         offers = [
             o
             for m in methods
-            if (o := self._offer(m, rank, world, params)) is not None  # type: ignore[arg-type]
+            if m in self.transports and (o := self.transports[m].offer(rank, world)) is not None
         ]
         if not offers:
             target.result.fail(grpc.StatusCode.FAILED_PRECONDITION, "no method left to offer")
@@ -410,7 +258,7 @@ class PublishSession:
         try:
             reply = await target.stub.Negotiate(
                 pb.NegotiateRequest(offers=offers, sender_id=self.publisher.sender_id),
-                timeout=min(60.0, self._left()),
+                timeout=min(60.0, self.ctx.left()),
             )
         except Exception as exc:
             target.result.fail_with(status_proto_of(exc, "negotiate: "))
@@ -426,23 +274,21 @@ class PublishSession:
                 f"the published {self.version}",
             )
 
-    # ------------------------------------------------------------------------------ open
+    def _fresh_group_params(self) -> tuple[int, str]:
+        return (free_port(self.cfg.master_address), f"areal-weights-{uuid.uuid4().hex[:8]}")
 
     async def open(self) -> None:
         """Negotiates with every server and starts each method's transfer."""
-        pub = self.publisher
         addresses = [t.result.address for t in self.targets]
-        cache = pub._group
+        cache = self.publisher.group
+        dist = self.distributed
         if cache is not None and cache.members == addresses:
-            params: tuple[int, str] | None = (cache.params.master_port, cache.params.group_name)
+            dist.params = (cache.params.master_port, cache.params.group_name)
         else:
-            params = (free_port(self.cfg.master_address), f"areal-weights-{uuid.uuid4().hex[:8]}")
+            dist.params = self._fresh_group_params()
         world = len(self.targets) + 1
         await asyncio.gather(
-            *(
-                self._negotiate(t, self.methods, i + 1, world, params)
-                for i, t in enumerate(self.targets)
-            )
+            *(self._negotiate(t, self.methods, i + 1, world) for i, t in enumerate(self.targets))
         )
         # Distributed ranks must be exactly 1..n for the servers that took DISTRIBUTED; when
         # some did not (or a cached group is gone on a server), renegotiate those with a fresh
@@ -456,263 +302,32 @@ class PublishSession:
             consistent = offered_world == len(members) + 1 and all(
                 offered[t.result.address] == j + 1 for j, t in enumerate(members)
             )
-            reuse = (
-                cache is not None
-                and cache.group is not None
-                and params == (cache.params.master_port, cache.params.group_name)
-            )
-            if reuse and not all(t.plan.plan.distributed.joined for t in members):  # type: ignore[union-attr]
+            if dist.reusable() and not all(t.plan.plan.distributed.joined for t in members):  # type: ignore[union-attr]
                 consistent = False
             if consistent:
                 break
-            params = (free_port(self.cfg.master_address), f"areal-weights-{uuid.uuid4().hex[:8]}")
+            dist.params = self._fresh_group_params()
             offered_world = len(members) + 1
             offered = {t.result.address: j + 1 for j, t in enumerate(members)}
             await asyncio.gather(
                 *(
-                    self._negotiate(
-                        t, [pb.TRANSFER_METHOD_DISTRIBUTED], j + 1, offered_world, params
-                    )
+                    self._negotiate(t, [pb.TRANSFER_METHOD_DISTRIBUTED], j + 1, offered_world)
                     for j, t in enumerate(members)
                 )
             )
-        await self._open_stream()
-        self._open_disk()
-        members = self._of(pb.TRANSFER_METHOD_DISTRIBUTED)
-        if members and params is not None:
-            await self._open_distributed(members, params)
-
-    async def _open_stream(self) -> None:
-        targets = self._of(pb.TRANSFER_METHOD_STREAM)
-        header = pb.PushWeightsRequest(
-            header=pb.PushWeightsHeader(
-                policy_version=self.version,
-                tensor_count=len(self.metas),
-                total_bytes=self.stats.total_bytes,
-            )
-        )
-        for t in targets:
-            assert t.plan is not None
-            multi = t.channel.stream_unary(
-                PUSH_WEIGHTS_METHOD,
-                request_serializer=_bytes_passthrough,
-                response_deserializer=pb.PushWeightsResponse.FromString,
-            )
-            t.call = multi(timeout=self._left())
-            header.header.plan_id = t.plan.plan_id
-            await self._write(t, header.SerializeToString())
-
-    def _open_disk(self) -> None:
-        if not self._of(pb.TRANSFER_METHOD_DISK) or not self.cfg.disk_root:
-            return
-        writer = VersionWriter(
-            self.cfg.disk_root, self.version, len(self.buckets), keep=self.cfg.keep_versions
-        )
-        try:
-            writer.__enter__()
-        except Exception as exc:
-            for t in self._of(pb.TRANSFER_METHOD_DISK):
-                t.result.fail_with(status_proto_of(exc, "writing the version directory: "))
-            return
-        self._disk = writer
-
-    async def _open_distributed(self, members: list[_Target], params: tuple[int, str]) -> None:
-        pub = self.publisher
-        port, name = params
-        gp = GroupParams(
-            master_address=self.cfg.master_address,
-            master_port=port,
-            world_size=len(members) + 1,
-            rank=0,
-            group_name=name,
-            backend=pub.backend,
-            timeout_s=self.cfg.group_timeout_s,
-            device=str(pub.device) if pub.backend == "nccl" and pub.device.type == "cuda" else "",
-        )
-        addresses = [t.result.address for t in members]
-        request = pb.UpdateFromDistributedRequest(
-            policy_version=self.version,
-            tensors=[m.spec() for m in self.metas],
-            bucket_bytes=self.bucket_bytes,
-        )
-        # The metadata calls return only after every broadcast: start them, then join.
-        for t in members:
-            assert t.plan is not None
-            req = pb.UpdateFromDistributedRequest()
-            req.CopyFrom(request)
-            req.plan_id = t.plan.plan_id
-            t.task = asyncio.create_task(self._distributed_call(t, req))
-        cache = pub._group
-        if cache is not None and cache.params == gp and cache.group is not None:
-            self._group = cache.group
-            return
-        if cache is not None and cache.group is not None:
-            cache.group.close()
-        pub._group = None
-        try:
-            self._group = await self._group_work(lambda: WeightGroup(gp))
-        except Exception as exc:
-            self._break_group(grpc.StatusCode.UNAVAILABLE, f"weight group did not form: {exc}")
-            return
-        pub._group = _GroupCache(addresses, gp, self._group)
-
-    async def _distributed_call(self, t: _Target, req: pb.UpdateFromDistributedRequest) -> None:
-        try:
-            reply = await t.stub.UpdateFromDistributed(req, timeout=self._left())
-        except asyncio.CancelledError:
-            t.result.fail(grpc.StatusCode.ABORTED, "cancelled: the weight group broke")
-            raise
-        except Exception as exc:
-            t.result.fail_with(status_proto_of(exc))
-            # This member left the collective (died, or refused before joining): the group
-            # cannot complete, so nobody waits for it any longer.
-            if not self._failed_member:
-                self._failed_member = f"{t.result.address}: {t.result.error}"
-            self._member_failed.set()
-            return
-        t.result.policy_version = reply.policy_version
-        if not t.result.error:
-            t.result.ok = True
-
-    async def _group_work(self, fn: Callable[[], T]) -> T:
-        """``fn()`` (blocking group work) in a thread; GroupBroken once a member's call fails.
-
-        A collective waiting on a dead member only ends at the group timeout; the thread is
-        then left to end by itself and the publication goes on without the group.
-        """
-        work = run_in_thread(fn, "weight-publish")
-        failed = asyncio.ensure_future(self._member_failed.wait())
-        try:
-            await asyncio.wait({work, failed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            failed.cancel()
-        if work.done():
-            return work.result()
-        work.cancel()
-        raise GroupBroken(f"a member failed ({self._failed_member})")
-
-    def _break_group(self, code: grpc.StatusCode, error: str) -> None:
-        """Fails every DISTRIBUTED member and drops the group; members still in it are cancelled.
-
-        The group object is not closed: a collective may still block in an abandoned thread.
-        Members that failed on their own keep their own error; the others get ``code`` and
-        ``error`` (ABORTED or UNAVAILABLE, so the caller may retry them in a new group).
-        """
-        for t in self.targets:
-            if t.result.method != pb.TRANSFER_METHOD_DISTRIBUTED or t.plan is None:
-                continue
-            t.result.fail(code, error)
-            if t.task is not None and not t.task.done():
-                t.task.cancel()
-        self._group = None
-        self.publisher._group = None
-
-    # ------------------------------------------------------------------------------ send
-
-    async def _write(self, t: _Target, data: bytes) -> None:
-        if t.call is None or t.result.error:
-            return
-        try:
-            await t.call.write(data)
-        except Exception as exc:
-            t.result.fail_with(status_proto_of(exc, "stream: "))
-            with contextlib.suppress(Exception):
-                t.call.cancel()
+        for method, transport in self.transports.items():
+            await transport.open(self._of(method))
 
     async def send_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
         """Moves one gathered bucket by every method in use (servers in parallel)."""
-        stream = self._of(pb.TRANSFER_METHOD_STREAM)
-        jobs = []
-        if stream:
-            jobs.append(self._stream_bucket(bucket, stream))
-        if self._disk is not None:
-            jobs.append(self._disk_bucket(bucket))
-        if self._group is not None and self._of(pb.TRANSFER_METHOD_DISTRIBUTED):
-            jobs.append(self._broadcast_bucket(bucket))
-        await asyncio.gather(*jobs)
+        await asyncio.gather(
+            *(t.send(bucket, self._tensor_index) for t in self.transports.values())
+        )
         self._tensor_index += len(bucket)
-
-    async def _stream_bucket(self, bucket: dict[str, torch.Tensor], targets: list[_Target]) -> None:
-        index = self._tensor_index
-        chunk = self.cfg.max_chunk_bytes
-        for t in targets:
-            assert t.plan is not None
-            chunk = min(chunk, t.plan.plan.stream.max_chunk_bytes or chunk)
-        # One write in flight per call (grpc.aio allows no more): the next chunk is encoded
-        # while the previous one is being written.
-        writing: asyncio.Future[list[None]] | None = None
-        for k, (name, tensor) in enumerate(bucket.items()):
-            for view in iter_chunk_views({name: tensor}, chunk):
-                view.tensor_index = index + k
-                # Encoded once (the data's one copy), written to every stream server.
-                data = encode_push_request(view)
-                if writing is not None:
-                    await writing
-                live = [t for t in targets if not t.result.error]
-                if not live:
-                    return
-                writing = asyncio.gather(*(self._write(t, data) for t in live))
-                for t in live:
-                    t.result.sent_bytes += len(view.data)
-        if writing is not None:
-            await writing
-
-    async def _disk_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
-        # Returns once the shard's write has started: up to cfg.disk_writers shards are
-        # written at once while the next buckets are gathered (a write is mostly copying
-        # into the page cache, which a second core speeds up).
-        await self._disk_slots.acquire()
-        self._disk_writes.append(asyncio.create_task(self._write_shard(bucket)))
-
-    async def _write_shard(self, bucket: dict[str, torch.Tensor]) -> None:
-        try:
-            writer = self._disk
-            if writer is not None and self._disk_error is None:
-                await asyncio.to_thread(writer.add_shard, bucket)
-        except Exception as exc:
-            # The writer is aborted once no other write of it is running (see _close_disk).
-            if self._disk_error is None:
-                self._disk_error = status_proto_of(exc, "writing the version directory: ")
-        finally:
-            self._disk_slots.release()
-
-    def _abort_disk(self, error: status_pb2.Status) -> None:
-        if self._disk is not None:
-            self._disk.__exit__(RuntimeError, RuntimeError(error.message), None)
-            self._disk = None
-        for t in self._of(pb.TRANSFER_METHOD_DISK):
-            t.result.fail_with(error)
-
-    async def _broadcast_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
-        group = self._group
-        assert group is not None
-
-        def run() -> None:
-            for tensor in bucket.values():
-                t = tensor.to(group.device).contiguous()
-                group.broadcast(t, src=0)
-
-        try:
-            await self._group_work(run)
-        except GroupBroken as exc:
-            self._break_group(grpc.StatusCode.ABORTED, f"the weight group broke: {exc}")
-            return
-        except Exception as exc:
-            # A broken collective breaks the group for every member. Its thread has ended, so
-            # (unlike an abandoned one) the group can be closed here.
-            group.close()
-            self._break_group(
-                grpc.StatusCode.ABORTED, f"the weight group broke: broadcast failed: {exc}"
-            )
-            return
-        for t in self._of(pb.TRANSFER_METHOD_DISTRIBUTED):
-            t.result.sent_bytes += sum(v.numel() * v.element_size() for v in bucket.values())
-
-    # ----------------------------------------------------------------------------- close
 
     async def close(self) -> list[TargetResult]:
         """Finishes every transfer and returns one result per server (request order)."""
-        await asyncio.gather(self._close_stream(), self._close_disk(), self._close_distributed())
+        await asyncio.gather(*(t.close() for t in self.transports.values()))
         for t in self.targets:
             if t.plan is None and not t.result.error:
                 t.result.fail(grpc.StatusCode.INTERNAL, "no plan")
@@ -724,73 +339,6 @@ class PublishSession:
                 name = pb.TransferMethod.Name(t.result.method)
                 self.stats.by_method[name] = self.stats.by_method.get(name, 0) + 1
         return [t.result for t in self.targets]
-
-    async def _close_stream(self) -> None:
-        async def finish(t: _Target) -> None:
-            if t.call is None:
-                return
-            if t.result.error:
-                with contextlib.suppress(Exception):
-                    t.call.cancel()
-                return
-            try:
-                await t.call.done_writing()
-                reply = await t.call
-            except Exception as exc:
-                t.result.fail_with(status_proto_of(exc))
-                return
-            t.result.policy_version = reply.policy_version
-            t.result.ok = True
-
-        await asyncio.gather(*(finish(t) for t in self.targets))
-
-    async def _close_disk(self) -> None:
-        await asyncio.gather(*self._disk_writes)
-        self._disk_writes.clear()
-        writer = self._disk
-        if writer is None:
-            return
-        if self._disk_error is not None:
-            self._abort_disk(self._disk_error)
-            return
-        try:
-            if self.config_json is not None:
-                writer.write_config(self.config_json)
-            await asyncio.to_thread(writer.__exit__, None, None, None)
-        except Exception as exc:
-            self._abort_disk(status_proto_of(exc, "publishing the version directory: "))
-            return
-        self._disk = None
-        rel = version_dir_name(self.version)
-
-        async def load(t: _Target) -> None:
-            assert t.plan is not None
-            try:
-                reply = await t.stub.UpdateFromDisk(
-                    pb.UpdateFromDiskRequest(
-                        plan_id=t.plan.plan_id, policy_version=self.version, path=rel
-                    ),
-                    timeout=self._left(),
-                )
-            except Exception as exc:
-                t.result.fail_with(status_proto_of(exc))
-                return
-            t.result.policy_version = reply.policy_version
-            t.result.sent_bytes = self.stats.total_bytes
-            t.result.ok = True
-
-        await asyncio.gather(*(load(t) for t in self._of(pb.TRANSFER_METHOD_DISK)))
-        assert self.cfg.disk_root is not None
-        try:
-            await asyncio.to_thread(prune_versions, self.cfg.disk_root, self.cfg.keep_versions)
-        except OSError as exc:
-            log.warning("pruning %s failed: %s", self.cfg.disk_root, exc)
-
-    async def _close_distributed(self) -> None:
-        tasks = [t.task for t in self.targets if t.task is not None]
-        if tasks:
-            # Cancelled members (a broken group) end with CancelledError: already recorded.
-            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def run_publication(
@@ -863,10 +411,7 @@ def run_publication(
 __all__ = [
     "DEFAULT_METHODS",
     "PublishSession",
-    "PublisherConfig",
     "SessionStats",
-    "TargetResult",
-    "TensorMeta",
     "WeightPublisher",
     "gather_buckets",
     "published_tensors",

@@ -27,8 +27,8 @@ import transformers
 from areal_servers.rollout.service import item_to_struct
 from areal_servers.trainer.algorithm import trainable_mask
 from areal_servers.trainer.engine import DistConfig, EngineConfig, OptimConfig, TrainerEngine
+from areal_servers.trainer.publish.base import PublisherConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
-from areal_servers.trainer.weight_publisher import PublisherConfig
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from arealgrpc.v1 import weight_sync_pb2 as wpb
 from torch.distributed.tensor import DTensor

@@ -17,8 +17,8 @@ import grpc
 import pytest
 import torch
 from areal_servers.trainer.engine import EngineConfig, OptimConfig
+from areal_servers.trainer.publish.base import PublisherConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
-from areal_servers.trainer.weight_publisher import PublisherConfig
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from arealgrpc.v1 import weight_sync_pb2 as wpb
 
