@@ -100,8 +100,9 @@ def published_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def serve_rollout(model: str, disk_root: str) -> None:
     """Child mode: a rollout server with WeightSyncService; prints LISTENING host:port."""
     from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+    from areal_servers.rollout.receive.base import WeightSyncConfig
     from areal_servers.rollout.service import RolloutServicer
-    from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+    from areal_servers.rollout.weight_sync import build_weight_sync_service
     from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 
     from areal_grpc.model import load_tokenizer

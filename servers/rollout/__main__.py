@@ -15,8 +15,9 @@ from collections.abc import Sequence
 import torch
 from areal_servers.rollout.engine import InferenceEngine
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.receive.base import WeightSyncConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
-from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+from areal_servers.rollout.weight_sync import build_weight_sync_service
 from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 
 from areal_grpc.cli import base_parser, serve_main

@@ -19,8 +19,9 @@ import grpc
 import pytest
 import torch
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.receive.base import WeightSyncConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
-from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+from areal_servers.rollout.weight_sync import build_weight_sync_service
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tensor_pb2
 from arealgrpc.v1 import weight_sync_pb2 as pb
 from arealgrpc.v1 import weight_sync_pb2_grpc as pb_grpc

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.receive.base import WeightSyncConfig
 from areal_servers.rollout.service import RolloutServicer
-from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+from areal_servers.rollout.weight_sync import build_weight_sync_service
 from areal_servers.trainer.service import TrainerService
 from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 

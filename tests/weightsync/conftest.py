@@ -26,12 +26,9 @@ import grpc
 import pytest
 import torch
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.receive.base import WeightSyncConfig
 from areal_servers.rollout.service import RolloutServicer
-from areal_servers.rollout.weight_sync import (
-    WeightSyncConfig,
-    WeightSyncServicer,
-    build_weight_sync_service,
-)
+from areal_servers.rollout.weight_sync import WeightSyncServicer, build_weight_sync_service
 from arealgrpc.v1 import (
     common_pb2,
     rollout_pb2,

@@ -101,7 +101,7 @@ def test_distributed_group_is_formed_once_and_reused_by_later_updates(
         )
         assert result.failed_servers == [], [s.error for s in result.servers]
         assert [r.version() for r in rollouts] == [version, version]
-        groups.append([r.weight_sync._group for r in rollouts])
+        groups.append([r.weight_sync.group for r in rollouts])
     # The same process-group objects carried the second update: no new rendezvous.
     assert all(g is not None for g in groups[0])
     assert [id(g) for g in groups[1]] == [id(g) for g in groups[0]]

@@ -131,7 +131,7 @@ def test_distributed_gloo_from_a_gpu_trainer_into_gpu_servers(
     for _ in range(2):  # the second update reuses the group
         version = gpu_trainer_gloo.train_step()
         took(update(gpu_trainer_gloo, rollouts, "distributed"), "distributed")
-        assert [r.weight_sync._group.params.backend for r in rollouts] == ["gloo", "gloo"]
+        assert [r.weight_sync.group.params.backend for r in rollouts] == ["gloo", "gloo"]
     check_moved(gpu_trainer_gloo, rollouts, version, "gloo")
 
 
@@ -144,7 +144,7 @@ def test_distributed_nccl_into_servers_on_another_gpu(
     rollouts = [make_rollout(device="cuda:1") for _ in range(2)]
     version = gpu_trainer.train_step()
     took(update(gpu_trainer, rollouts, "distributed"), "distributed")
-    assert [r.weight_sync._group.params.backend for r in rollouts] == ["nccl", "nccl"]
+    assert [r.weight_sync.group.params.backend for r in rollouts] == ["nccl", "nccl"]
     check_moved(gpu_trainer, rollouts, version, "nccl")
 
 

@@ -82,13 +82,13 @@ def test_the_receiver_hands_its_tensors_over_and_keeps_the_replaced_ones_for_reu
     served = {k: v.data_ptr() for k, v in engine.model.state_dict().items()}
     received = _fresh(4)
     receiver = WeightSyncServicer(engine)
-    asyncio.run(receiver._load(received, version=1))
+    asyncio.run(receiver.state.load(received, version=1))
     # The received tensors are the parameters now (no copy)...
     params = engine.model.state_dict()
     assert all(params[k].data_ptr() == t.data_ptr() for k, t in received.items())
     # ...and the ones served before wait as the next update's receive buffers.
-    assert receiver._spare and {k: t.data_ptr() for k, t in receiver._spare.items()} == {
-        k: served[k] for k in receiver._spare
+    assert receiver.spare and {k: t.data_ptr() for k, t in receiver.spare.items()} == {
+        k: served[k] for k in receiver.spare
     }
 
 

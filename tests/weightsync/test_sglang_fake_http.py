@@ -18,8 +18,9 @@ from typing import Any
 
 import grpc
 import pytest
+from areal_servers.rollout.receive.base import WeightSyncConfig
 from areal_servers.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-from areal_servers.rollout.weight_sync import WeightSyncConfig, build_weight_sync_service
+from areal_servers.rollout.weight_sync import build_weight_sync_service
 from arealgrpc.v1 import tensor_pb2
 from arealgrpc.v1 import weight_sync_pb2 as pb
 from arealgrpc.v1 import weight_sync_pb2_grpc as pb_grpc

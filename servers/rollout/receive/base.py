@@ -1,0 +1,159 @@
+"""What every receiving method shares: the server's config, state, plans and the interface."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from areal_servers.rollout.engine import InferenceEngine
+from arealgrpc.v1 import weight_sync_pb2
+
+from areal_grpc import tensor_codec as tc
+from areal_grpc.errors import FieldError, PreconditionError
+from areal_grpc.weight_transfer import MAX_CHUNK_BYTES, GroupParams
+
+__all__ = ["Plan", "Receiver", "ReceiverState", "WeightSyncConfig"]
+
+pb = weight_sync_pb2
+
+
+@dataclass
+class WeightSyncConfig:
+    """What a rollout server accepts for weight updates."""
+
+    # Directory under which UpdateFromDisk paths must lie; None disables DISK.
+    disk_root: str | None = None
+    # Methods this server accepts ("distributed", "stream", "disk").
+    methods: tuple[str, ...] = ("distributed", "stream", "disk")
+    # Largest PushWeights chunk accepted (the contract caps it at 1 MiB).
+    max_chunk_bytes: int = MAX_CHUNK_BYTES
+    # Largest state dict accepted by any method (bounds what a sender can make us allocate).
+    max_total_bytes: int = tc.DEFAULT_MAX_BYTES
+    # Collective backends for DISTRIBUTED; None: gloo, plus nccl when CUDA is available (the
+    # sglang engine: nccl only, SGLang's weight groups are NCCL).
+    backends: tuple[str, ...] | None = None
+    # Seconds a group rendezvous or one broadcast may take before the update fails.
+    group_timeout_s: float = 300.0
+    # Plans remembered (oldest forgotten first; a sender renegotiates per update anyway).
+    max_plans: int = 256
+    # Keep the weights an update replaces as the next update's receive buffers (STREAM and
+    # DISTRIBUTED): no fresh memory to allocate and fault in per update, at the price of a
+    # second copy of the weights held between updates (engines that take received tensors
+    # over only; a transient second copy exists during every update anyway).
+    reuse_buffers: bool = True
+
+
+@dataclass
+class Plan:
+    """A transfer agreed with a sender by ``Negotiate``."""
+
+    plan_id: str
+    option: weight_sync_pb2.TransferOption
+    sender_id: str = ""
+    group: GroupParams | None = None
+
+
+def is_sglang(engine: InferenceEngine) -> bool:
+    """Whether the engine is an SGLang server (it joins weight groups itself)."""
+    return engine.kind == "sglang" and hasattr(engine, "update_weights_from_distributed")
+
+
+class ReceiverState:
+    """The server's side of every update: engine, one-at-a-time lock, plans, spare buffers."""
+
+    def __init__(self, engine: InferenceEngine, config: WeightSyncConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.sglang = is_sglang(engine)
+        self.plans: OrderedDict[str, Plan] = OrderedDict()
+        # Updates run one at a time.
+        self.update_lock = asyncio.Lock()
+        # Receive buffers for the next update, by tensor name (see reuse_buffers).
+        self.spare: dict[str, torch.Tensor] = {}
+
+    def remember(self, plan: Plan) -> None:
+        """Keeps ``plan`` (the oldest ones are forgotten past ``max_plans``)."""
+        self.plans[plan.plan_id] = plan
+        while len(self.plans) > self.config.max_plans:
+            self.plans.popitem(last=False)
+
+    def plan(self, plan_id: str, method: int, required: bool) -> Plan | None:
+        """The plan ``plan_id`` names (None when empty and optional); PreconditionError else."""
+        if not plan_id:
+            if required:
+                raise FieldError("plan_id", "must name a plan from Negotiate")
+            return None
+        plan = self.plans.get(plan_id)
+        if plan is None:
+            raise PreconditionError(f"plan_id {plan_id!r} is unknown here: negotiate again")
+        if plan.option.method != method:
+            raise FieldError(
+                "plan_id",
+                f"names a {pb.TransferMethod.Name(plan.option.method)} plan, "
+                f"not {pb.TransferMethod.Name(method)}",
+            )
+        return plan
+
+    def check_version(self, version: int, where: str = "policy_version") -> None:
+        """FieldError unless ``version`` > 0; PreconditionError unless newer than the served."""
+        if version <= 0:
+            raise FieldError(where, f"must be > 0, got {version}")
+        if version <= self.engine.version:
+            raise PreconditionError(
+                f"{where} {version} is not newer than the served version {self.engine.version}"
+            )
+
+    async def load(
+        self, state_dict: dict[str, torch.Tensor], version: int, keep_spare: bool = True
+    ) -> None:
+        """Swaps a freshly received state dict in, handed over to the engine.
+
+        The tensors every method here builds (reassembled chunks, loaded safetensors,
+        broadcast buffers) are fresh and private, so the engine may keep them uncopied.
+        ``keep_spare``: keep the replaced weights as the next update's receive buffers.
+        """
+        spare = await self.engine.load_weights(state_dict, version, owned=True)
+        self.spare = spare if keep_spare and self.config.reuse_buffers else {}
+
+    def give_back(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Returns receive buffers no update installed to the spare ones."""
+        if self.config.reuse_buffers:
+            for name, t in buffers.items():
+                self.spare.setdefault(name, t)
+
+
+class Receiver(ABC):
+    """One transfer method on the receiving side."""
+
+    # The method's name in WeightSyncConfig.methods, and its enum value.
+    name: ClassVar[str]
+    method: ClassVar[int]
+
+    def __init__(self, state: ReceiverState) -> None:
+        self.state = state
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this server takes updates by this method at all."""
+        return self.name in self.state.config.methods
+
+    @abstractmethod
+    def accept(
+        self, where: str, offer: weight_sync_pb2.TransferOption, declined: list[str]
+    ) -> weight_sync_pb2.TransferOption | None:
+        """The plan for ``offer`` (at ``where``), None when not taken; FieldError if malformed.
+
+        Offers this server could take but passes over are explained in ``declined``.
+        """
+
+    @abstractmethod
+    def supported(self) -> str | None:
+        """What this method accepts here, in words (None: not offered by this server)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases what the method holds between updates."""

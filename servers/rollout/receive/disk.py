@@ -1,0 +1,75 @@
+"""DISK (``UpdateFromDisk``): a versioned safetensors directory that must lie inside this
+server's own configured root (``..``, absolute paths elsewhere and symlinks leading out are
+INVALID_ARGUMENT naming ``path``). The ``sglang`` engine gets ``/update_weights_from_disk``.
+
+DISK shards need no receive buffer: safetensors maps each file privately (copy-on-write), and
+the mapped tensors are handed over as they are, so the served weights share the page cache
+the trainer wrote (pruning the directory later does not disturb a mapping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from areal_servers.rollout.receive.base import Receiver
+from arealgrpc.v1 import weight_sync_pb2
+
+from areal_grpc.errors import PreconditionError
+from areal_grpc.weight_disk import load_version, resolve_confined
+
+__all__ = ["DiskReceiver"]
+
+pb = weight_sync_pb2
+
+
+class DiskReceiver(Receiver):
+    """Versioned directories under this server's disk root."""
+
+    name = "disk"
+    method = pb.TRANSFER_METHOD_DISK
+
+    @property
+    def enabled(self) -> bool:
+        return super().enabled and bool(self.state.config.disk_root)
+
+    def accept(
+        self, where: str, offer: pb.TransferOption, declined: list[str]
+    ) -> pb.TransferOption | None:
+        if not self.enabled:
+            return None
+        root = str(Path(self.state.config.disk_root or "").resolve())
+        return pb.TransferOption(method=self.method, disk=pb.DiskParams(root=root))
+
+    def supported(self) -> str | None:
+        if not self.enabled:
+            return None
+        return f"TRANSFER_METHOD_DISK (root {self.state.config.disk_root})"
+
+    async def close(self) -> None:
+        """Nothing is held between updates."""
+
+    async def update(self, request: pb.UpdateFromDiskRequest) -> pb.UpdateFromDiskResponse:
+        """Loads a safetensors directory from under this server's root."""
+        state = self.state
+        state.plan(request.plan_id, self.method, required=False)
+        root = state.config.disk_root
+        if not self.enabled or not root:
+            raise PreconditionError("this server takes no disk updates (no disk root)")
+        state.check_version(request.policy_version)
+        directory = resolve_confined(root, request.path, "path")
+        async with state.update_lock:
+            state.check_version(request.policy_version)
+            if state.sglang:
+                await state.engine.update_weights_from_disk(  # type: ignore[attr-defined]
+                    str(directory), request.policy_version
+                )
+                count = 0
+            else:
+                # Mapped, not copied: nothing to receive into (see the module docstring).
+                state_dict = await asyncio.to_thread(load_version, root, str(directory))
+                # The weights a DISK update replaces may themselves be mapped files: as
+                # receive buffers they would only copy-on-write, so they are let go.
+                await state.load(state_dict, request.policy_version, keep_spare=False)
+                count = len(state_dict)
+        return pb.UpdateFromDiskResponse(policy_version=state.engine.version, tensor_count=count)
