@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 from pathlib import Path
 
@@ -42,6 +43,27 @@ def test_a_standalone_trainer_takes_the_run_configs_defaults():
     assert engine.optim.total_steps == run.total_steps
     assert engine.microbatch.max_tokens_per_mb == run.trainer.max_tokens_per_mb
     assert engine.ppo.behav_imp_weight_cap == run.trainer.ppo.behav_imp_weight_cap
+
+
+def test_the_engine_dataclasses_default_to_what_a_default_run_gives_them():
+    """Built directly (tests, benches, embedding), a trainer or rollout engine trains and
+    serves like one a default run starts: no second set of defaults to drift."""
+    from areal_servers.rollout.__main__ import hf_engine_config
+    from areal_servers.rollout.hf_engine import HFEngineConfig
+    from areal_servers.trainer.engine import EngineConfig
+
+    built = config_from_args(trainer_args([])).engine
+    direct = EngineConfig()
+    assert (direct.model, direct.seed, direct.fsdp, direct.dtype) == (
+        built.model,
+        built.seed,
+        built.fsdp,
+        built.dtype,
+    )
+    # Only the step count is the run's alone (a schedule decays to total_steps).
+    assert dataclasses.replace(direct.optim, total_steps=built.optim.total_steps) == built.optim
+    assert direct.ppo == built.ppo
+    assert HFEngineConfig() == hf_engine_config(RunConfig())
 
 
 def test_the_trainer_reads_the_coordinators_file_and_overrides(tmp_path: Path):

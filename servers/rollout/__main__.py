@@ -57,14 +57,18 @@ def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
                 model=run.model.source, url=sglang_url, seed=run.model.seed, launch=not sglang_url
             )
         )
-    return HFEngine(
-        HFEngineConfig(
-            model=run.model.source,
-            seed=run.model.seed,
-            device=r.device,
-            max_running_requests=r.max_running_requests,
-            max_batch_tokens=r.max_batch_tokens,
-        )
+    return HFEngine(hf_engine_config(run))
+
+
+def hf_engine_config(run: RunConfig) -> HFEngineConfig:
+    """The ``hf`` engine's settings from the run config."""
+    r = run.rollout
+    return HFEngineConfig(
+        model=run.model.source,
+        seed=run.model.seed,
+        device=r.device,
+        max_running_requests=r.max_running_requests,
+        max_batch_tokens=r.max_batch_tokens,
     )
 
 

@@ -36,6 +36,7 @@ from areal_servers.rollout.engine import (
 )
 from transformers import DynamicCache, PreTrainedModel
 
+from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import load_model, load_tokenizer
 
@@ -52,18 +53,19 @@ class EngineFailedError(RuntimeError):
 class HFEngineConfig:
     """Settings of the ``hf`` engine."""
 
-    # "builtin:tiny", "builtin:micro" or a local HF checkpoint directory.
-    model: str = "builtin:tiny"
+    # "builtin:tiny", "builtin:micro" or a local HF checkpoint directory (defaults: the run
+    # config's, where every setting's default is written once).
+    model: str = ModelConfig.source
     # Seeds the built-in model's init (identical in every process) and the sampler.
-    seed: int = 0
+    seed: int = ModelConfig.seed
     # "auto" picks cuda when available, else cpu.
-    device: str = "auto"
+    device: str = RolloutConfig.device
     # Requests decoded together; more wait in a queue.
-    max_running_requests: int = 256
+    max_running_requests: int = RolloutConfig.max_running_requests
     # Bound on the KV cache, in token slots: rows x the longest row's prompt + max_new_tokens
     # (rows are padded to the longest). Requests wait until they fit; one that never could
     # is INVALID_ARGUMENT naming this limit. None: only max_running_requests bounds it.
-    max_batch_tokens: int | None = None
+    max_batch_tokens: int | None = RolloutConfig.max_batch_tokens
 
 
 @dataclass(eq=False)

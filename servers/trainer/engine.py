@@ -55,6 +55,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from areal_grpc.config import ModelConfig, TrainerConfig
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import load_model, load_tokenizer, save_pretrained
 from areal_grpc.paths import check_replaceable, remove_owned, replace_dir, write_marker
@@ -87,37 +88,42 @@ class DistConfig:
     timeout_s: float = 600.0
 
 
+# Defaults are the run config's (areal_grpc.config), the one place a setting's default is
+# written: a rank built from these dataclasses directly trains like one a run starts.
+_T = TrainerConfig
+
+
 @dataclass
 class OptimConfig:
     """AdamW, learning-rate schedule and gradient clipping."""
 
-    lr: float = 1e-5
-    weight_decay: float = 0.01
+    lr: float = _T.lr
+    weight_decay: float = _T.weight_decay
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     # Linear warm-up from lr / warmup_steps to lr over this many steps.
-    warmup_steps: int = 0
+    warmup_steps: int = _T.warmup_steps
     # After warm-up: "constant", or decay to min_lr_ratio * lr at total_steps.
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    schedule: Literal["constant", "linear", "cosine"] = _T.lr_schedule  # type: ignore[assignment]
     total_steps: int | None = None
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = _T.min_lr_ratio
     # Global gradient-norm clip; None only measures the norm.
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = _T.grad_clip
 
 
 @dataclass
 class EngineConfig:
     """Everything a trainer rank needs to build itself."""
 
-    model: str = "builtin:tiny"
-    seed: int = 0
+    model: str = ModelConfig.source
+    seed: int = ModelConfig.seed
     # Shard with FSDP2 (needs a process group); False: plain single-process training.
-    fsdp: bool = True
+    fsdp: bool = _T.fsdp
     # bf16 parameters with fp32 gradient reduction; None: on GPU only (CPU bf16 is slow).
     mixed_precision: bool | None = None
     device: str | None = None  # None: cuda:<LOCAL_RANK> when available, else cpu
     # Parameter (and optimizer state) dtype: "float32", or "float64" for exactness checks.
-    dtype: Literal["float32", "float64"] = "float32"
+    dtype: Literal["float32", "float64"] = _T.dtype  # type: ignore[assignment]
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     microbatch: MicroBatchSpec = field(default_factory=MicroBatchSpec)
