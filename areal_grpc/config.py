@@ -181,7 +181,12 @@ class PPOSettings:
     kl_ctl: float = 0.0
     # KL estimator of the penalty (Schulman's k1, k2, k3).
     kl_estimator: str = "k1"
-    ppo_epochs: int = 1
+    # PPO mini-batches: the batch is cut into n_minibatches token-balanced slices (the same
+    # count on every rank), one optimizer step each, and passed over `epochs` times; the
+    # policy version still advances once per batch. More than one update per batch
+    # recomputes the proximal log-probs before the first (one extra forward pass).
+    n_minibatches: int = 1
+    epochs: int = 1
 
 
 @dataclass
@@ -591,7 +596,8 @@ def _validate_trainer(cfg: RunConfig) -> None:
     _positive("trainer.ppo.reward_clip", p.reward_clip)
     _at_least("trainer.ppo.kl_ctl", p.kl_ctl, 0.0)
     _choice("trainer.ppo.kl_estimator", p.kl_estimator, KL_ESTIMATORS)
-    _at_least("trainer.ppo.ppo_epochs", p.ppo_epochs, 1)
+    _at_least("trainer.ppo.n_minibatches", p.n_minibatches, 1)
+    _at_least("trainer.ppo.epochs", p.epochs, 1)
     _positive("trainer.call_timeout_s", t.call_timeout_s)
     _at_least("trainer.max_restarts", t.max_restarts, 0)
     _positive("trainer.restart_timeout_s", t.restart_timeout_s)

@@ -18,14 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from areal_grpc.config import RunConfig, load_config, to_json
-from areal_grpc.errors import FieldError
 from areal_grpc.tasks import TASKS
 
 __all__ = [
     "ROLLOUT_SECTIONS",
     "TRAINER_SECTIONS",
     "add_run_config_args",
-    "check_supported",
     "config_argv",
     "for_servers",
     "max_new_tokens",
@@ -79,12 +77,6 @@ def max_new_tokens(cfg: RunConfig) -> int:
         return cfg.rollout.sampling.max_new_tokens
     task = TASKS.get(cfg.data.task)
     return task.max_new_tokens if task is not None else 16
-
-
-def check_supported(cfg: RunConfig) -> None:
-    """Raises FieldError for settings the trainer has no implementation of (not ignored)."""
-    if cfg.trainer.ppo.ppo_epochs != 1:
-        raise FieldError("trainer.ppo.ppo_epochs", "the trainer runs one PPO epoch per step")
 
 
 def weights_root(cfg: RunConfig) -> str | None:

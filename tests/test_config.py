@@ -31,7 +31,7 @@ def test_defaults_are_the_builtin_run():
     assert cfg.trainer.grad_clip == 1.0
     assert cfg.trainer.weight_decay == 0.0
     assert cfg.trainer.ppo.eps_clip == 0.2
-    assert cfg.trainer.ppo.ppo_epochs == 1
+    assert (cfg.trainer.ppo.n_minibatches, cfg.trainer.ppo.epochs) == (1, 1)
     assert cfg.trainer.ppo.kl_ctl == 0.0
     assert cfg.trainer.ppo.reward_norm == "group"
     assert cfg.rollout.sampling.temperature == 1.0

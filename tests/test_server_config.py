@@ -45,6 +45,13 @@ def test_a_standalone_trainer_takes_the_run_configs_defaults():
     assert engine.ppo.behav_imp_weight_cap == run.trainer.ppo.behav_imp_weight_cap
 
 
+def test_ppo_minibatches_and_epochs_reach_the_trainer_engine():
+    ppo = config_from_args(
+        trainer_args(["trainer.ppo.n_minibatches=4", "trainer.ppo.epochs=2"])
+    ).engine.ppo
+    assert (ppo.n_minibatches, ppo.epochs) == (4, 2)
+
+
 def test_the_engine_dataclasses_default_to_what_a_default_run_gives_them():
     """Built directly (tests, benches, embedding), a trainer or rollout engine trains and
     serves like one a default run starts: no second set of defaults to drift."""

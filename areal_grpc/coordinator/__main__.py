@@ -49,7 +49,6 @@ from areal_grpc.launch import LaunchError
 from areal_grpc.model import resolve_source
 from areal_grpc.paths import check_replaceable
 from areal_grpc.server import set_default_channel_options, start_server
-from areal_grpc.server_config import check_supported
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -337,7 +336,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.launcher.mode in ("local", "ray"):
-            check_supported(cfg)
             try:
                 resolve_source(cfg.model.source, convert=False)
             except ValueError as exc:

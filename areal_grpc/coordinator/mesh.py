@@ -32,7 +32,7 @@ from areal_grpc.launch import (
     start_children,
     stop_children,
 )
-from areal_grpc.server_config import check_supported, config_argv
+from areal_grpc.server_config import config_argv
 
 __all__ = [
     "FleetLauncher",
@@ -101,7 +101,6 @@ def local_trainer_device(cfg: RunConfig, rank: int) -> str:
 
 def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
     """Command line of trainer rank ``rank``: its address, rendezvous, device, the run config."""
-    check_supported(cfg)
     argv = [
         "--host",
         cfg.launcher.host,

@@ -38,7 +38,6 @@ from areal_grpc.server import Service, service
 from areal_grpc.server_config import (
     TRAINER_SECTIONS,
     add_run_config_args,
-    check_supported,
     run_config_from_args,
     trainer_path_roots,
     weights_root,
@@ -82,7 +81,6 @@ def config_from_args(args: argparse.Namespace) -> TrainerServiceConfig:
 
 def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceConfig:
     """The service config of this rank: the run config's trainer settings and its own flags."""
-    check_supported(run)
     t, p, w = run.trainer, run.trainer.ppo, run.weight_sync
     mixed = {"auto": None, "on": True, "off": False}[t.mixed_precision]
     device = args.device or (None if t.device == "auto" else t.device)
@@ -110,6 +108,8 @@ def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceCo
             behav_imp_weight_mode=p.behav_imp_weight_mode,  # type: ignore[arg-type]
             kl_ctl=p.kl_ctl,
             kl_estimator=p.kl_estimator,  # type: ignore[arg-type]
+            n_minibatches=p.n_minibatches,
+            epochs=p.epochs,
             # Log-probs are recomputed under the temperature the rollouts sampled with
             # (greedy, 0, samples nothing to correct: 1).
             temperature=run.rollout.sampling.temperature or 1.0,

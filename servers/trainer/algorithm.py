@@ -87,6 +87,9 @@ class PPOConfig:
     reward_norm: NormConfig | None = field(default_factory=NormConfig)
     # Normalisation of the token advantages (over loss-mask tokens); None skips it.
     adv_norm: NormConfig | None = None
+    # Optimizer steps per batch: n_minibatches token-balanced slices, each pass of `epochs`.
+    n_minibatches: int = 1
+    epochs: int = 1
 
 
 def shape_rewards(rewards: torch.Tensor, cfg: RewardConfig) -> torch.Tensor:

@@ -42,7 +42,12 @@ from areal_servers.trainer.algorithm import (
     ppo_loss,
     trainable_mask,
 )
-from areal_servers.trainer.microbatch import Batch, MicroBatchSpec, split_microbatches
+from areal_servers.trainer.microbatch import (
+    Batch,
+    MicroBatchSpec,
+    plan_minibatches,
+    split_microbatches,
+)
 from areal_servers.trainer.safe_checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -384,21 +389,43 @@ class TrainerEngine:
         total_tokens, total_rows, reward_sum, staleness_sum = (float(v) for v in totals.tolist())
         if total_rows == 0:
             raise ValueError("the global batch has no trajectories")
-        mbs = split_microbatches(
-            batch, self.cfg.microbatch, self.reduce_max_ints, self.pad_token_id
-        )
-        for k, (_, mb) in enumerate(mbs):
-            mb.setdefault("train_mask", torch.zeros_like(mb["loss_mask"]))
-            mbs[k] = (mbs[k][0], {key: v.to(self.device) for key, v in mb.items()})
+        # PPO mini-batches: token-balanced row slices, each cut into micro-batches (the
+        # micro-batch count is agreed across ranks per mini-batch, so collectives pair up).
+        n_minis, epochs = max(1, cfg.n_minibatches), max(1, cfg.epochs)
+        updates = n_minis * epochs
+        mini_rows: list[list[int] | None] = [None]
+        if n_minis > 1:
+            mini_rows = list(plan_minibatches(batch["train_mask"].sum(dim=1).tolist(), n_minis))
+        minis: list[list[tuple[list[int], Batch]]] = []
+        for rows in mini_rows:
+            part = split_microbatches(
+                batch, self.cfg.microbatch, self.reduce_max_ints, self.pad_token_id, rows=rows
+            )
+            for k, (_, mb) in enumerate(part):
+                mb.setdefault("train_mask", torch.zeros_like(mb["loss_mask"]))
+                part[k] = (part[k][0], {key: v.to(self.device) for key, v in mb.items()})
+            minis.append(part)
+        mbs = [pair for part in minis for pair in part]
+        # Each update's loss is a token mean over its own mini-batch (all ranks).
+        mini_tokens = [total_tokens]
+        if n_minis > 1:
+            mini_tokens = self.reduce_sum(
+                torch.tensor(
+                    [float(sum(float(mb["train_mask"].sum()) for _, mb in p)) for p in minis],
+                    dtype=torch.float64,
+                    device=self.device,
+                )
+            ).tolist()
         n_mb = len(mbs)
         report("received", 0, n_mb)
 
         # 1. Proximal (and reference) log-probs with the current weights, no grad. The
-        # proximal policy is the weights before this step's single update: every micro-batch's
-        # training forward below runs with exactly those weights, so without dropout its
-        # detached log-probs *are* the proximal ones and this extra forward is skipped
-        # (a quarter of the step's compute).
-        recompute = self._has_dropout
+        # proximal policy is the weights before this step's first update: with a single
+        # update every micro-batch's training forward below runs with exactly those weights,
+        # so without dropout its detached log-probs *are* the proximal ones and this extra
+        # forward is skipped (a quarter of the step's compute). Later updates of several
+        # run on weights already moved: then the proximal log-probs are computed here.
+        recompute = self._has_dropout or updates > 1
         if recompute or self.ref_model is not None:
             self.model.eval()
             with torch.no_grad():
@@ -441,44 +468,32 @@ class TrainerEngine:
             else:
                 mb["advantages"] = torch.zeros_like(mb["logprobs"])
 
-        # 3. PPO update with gradient accumulation over the micro-batches.
+        # 3. PPO updates: one optimizer step per mini-batch and epoch, with gradient
+        # accumulation over the mini-batch's micro-batches.
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         # FSDP averages gradients over ranks; each rank's loss is already divided by the
         # global token count, so scaling by the world size turns the average into the sum.
         scale = float(self.world_size) if self.cfg.fsdp else 1.0
         stats = LossStats()
-        for k, (_, mb) in enumerate(mbs):
-            if self.cfg.fsdp:
-                # Reduce-scatter once, after the last micro-batch.
-                self.model.set_requires_gradient_sync(k == n_mb - 1)  # type: ignore[operator]
-            logp, entropy = self._forward_logprobs(self.model, mb)
-            loss, mb_stats = ppo_loss(
-                logp,
-                mb["prox_logp"] if recompute else logp.detach(),
-                mb["logprobs"],
-                mb["advantages"],
-                mb["train_mask"],
-                cfg,
-                total_tokens,
-                entropy,
-            )
-            (loss * scale).backward()
-            stats.add(mb_stats)
-            report("update", k + 1, n_mb)
-        max_norm = self.cfg.optim.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None],
-            max_norm if max_norm is not None else float("inf"),
-        )
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
         lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
+        grad_norms: list[float] = []
+        done = 0
+
+        def trained_one() -> None:
+            nonlocal done
+            done += 1
+            report("update", done, n_mb * epochs)
+
+        for _ in range(epochs):
+            for part, tokens_j in zip(minis, mini_tokens, strict=True):
+                grad_norms.append(
+                    self._update(part, tokens_j, recompute, scale, stats, trained_one)
+                )
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         self.global_step += 1
+        grad_norm = sum(grad_norms) / updates
 
         sums = self.reduce_sum(
             torch.tensor(
@@ -500,20 +515,61 @@ class TrainerEngine:
         return StepResult(
             global_step=self.global_step - 1,
             policy_version=self.version,
-            loss=sums[0],
+            # Mean over the updates; each token is trained once per epoch.
+            loss=sums[0] / updates,
             grad_norm=float(grad_norm),
             clip_fraction=sums[1] / tokens if tokens else 0.0,
             entropy=sums[3] / tokens if tokens else 0.0,
             importance_weight_mean=sums[2] / kept if kept else 0.0,
             importance_weight_max=imp_max,
             reward_mean=reward_sum / total_rows,
-            trained_tokens=int(tokens),
+            trained_tokens=round(tokens / epochs),
             sequences=int(total_rows),
             learning_rate=lr,
             elapsed_seconds=time.perf_counter() - start,
             microbatches=n_mb,
             extra=self._extra_stats(sums[5], staleness_sum, adv_stats, total_tokens),
         )
+
+    def _update(
+        self,
+        part: list[tuple[list[int], Batch]],
+        tokens: float,
+        recompute: bool,
+        scale: float,
+        stats: LossStats,
+        trained_one: Callable[[], None],
+    ) -> float:
+        """One optimizer step over the micro-batches of one mini-batch; its gradient norm."""
+        cfg = self.cfg.ppo
+        self.optimizer.zero_grad(set_to_none=True)
+        for k, (_, mb) in enumerate(part):
+            if self.cfg.fsdp:
+                # Reduce-scatter once, after the last micro-batch.
+                self.model.set_requires_gradient_sync(k == len(part) - 1)  # type: ignore[operator]
+            logp, entropy = self._forward_logprobs(self.model, mb)
+            loss, mb_stats = ppo_loss(
+                logp,
+                mb["prox_logp"] if recompute else logp.detach(),
+                mb["logprobs"],
+                mb["advantages"],
+                mb["train_mask"],
+                cfg,
+                tokens,
+                entropy,
+            )
+            (loss * scale).backward()
+            stats.add(mb_stats)
+            trained_one()
+        max_norm = self.cfg.optim.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.grad is not None],
+            max_norm if max_norm is not None else float("inf"),
+        )
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        return float(grad_norm)
 
     @staticmethod
     def _extra_stats(

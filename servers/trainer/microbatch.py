@@ -96,23 +96,49 @@ def select_rows(batch: Batch, rows: Sequence[int]) -> Batch:
     return out
 
 
+def plan_minibatches(tokens: Sequence[int], n: int) -> list[list[int]]:
+    """Row indices of ``n`` PPO mini-batches: contiguous runs of rows, balanced by tokens.
+
+    Row ``i`` goes to mini-batch ``floor(n * (tokens before i + tokens[i] / 2) / total)``, so
+    each gets about ``total / n`` tokens and the rows keep their order; with no tokens the
+    rows are split by count. Some mini-batches may be empty (fewer rows than ``n``); every
+    rank gets ``n`` lists.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    weights = [float(t) for t in tokens]
+    total = sum(weights)
+    if total <= 0:
+        weights, total = [1.0] * len(weights), float(len(weights))
+    out: list[list[int]] = [[] for _ in range(n)]
+    before = 0.0
+    for i, w in enumerate(weights):
+        out[min(n - 1, int(n * (before + w / 2) / total))].append(i)
+        before += w
+    return out
+
+
 def split_microbatches(
     batch: Batch | None,
     spec: MicroBatchSpec,
     reduce_max: ReduceMax = _no_reduce,
     pad_token_id: int = 0,
+    rows: Sequence[int] | None = None,
 ) -> list[tuple[list[int], Batch]]:
     """(rows, micro-batch) pairs for a shard (``None``: an empty shard), same count on all ranks.
 
+    ``rows``: only those rows of the shard (a PPO mini-batch); the pairs name shard rows.
     Empty micro-batches come back as ``([], dummy_microbatch())``.
     """
     seqlens = [] if batch is None else batch["attention_mask"].sum(dim=1).tolist()
-    plan = plan_microbatches([int(n) for n in seqlens], spec, reduce_max)
+    subset = list(range(len(seqlens))) if rows is None else list(rows)
+    plan = plan_microbatches([int(seqlens[i]) for i in subset], spec, reduce_max)
     out: list[tuple[list[int], Batch]] = []
-    for rows in plan:
-        if rows:
+    for picked in plan:
+        chosen = [subset[i] for i in picked]
+        if chosen:
             assert batch is not None
-            out.append((rows, select_rows(batch, rows)))
+            out.append((chosen, select_rows(batch, chosen)))
         else:
             out.append(([], dummy_microbatch(pad_token_id)))
     return out

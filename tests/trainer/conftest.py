@@ -11,12 +11,19 @@ from areal_grpc.model import load_model
 MODEL = "builtin:micro"
 
 
-def random_batch(n_groups: int = 4, group_size: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random prompts + completions with behaviour log-probs near the initial policy's."""
+def random_batch(
+    n_groups: int = 4, group_size: int = 2, seed: int = 0, length: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Random prompts + completions with behaviour log-probs near the initial policy's.
+
+    ``length``: every row that long, with a 3-token prompt (equal tokens per row).
+    """
     gen = torch.Generator().manual_seed(seed)
     rows = n_groups * group_size
     lengths = torch.randint(6, 14, (rows,), generator=gen)
     prompts = torch.randint(2, 5, (rows,), generator=gen)
+    if length is not None:
+        lengths, prompts = torch.full((rows,), length), torch.full((rows,), 3)
     s = int(lengths.max())
     ids = torch.zeros(rows, s, dtype=torch.int64)
     attn = torch.zeros(rows, s, dtype=torch.bool)

@@ -150,6 +150,82 @@ def test_two_rank_fsdp_steps_equal_one_plain_process(make_batch, dtype, lr, tole
         assert got[0][0][step].microbatches == got[1][0][step].microbatches
 
 
+def _rank_main_cfg(rank: int, port: int, shards, out: mp.Queue, cfg: EngineConfig) -> None:
+    try:
+        torch.set_num_threads(1)
+        init_distributed(DistConfig("gloo", "127.0.0.1", port, rank, 2, timeout_s=120))
+        engine = TrainerEngine(cfg)
+        results = [engine.train_step(step_shards[rank]) for step_shards in shards]
+        state = {k: v.numpy() for k, v in params(engine).items()}
+        out.put((rank, results, state if rank == 0 else None))
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        out.put((rank, traceback.format_exc(), None))
+
+
+def _two_ranks(shards, cfg: EngineConfig) -> dict[int, tuple[list, dict | None]]:
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main_cfg, args=(r, port, shards, out, cfg)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in range(2):
+        rank, results, state = out.get(timeout=120)
+        assert not isinstance(results, str), results
+        got[rank] = (results, state)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return got
+
+
+def ppo_config(fsdp: bool, n_minibatches: int, epochs: int, max_tokens: int = 30) -> EngineConfig:
+    cfg = config(fsdp=fsdp, max_tokens=max_tokens, dtype="float64")
+    cfg.ppo = PPOConfig(kl_ctl=0.0, n_minibatches=n_minibatches, epochs=epochs)
+    return cfg
+
+
+def test_minibatches_and_epochs_on_two_ranks_equal_the_same_updates_in_one_process(make_batch):
+    """2 mini-batches x 2 epochs: four optimizer steps per batch, one version. Rank r's
+    mini-batch j joins the other rank's mini-batch j into one update, so one process whose
+    mini-batch j holds both ranks' rows makes the same four updates."""
+    batch = make_batch(n_groups=4, group_size=2, seed=4, length=10)
+    shards = [[rows_of(batch, [0, 1, 2, 3]), rows_of(batch, [4, 5, 6, 7])]]
+    got = _two_ranks(shards, ppo_config(fsdp=True, n_minibatches=2, epochs=2))
+    # Equal rows split in halves: mini-batch 0 is rows 0, 1 (rank 0) and 4, 5 (rank 1).
+    plain = TrainerEngine(ppo_config(fsdp=False, n_minibatches=2, epochs=2))
+    before = params(plain)
+    want = plain.train_step(rows_of(batch, [0, 1, 4, 5, 2, 3, 6, 7]))
+    diff = max_diff({k: torch.from_numpy(v) for k, v in got[0][1].items()}, params(plain))
+    assert diff <= 1e-9, diff
+    for rank in (0, 1):
+        [r] = got[rank][0]
+        assert r.policy_version == want.policy_version == 1
+        assert r.trained_tokens == want.trained_tokens == int(batch["loss_mask"][:, 1:].sum())
+        assert r.loss == pytest.approx(want.loss, abs=1e-9)
+        assert r.grad_norm == pytest.approx(want.grad_norm, rel=1e-9)
+    # Four updates are not one: the same batch in a single update ends elsewhere.
+    single = TrainerEngine(ppo_config(fsdp=False, n_minibatches=1, epochs=1))
+    single.train_step(rows_of(batch, [0, 1, 4, 5, 2, 3, 6, 7]))
+    assert max_diff(params(single), params(plain)) > 1e-6
+    assert max_diff(params(plain), before) > 1e-4
+
+
+def test_one_minibatch_one_epoch_skips_the_proximal_forward_and_more_updates_do_not(make_batch):
+    """With one update the proximal log-probs are the training forward's own (no extra
+    pass); with several, later updates run on moved weights, so the proximal pass runs."""
+    batch = make_batch(seed=6)
+    for n, epochs, extra_pass in [(1, 1, False), (2, 1, True), (1, 2, True)]:
+        phases: list[str] = []
+        engine = TrainerEngine(ppo_config(fsdp=False, n_minibatches=n, epochs=epochs))
+        r = engine.train_step(batch, lambda phase, done, total, seen=phases: seen.append(phase))
+        assert ("logprobs" in phases) == extra_pass, (n, epochs)
+        assert engine.version == 1 and r.policy_version == 1
+        assert phases.count("update") == r.microbatches * epochs
+
+
 def test_kl_penalty_uses_the_initial_policy_as_reference(make_batch):
     def engine(kl: float) -> TrainerEngine:
         cfg = config(fsdp=False, dtype="float64")

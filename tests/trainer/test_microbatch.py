@@ -11,6 +11,7 @@ from areal_servers.trainer.microbatch import (
     dummy_microbatch,
     padding_waste,
     plan_microbatches,
+    plan_minibatches,
     select_rows,
     split_microbatches,
 )
@@ -96,3 +97,16 @@ def test_split_gives_trimmed_microbatches_and_dummies_for_an_empty_shard():
 def test_padding_waste_counts_pad_slots():
     assert padding_waste([4, 2, 3], [[0, 1], [2]]) == pytest.approx(1 - 9 / 11)
     assert padding_waste([4, 4], [[0, 1]]) == 0.0
+
+
+def test_minibatches_are_contiguous_token_balanced_and_one_list_each():
+    assert plan_minibatches([5, 5, 5, 5], 2) == [[0, 1], [2, 3]]
+    # Balanced by tokens, not rows: the long row gets a mini-batch of its own.
+    assert plan_minibatches([30, 5, 5, 5, 5], 2) == [[0], [1, 2, 3, 4]]
+    # Fewer rows than mini-batches: some are empty, but there are always n lists.
+    assert plan_minibatches([4, 4], 4) == [[], [0], [], [1]]
+    assert plan_minibatches([], 3) == [[], [], []]
+    # No trainable tokens at all: split by rows.
+    assert plan_minibatches([0, 0, 0, 0], 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError):
+        plan_minibatches([1], 0)
