@@ -61,6 +61,7 @@ ADV_NORM_LEVELS = ("group", "batch", "none")
 # group, no std) and RLOO's leave-one-out group mean.
 NORMS = ("group", "batch", "group-mean", "rloo", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
 DTYPES = ("float32", "float64")
 MIXED_PRECISION = ("auto", "on", "off")
 IMP_WEIGHT_MODES = ("mask", "clamp")
@@ -187,6 +188,10 @@ class PPOSettings:
     # recomputes the proximal log-probs before the first (one extra forward pass).
     n_minibatches: int = 1
     epochs: int = 1
+    # The proximal log-probs when several updates (or dropout) make them cost a forward pass:
+    # "recompute" (that pass), "loglinear" (interpolated by version, no pass), "metrics"
+    # (recompute, and report loglinear's error as prox_approx_* step stats).
+    prox_logp_method: str = "recompute"
 
 
 @dataclass
@@ -598,6 +603,7 @@ def _validate_trainer(cfg: RunConfig) -> None:
     _choice("trainer.ppo.kl_estimator", p.kl_estimator, KL_ESTIMATORS)
     _at_least("trainer.ppo.n_minibatches", p.n_minibatches, 1)
     _at_least("trainer.ppo.epochs", p.epochs, 1)
+    _choice("trainer.ppo.prox_logp_method", p.prox_logp_method, PROX_LOGP_METHODS)
     _positive("trainer.call_timeout_s", t.call_timeout_s)
     _at_least("trainer.max_restarts", t.max_restarts, 0)
     _positive("trainer.restart_timeout_s", t.restart_timeout_s)

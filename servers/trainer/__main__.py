@@ -110,6 +110,7 @@ def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceCo
             kl_estimator=p.kl_estimator,  # type: ignore[arg-type]
             n_minibatches=p.n_minibatches,
             epochs=p.epochs,
+            prox_logp_method=p.prox_logp_method,  # type: ignore[arg-type]
             # Log-probs are recomputed under the temperature the rollouts sampled with
             # (greedy, 0, samples nothing to correct: 1).
             temperature=run.rollout.sampling.temperature or 1.0,

@@ -90,6 +90,11 @@ class PPOConfig:
     # Optimizer steps per batch: n_minibatches token-balanced slices, each pass of `epochs`.
     n_minibatches: int = 1
     epochs: int = 1
+    # How the proximal log-probs are had when they are not free (several updates per batch,
+    # or dropout): "recompute" (a forward pass with the pre-step weights), "loglinear"
+    # (no pass: interpolated between behaviour and current log-probs by version, see
+    # loglinear_prox_logp), "metrics" (recompute, and report loglinear's error).
+    prox_logp_method: Literal["recompute", "loglinear", "metrics"] = "recompute"
 
 
 def shape_rewards(rewards: torch.Tensor, cfg: RewardConfig) -> torch.Tensor:
@@ -293,6 +298,25 @@ class LossStats:
         self.entropy_sum += other.entropy_sum
         self.tokens += other.tokens
         self.capped_tokens += other.capped_tokens
+
+
+def loglinear_prox_logp(
+    behave_logp: torch.Tensor, logp: torch.Tensor, versions: torch.Tensor, version: int
+) -> torch.Tensor:
+    """The proximal log-probs approximated without a forward pass (AReaL's "loglinear").
+
+    ``version`` is the proximal policy's (the weights before this step); a token generated
+    by version ``v`` moves from its behaviour log-prob toward the current one by
+    ``alpha = (version - v) / (version + 1 - v)``: 0 for a token of the proximal weights
+    themselves (its behaviour log-prob is exact), 1/2 for one a version older, toward 1 for
+    very stale ones. Tokens with no version (< 0) or a newer one keep the behaviour log-prob.
+    """
+    v = versions.to(torch.float64)
+    fresh = (versions >= 0) & (versions <= version)
+    alpha = torch.where(fresh, (version - v) / (version + 1 - v), torch.zeros_like(v))
+    alpha = alpha.clamp(0.0, 1.0).to(logp.dtype)
+    behave = behave_logp.to(logp.dtype)
+    return behave + alpha * (logp - behave)
 
 
 def ppo_loss(

@@ -38,6 +38,7 @@ from areal_servers.trainer.algorithm import (
     LossStats,
     PPOConfig,
     compute_advantages,
+    loglinear_prox_logp,
     masked_token_logprobs,
     ppo_loss,
     trainable_mask,
@@ -424,8 +425,11 @@ class TrainerEngine:
         # update every micro-batch's training forward below runs with exactly those weights,
         # so without dropout its detached log-probs *are* the proximal ones and this extra
         # forward is skipped (a quarter of the step's compute). Later updates of several
-        # run on weights already moved: then the proximal log-probs are computed here.
-        recompute = self._has_dropout or updates > 1
+        # run on weights already moved: then the proximal log-probs are computed here
+        # ("recompute", "metrics") or approximated from the training forward ("loglinear").
+        exact_free = not self._has_dropout and updates == 1
+        prox_mode = "exact" if exact_free else cfg.prox_logp_method
+        recompute = prox_mode in ("recompute", "metrics")
         if recompute or self.ref_model is not None:
             self.model.eval()
             with torch.no_grad():
@@ -475,6 +479,9 @@ class TrainerEngine:
         # global token count, so scaling by the world size turns the average into the sum.
         scale = float(self.world_size) if self.cfg.fsdp else 1.0
         stats = LossStats()
+        # "metrics": |loglinear - recomputed| summed over trained tokens, in log-probs and in
+        # behaviour importance weights exp(prox - behaviour).
+        approx = torch.zeros(2, dtype=torch.float64, device=self.device)
         lr = float(self.scheduler.get_last_lr()[0])
         grad_norms: list[float] = []
         done = 0
@@ -487,7 +494,7 @@ class TrainerEngine:
         for _ in range(epochs):
             for part, tokens_j in zip(minis, mini_tokens, strict=True):
                 grad_norms.append(
-                    self._update(part, tokens_j, recompute, scale, stats, trained_one)
+                    self._update(part, tokens_j, prox_mode, scale, stats, approx, trained_one)
                 )
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -528,16 +535,18 @@ class TrainerEngine:
             learning_rate=lr,
             elapsed_seconds=time.perf_counter() - start,
             microbatches=n_mb,
-            extra=self._extra_stats(sums[5], staleness_sum, adv_stats, total_tokens),
+            extra=self._extra_stats(sums[5], staleness_sum, adv_stats, total_tokens)
+            | self._approx_stats(prox_mode, approx, tokens),
         )
 
     def _update(
         self,
         part: list[tuple[list[int], Batch]],
         tokens: float,
-        recompute: bool,
+        prox_mode: str,
         scale: float,
         stats: LossStats,
+        approx: torch.Tensor,
         trained_one: Callable[[], None],
     ) -> float:
         """One optimizer step over the micro-batches of one mini-batch; its gradient norm."""
@@ -550,7 +559,7 @@ class TrainerEngine:
             logp, entropy = self._forward_logprobs(self.model, mb)
             loss, mb_stats = ppo_loss(
                 logp,
-                mb["prox_logp"] if recompute else logp.detach(),
+                self._prox_logp(mb, logp.detach(), prox_mode, approx),
                 mb["logprobs"],
                 mb["advantages"],
                 mb["train_mask"],
@@ -571,6 +580,27 @@ class TrainerEngine:
         self.optimizer.step()
         return float(grad_norm)
 
+    def _prox_logp(
+        self, mb: Batch, current: torch.Tensor, prox_mode: str, approx: torch.Tensor
+    ) -> torch.Tensor:
+        """The proximal log-probs of a micro-batch under ``prox_mode`` (see train_step)."""
+        if prox_mode == "exact":
+            return current
+        if prox_mode == "recompute":
+            return mb["prox_logp"]
+        guess = loglinear_prox_logp(mb["logprobs"], current, mb["versions"], self.version)
+        if prox_mode == "loglinear":
+            return guess
+        # "metrics": train on the recomputed ones, measure how far the guess was.
+        prox, mask = mb["prox_logp"], mb["train_mask"]
+        behave = mb["logprobs"].to(prox.dtype)
+        with torch.no_grad():
+            approx[0] += ((guess - prox).abs().double() * mask).sum()
+            approx[1] += (
+                ((guess - behave).exp() - (prox - behave).exp()).abs().double() * mask
+            ).sum()
+        return prox
+
     @staticmethod
     def _extra_stats(
         capped: float, staleness_sum: float, adv_sums: list[float], tokens: float
@@ -583,6 +613,16 @@ class TrainerEngine:
             "advantage_mean": adv_mean,
             "advantage_std": math.sqrt(max(adv_sums[1] / n - adv_mean * adv_mean, 0.0)),
         }
+
+    def _approx_stats(
+        self, prox_mode: str, approx: torch.Tensor, tokens: float
+    ) -> dict[str, float]:
+        """Mean errors of the loglinear approximation (only under "metrics")."""
+        if prox_mode != "metrics":
+            return {}
+        abs_err, weight_err = self.reduce_sum(approx).tolist()
+        n = max(tokens, 1.0)
+        return {"prox_approx_abs_error": abs_err / n, "prox_approx_weight_error": weight_err / n}
 
     def _reduce_max_float(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)

@@ -16,6 +16,7 @@ from areal_servers.trainer.algorithm import (
     RewardConfig,
     compute_advantages,
     kl_estimate,
+    loglinear_prox_logp,
     masked_token_logprobs,
     normalize,
     ppo_loss,
@@ -343,3 +344,21 @@ def test_masked_token_logprobs_equal_the_full_ones_where_trained_with_the_same_g
     (g_masked,) = torch.autograd.grad((lp * 1.3).sum(), hidden)
     (g_full,) = torch.autograd.grad((full_lp * trained * 1.3).sum(), hidden)
     torch.testing.assert_close(g_masked, g_full)
+
+
+def test_loglinear_prox_moves_each_token_toward_the_current_policy_by_its_staleness():
+    # Proximal weights are version 3. Tokens: a prompt token (no version), one made by
+    # version 3 itself, one by 2, one by 0, and one claiming a newer version 4.
+    versions = torch.tensor([[-1, 3, 2, 0, 4]])
+    behave = torch.full((1, 5), -1.0)
+    current = torch.full((1, 5), -2.0)
+    got = loglinear_prox_logp(behave, current, versions, version=3)
+    # alpha = (3 - v) / (4 - v): -, 0, 1/2, 3/4, - -> -1 + alpha * (-2 - -1)
+    assert got.tolist() == [[-1.0, -1.0, -1.5, -1.75, -1.0]]
+    # Geometric in probabilities: exp(prox) = p_behave^(1 - alpha) * p_current^alpha.
+    p = torch.exp(
+        loglinear_prox_logp(
+            torch.tensor([[-0.5]]), torch.tensor([[-2.5]]), torch.tensor([[1]]), version=2
+        )
+    )
+    assert float(p) == pytest.approx(math.exp(-0.5) ** 0.5 * math.exp(-2.5) ** 0.5)

@@ -272,3 +272,32 @@ def test_skipping_the_proximal_forward_changes_nothing_without_dropout(make_batc
         assert abs(a.loss - b.loss) < 1e-6 and abs(a.grad_norm - b.grad_norm) < 1e-5
     assert "logprobs" not in phases
     assert max_diff(params(skipping), params(recomputing)) < 1e-6
+
+
+def test_loglinear_skips_the_proximal_pass_and_metrics_trains_as_recompute_and_measures_it(
+    make_batch,
+):
+    """Several updates: "loglinear" approximates the proximal log-probs without the extra
+    forward pass (a different, nearby result); "metrics" trains exactly as "recompute" and
+    reports how far loglinear would have been."""
+    batch = make_batch(seed=7)
+
+    def run(method: str) -> tuple[TrainerEngine, object, list[str]]:
+        cfg = ppo_config(fsdp=False, n_minibatches=2, epochs=1)
+        cfg.ppo.prox_logp_method = method  # type: ignore[assignment]
+        engine = TrainerEngine(cfg)
+        phases: list[str] = []
+        r = engine.train_step(batch, lambda phase, done, total, seen=phases: seen.append(phase))
+        return engine, r, phases
+
+    recompute, r_rec, p_rec = run("recompute")
+    loglinear, r_log, p_log = run("loglinear")
+    metrics, r_met, p_met = run("metrics")
+    assert "logprobs" in p_rec and "logprobs" in p_met and "logprobs" not in p_log
+    assert max_diff(params(metrics), params(recompute)) == 0.0
+    assert 0 < max_diff(params(loglinear), params(recompute)) < 1e-2
+    # Version-0 tokens trained by version-0 weights: loglinear takes the behaviour log-probs
+    # as proximal (alpha 0), which the test batch perturbed by 0.05 noise.
+    assert 0.005 < r_met.extra["prox_approx_abs_error"] < 0.2
+    assert r_met.extra["prox_approx_weight_error"] > 0
+    assert "prox_approx_abs_error" not in r_rec.extra and "prox_approx_abs_error" not in r_log.extra
