@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from arealgrpc.v1 import common_pb2, rollout_pb2, trainer_pb2
 
-from areal_grpc.config import RunConfig, load_config
+from areal_grpc.config import RunConfig
 from areal_grpc.coordinator.loop import Coordinator
 from areal_grpc.coordinator.syncer import SyncOutcome
 from areal_grpc.trajectory import make_group
@@ -285,23 +285,3 @@ class FakeMesh:
         for step, ids in next(iter(self.ranks.values())).trained:
             by_step[step] = ids
         return [t for step in sorted(by_step) for t in by_step[step]]
-
-
-def unit_run(tmp_path: Path, *overrides: str) -> RunConfig:
-    """A small run over the built-in echo task, no eval, no plot."""
-    return load_config(
-        None,
-        [
-            "data.task=echo",
-            "staleness.batch_size=2",
-            "staleness.group_size=2",
-            "staleness.max_staleness=1",
-            "eval.every_steps=0",
-            "checkpoint.export_hf=false",
-            "output.plot=false",
-            "output.progress_bar=false",
-            "output.tensorboard=false",
-            f"output.dir={tmp_path / 'run'}",
-            *overrides,
-        ],
-    )

@@ -24,7 +24,7 @@ from areal_servers.trainer.engine import EngineConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
-from areal_grpc.config import RunConfig, load_config
+from areal_grpc.config import RunConfig
 from areal_grpc.coordinator.dataloader import PromptLoader
 from areal_grpc.coordinator.launcher import start_mesh
 from areal_grpc.coordinator.loop import Coordinator, RunResult, TrainerGroupFailed
@@ -36,26 +36,7 @@ from areal_grpc.launch import start_child, stop_children
 from areal_grpc.server import ServerOptions, aio_channel, service, start_server
 from areal_grpc.trajectory import make_group
 
-ECHO_PROMPTS = 36  # one epoch of the built-in "echo" task
-
-
-def small_run(tmp_path: Path, *overrides: str) -> RunConfig:
-    return load_config(
-        None,
-        [
-            "data.task=echo",
-            "staleness.batch_size=2",
-            "staleness.group_size=2",
-            "staleness.max_staleness=1",
-            "eval.every_steps=0",
-            "checkpoint.export_hf=false",
-            "output.plot=false",
-            "output.progress_bar=false",
-            f"output.dir={tmp_path / 'run'}",
-            f"weight_sync.disk_root={tmp_path / 'weights'}",
-            *overrides,
-        ],
-    )
+from .runs import ECHO_PROMPTS, small_run, trained_groups
 
 
 @contextlib.contextmanager
@@ -108,10 +89,6 @@ def run_to_the_end(
             await coord.close()
 
     return asyncio.run(scenario())
-
-
-def trained(out: Path) -> list[dict[str, Any]]:
-    return [g for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
 
 
 # -- a trainer rank dies ---------------------------------------------------------------------
@@ -171,7 +148,7 @@ def test_a_lost_trainer_rank_restarts_the_group_from_the_checkpoint_and_the_run_
     assert versions[3:] == list(range(recovery["version"] + 1, recovery["version"] + steps - 2))
     assert served == [result.version] == [versions[-1]]
     # Every prompt of the epoch trained exactly once in the final accounting.
-    groups = trained(out)
+    groups = trained_groups(out)
     assert sorted(g["item_id"] for g in groups) == sorted(
         f"echo-train-{i}" for i in range(ECHO_PROMPTS)
     )
@@ -214,7 +191,7 @@ def test_a_rank_dying_during_the_restart_leads_to_another_restart_not_a_failed_r
     assert recovery["restarts"] == 2 and recovery["failed_at_step"] == 4
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
-    groups = trained(out)
+    groups = trained_groups(out)
     assert sorted(g["item_id"] for g in groups) == sorted(
         f"echo-train-{i}" for i in range(ECHO_PROMPTS)
     )
@@ -276,7 +253,7 @@ def test_under_attach_mode_the_run_waits_for_the_group_its_supervisor_restarts(t
     assert served == [result.version]
     [recovery] = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "recovery"]
     assert recovery["step"] == 3 and recovery["trainer_addresses"] == [c.address for c in old]
-    seqs = [g["seq"] for g in trained(out)]
+    seqs = [g["seq"] for g in trained_groups(out)]
     assert len(seqs) == len(set(seqs)) == steps * 2
 
 
@@ -382,7 +359,7 @@ def test_a_stalled_rollout_server_loses_its_work_to_the_other_and_rejoins(tmp_pa
     assert served == [result.version, result.version] == [steps, steps]
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
-    groups = trained(out)
+    groups = trained_groups(out)
     # The prompts it held were trained (elsewhere), once.
     task_ids = [g["task_id"] for g in groups]
     assert len(task_ids) == len(set(task_ids))

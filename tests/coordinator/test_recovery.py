@@ -14,9 +14,8 @@ import pytest
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.trainer_group import TrainerGroupFailed
 
-from .fakes import FakeMesh, unit_run
-
-ECHO_PROMPTS = 36  # one epoch of the built-in echo task
+from .fakes import FakeMesh
+from .runs import ECHO_PROMPTS, small_run, trained_groups
 
 
 def run(mesh: FakeMesh, cfg: Any, resume: bool = False) -> Any:
@@ -28,13 +27,12 @@ def records(cfg: Any, kind: str) -> list[dict]:
 
 
 def trained_items(cfg: Any) -> list[str]:
-    out = Path(cfg.output.dir)
-    return [g["item_id"] for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
+    return [g["item_id"] for g in trained_groups(Path(cfg.output.dir))]
 
 
 def test_a_failed_step_restarts_the_group_from_the_checkpoint_and_redoes_what_followed(tmp_path):
     steps = ECHO_PROMPTS // 2
-    cfg = unit_run(
+    cfg = small_run(
         tmp_path,
         f"total_steps={steps}",
         "staleness.max_staleness=0",
@@ -67,7 +65,7 @@ def test_a_failed_step_restarts_the_group_from_the_checkpoint_and_redoes_what_fo
 
 
 def test_a_group_failure_before_the_first_checkpoint_fails_the_run_naming_the_key(tmp_path):
-    cfg = unit_run(tmp_path, "total_steps=6", "checkpoint.every_steps=0")
+    cfg = small_run(tmp_path, "total_steps=6", "checkpoint.every_steps=0")
     mesh = FakeMesh()
     mesh.ranks["trainer-0"].fail_at_steps = {2}
     with pytest.raises(TrainerGroupFailed, match=r"before the first checkpoint.*every_steps=0"):
@@ -76,7 +74,9 @@ def test_a_group_failure_before_the_first_checkpoint_fails_the_run_naming_the_ke
 
 
 def test_restarts_stop_at_trainer_max_restarts(tmp_path):
-    cfg = unit_run(tmp_path, "total_steps=10", "checkpoint.every_steps=2", "trainer.max_restarts=1")
+    cfg = small_run(
+        tmp_path, "total_steps=10", "checkpoint.every_steps=2", "trainer.max_restarts=1"
+    )
     mesh = FakeMesh()
     # Fails at step 3 (restored to 2, redone), then at step 5: the second failure is one
     # restart too many.
@@ -90,14 +90,14 @@ def test_restarts_stop_at_trainer_max_restarts(tmp_path):
 
 def test_resume_goes_on_from_the_checkpoint_with_the_prompts_not_yet_trained(tmp_path):
     # The first run stops at step 8, its last checkpoint; the second goes on to 18 (one epoch).
-    first = unit_run(tmp_path, "total_steps=8", "checkpoint.every_steps=4")
+    first = small_run(tmp_path, "total_steps=8", "checkpoint.every_steps=4")
     mesh = FakeMesh()
     run(mesh, first)
     served_before = [s.version for s in mesh.rollouts.values()]
     syncs_before = len(mesh.syncs)
     received_before = {a: len(s.received) for a, s in mesh.rollouts.items()}
 
-    second = unit_run(tmp_path, f"total_steps={ECHO_PROMPTS // 2}", "checkpoint.every_steps=4")
+    second = small_run(tmp_path, f"total_steps={ECHO_PROMPTS // 2}", "checkpoint.every_steps=4")
     result = run(mesh, second, resume=True)
 
     assert result.steps == ECHO_PROMPTS // 2

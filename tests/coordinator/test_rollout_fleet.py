@@ -11,22 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.rollout_fleet import RolloutFleetLost
 
-from .fakes import FakeMesh, unit_run
+from .fakes import FakeMesh
+from .runs import ECHO_PROMPTS, small_run, trained_groups
 
-ECHO_PROMPTS = 36  # one epoch of the built-in echo task
 
-
-def trained_items(cfg_dir: Path) -> list[str]:
-    """Item ids of every group the run trained (batches.jsonl), in order."""
-    return [g["item_id"] for b in read_jsonl(cfg_dir / "batches.jsonl") for g in b["groups"]]
+def trained_items(out: Path) -> list[str]:
+    """Item ids of every group the run in ``out`` trained, in order."""
+    return [g["item_id"] for g in trained_groups(out)]
 
 
 def test_a_server_holding_tasks_past_the_episode_timeout_loses_them_to_the_other(tmp_path):
     steps = ECHO_PROMPTS // 2
-    cfg = unit_run(
+    cfg = small_run(
         tmp_path,
         f"total_steps={steps}",
         # One batch per version: no prompt of the next epoch is trained before this one ends.
@@ -53,7 +51,7 @@ def test_a_server_holding_tasks_past_the_episode_timeout_loses_them_to_the_other
 
 def test_a_broken_stream_requeues_its_tasks_and_the_server_rejoins_at_the_run_version(tmp_path):
     steps = 16
-    cfg = unit_run(tmp_path, f"total_steps={steps}", "rollout.health_interval_s=0")
+    cfg = small_run(tmp_path, f"total_steps={steps}", "rollout.health_interval_s=0")
     mesh = FakeMesh(rollouts=2)
     # Long enough for the server to be brought back (after 1 s) before the run ends.
     mesh.ranks["trainer-0"].step_s = 0.15
@@ -89,7 +87,7 @@ def test_a_broken_stream_requeues_its_tasks_and_the_server_rejoins_at_the_run_ve
 
 
 def test_with_no_server_in_rotation_the_run_fails_naming_the_key(tmp_path):
-    cfg = unit_run(
+    cfg = small_run(
         tmp_path,
         "total_steps=50",
         "rollout.health_interval_s=0.2",
