@@ -31,13 +31,14 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from areal_grpc.errors import FieldError
 
 __all__ = [
-    "ADV_NORM_LEVELS",
+    "NORM_LEVELS",
     "WEIGHT_SYNC_METHODS",
     "CheckpointConfig",
     "DataConfig",
     "EvalConfig",
     "LauncherConfig",
     "ModelConfig",
+    "NormSettings",
     "OutputConfig",
     "PPOSettings",
     "RolloutConfig",
@@ -56,10 +57,9 @@ __all__ = [
 ENGINES = ("hf", "sglang")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
-ADV_NORM_LEVELS = ("group", "batch", "none")
-# Reward / advantage normalisations: the levels above, Dr.GRPO's "group-mean" (centre per
-# group, no std) and RLOO's leave-one-out group mean.
-NORMS = ("group", "batch", "group-mean", "rloo", "none")
+# Where a normalisation's mean or std is taken: per trajectory group, over the global batch,
+# or not at all.
+NORM_LEVELS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
 DTYPES = ("float32", "float64")
@@ -158,6 +158,24 @@ class RolloutConfig:
 
 
 @dataclass
+class NormSettings:
+    """Mean/std normalisation of rewards or advantages (AReaL's NormConfig, same meaning).
+
+    x -> (x - mean) / (std + eps), each statistic over ``*_level``: GRPO is group/group,
+    Dr.GRPO group/none, RLOO group/none with ``mean_leave1out``, LitePPO group/batch,
+    REINFORCE++ batch/batch; none/none leaves the values as they are.
+    """
+
+    mean_level: str = "group"
+    std_level: str = "group"
+    # The mean of the *other* members of the group (RLOO's baseline).
+    mean_leave1out: bool = False
+    # n - 1 in the std's denominator.
+    std_unbiased: bool = True
+    eps: float = 1e-5
+
+
+@dataclass
 class PPOSettings:
     """GRPO / decoupled-PPO actor settings (AReaL's defaults where it has one)."""
 
@@ -169,12 +187,11 @@ class PPOSettings:
     # Cap on the behaviour importance weight; None disables the weight.
     behav_imp_weight_cap: float | None = 5.0
     behav_imp_weight_mode: str = "mask"
-    # Reward normalisation before advantages (one of NORMS): "group" is GRPO, "group-mean"
-    # Dr.GRPO, "rloo" RLOO.
-    reward_norm: str = "group"
-    # Extra normalisation of token advantages; "none" as in the measured GRPO runs.
-    adv_norm: str = "none"
-    norm_eps: float = 1e-5
+    # Normalisation of the (shaped) sequence rewards before they become advantages: GRPO's
+    # per-group mean and std by default.
+    reward_norm: NormSettings = field(default_factory=NormSettings)
+    # Extra normalisation of the token advantages; none, as in the measured GRPO runs.
+    adv_norm: NormSettings = field(default_factory=lambda: NormSettings("none", "none"))
     # Rewards are (r + reward_bias) * reward_scale, clipped to +-reward_clip, before norms.
     reward_bias: float = 0.0
     reward_scale: float = 1.0
@@ -595,9 +612,15 @@ def _validate_trainer(cfg: RunConfig) -> None:
             f"must be > 1 when set, got {p.behav_imp_weight_cap}",
         )
     _choice("trainer.ppo.behav_imp_weight_mode", p.behav_imp_weight_mode, IMP_WEIGHT_MODES)
-    _choice("trainer.ppo.reward_norm", p.reward_norm, NORMS)
-    _choice("trainer.ppo.adv_norm", p.adv_norm, NORMS)
-    _positive("trainer.ppo.norm_eps", p.norm_eps)
+    for name, norm in (("reward_norm", p.reward_norm), ("adv_norm", p.adv_norm)):
+        _choice(f"trainer.ppo.{name}.mean_level", norm.mean_level, NORM_LEVELS)
+        _choice(f"trainer.ppo.{name}.std_level", norm.std_level, NORM_LEVELS)
+        _at_least(f"trainer.ppo.{name}.eps", norm.eps, 0.0)
+        if norm.mean_leave1out and norm.mean_level != "group":
+            raise FieldError(
+                f"trainer.ppo.{name}.mean_leave1out",
+                f"needs mean_level group (the other members of the group), got {norm.mean_level}",
+            )
     _positive("trainer.ppo.reward_clip", p.reward_clip)
     _at_least("trainer.ppo.kl_ctl", p.kl_ctl, 0.0)
     _choice("trainer.ppo.kl_estimator", p.kl_estimator, KL_ESTIMATORS)

@@ -33,7 +33,12 @@ def test_defaults_are_the_builtin_run():
     assert cfg.trainer.ppo.eps_clip == 0.2
     assert (cfg.trainer.ppo.n_minibatches, cfg.trainer.ppo.epochs) == (1, 1)
     assert cfg.trainer.ppo.kl_ctl == 0.0
-    assert cfg.trainer.ppo.reward_norm == "group"
+    norm = cfg.trainer.ppo.reward_norm
+    assert (norm.mean_level, norm.std_level, norm.mean_leave1out) == ("group", "group", False)
+    assert (cfg.trainer.ppo.adv_norm.mean_level, cfg.trainer.ppo.adv_norm.std_level) == (
+        "none",
+        "none",
+    )
     assert cfg.rollout.sampling.temperature == 1.0
     assert cfg.eval.every_steps == 25
     assert cfg.weight_sync.methods == ["distributed", "stream", "disk"]
@@ -122,7 +127,9 @@ def test_bad_override_names_the_key(override, field, words):
         ("trainer.backend=mpi", "trainer.backend"),
         ("trainer.ppo.eps_clip=-0.1", "trainer.ppo.eps_clip"),
         ("trainer.ppo.behav_imp_weight_cap=0.5", "trainer.ppo.behav_imp_weight_cap"),
-        ("trainer.ppo.adv_norm=token", "trainer.ppo.adv_norm"),
+        ("trainer.ppo.adv_norm.mean_level=token", "trainer.ppo.adv_norm.mean_level"),
+        ("trainer.ppo.adv_norm.mean_leave1out=true", "trainer.ppo.adv_norm.mean_leave1out"),
+        ("trainer.ppo.reward_norm=group", "trainer.ppo.reward_norm"),
         ("rollout.engine=vllm", "rollout.engine"),
         ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
         ("rollout.max_concurrent_rollouts=0", "rollout.max_concurrent_rollouts"),

@@ -77,7 +77,8 @@ def test_the_trainer_reads_the_coordinators_file_and_overrides(tmp_path: Path):
     config = tmp_path / "run.yaml"
     config.write_text(
         "total_steps: 7\n"
-        "trainer:\n  lr: 3.0e-4\n  ppo:\n    reward_norm: rloo\n    norm_eps: 1.0e-3\n"
+        "trainer:\n  lr: 3.0e-4\n  ppo:\n    reward_norm:\n      std_level: none\n"
+        "      mean_leave1out: true\n      eps: 1.0e-3\n"
         f"output:\n  dir: {tmp_path / 'out'}\n"
         "weight_sync:\n  methods: [stream]\n"
     )
@@ -102,7 +103,7 @@ def test_what_the_coordinator_runs_with_is_what_each_trainer_rank_gets(tmp_path:
         [
             f"output.dir={tmp_path}/out",
             "trainer.lr=4e-4",
-            "trainer.ppo.adv_norm=group-mean",
+            "trainer.ppo.adv_norm.std_level=none",
             "trainer.device=cpu",
             "weight_sync.bucket_mb=8",
         ],

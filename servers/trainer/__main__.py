@@ -18,7 +18,6 @@ launcher can start the ranks one by one.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -33,7 +32,7 @@ from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import trainer_pb2, trainer_pb2_grpc
 
 from areal_grpc.cli import base_parser, serve_main
-from areal_grpc.config import RunConfig
+from areal_grpc.config import NormSettings, RunConfig
 from areal_grpc.server import Service, service
 from areal_grpc.server_config import (
     TRAINER_SECTIONS,
@@ -44,16 +43,6 @@ from areal_grpc.server_config import (
 )
 
 DEFAULT_PORT = 50071
-
-NORMS: dict[str, NormConfig | None] = {
-    "group": NormConfig("group", "group"),
-    "batch": NormConfig("batch", "batch"),
-    # Dr.GRPO: centre per group, no std.
-    "group-mean": NormConfig("group", None),
-    # RLOO: leave-one-out mean per group, no std.
-    "rloo": NormConfig("group", None, mean_leave1out=True),
-    "none": None,
-}
 
 
 def add_trainer_args(parser: argparse.ArgumentParser) -> None:
@@ -69,9 +58,17 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> None:
     add_run_config_args(parser)
 
 
-def _norm(name: str, eps: float) -> NormConfig | None:
-    norm = NORMS[name]
-    return None if norm is None else dataclasses.replace(norm, eps=eps)
+def _norm(n: NormSettings) -> NormConfig | None:
+    """The engine's normalisation for the run config's (None: none at all)."""
+    if n.mean_level == "none" and n.std_level == "none":
+        return None
+    return NormConfig(
+        mean_level=None if n.mean_level == "none" else n.mean_level,  # type: ignore[arg-type]
+        std_level=None if n.std_level == "none" else n.std_level,  # type: ignore[arg-type]
+        mean_leave1out=n.mean_leave1out,
+        std_unbiased=n.std_unbiased,
+        eps=n.eps,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainerServiceConfig:
@@ -115,8 +112,8 @@ def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceCo
             # (greedy, 0, samples nothing to correct: 1).
             temperature=run.rollout.sampling.temperature or 1.0,
             reward=RewardConfig(bias=p.reward_bias, scale=p.reward_scale, clip=p.reward_clip),
-            reward_norm=_norm(p.reward_norm, p.norm_eps),
-            adv_norm=_norm(p.adv_norm, p.norm_eps),
+            reward_norm=_norm(p.reward_norm),
+            adv_norm=_norm(p.adv_norm),
         ),
         microbatch=MicroBatchSpec(max_tokens_per_mb=t.max_tokens_per_mb),
     )
