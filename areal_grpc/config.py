@@ -31,6 +31,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from areal_grpc.errors import FieldError
 
 __all__ = [
+    "ALGORITHMS",
     "NORM_LEVELS",
     "WEIGHT_SYNC_METHODS",
     "CheckpointConfig",
@@ -62,6 +63,48 @@ DEVICES = ("auto", "cpu", "cuda")
 NORM_LEVELS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "constant")
+
+# Named algorithms as settings of the same objective: what ``algorithm: <name>`` sets, below
+# whatever the file and the overrides set (so each of these keys can still be changed).
+# Meanings as in AReaL's docs/en/algorithms/grpo_series.md.
+ALGORITHMS: dict[str, dict[str, Any]] = {
+    # Group-normalised rewards, token-level ratios, token mean over the batch.
+    "grpo": {},
+    # No std in the baseline; the token sum over a constant (max_new_tokens x sequences).
+    "dr_grpo": {"trainer": {"ppo": {"reward_norm": {"std_level": "none"}, "loss_agg": "constant"}}},
+    # Leave-one-out group mean as the baseline, no std.
+    "rloo": {"trainer": {"ppo": {"reward_norm": {"std_level": "none", "mean_leave1out": True}}}},
+    # Group mean, batch std; token mean.
+    "liteppo": {"trainer": {"ppo": {"reward_norm": {"std_level": "batch"}}}},
+    # No per-group baseline: advantages normalised over the global batch.
+    "reinforce_pp": {
+        "trainer": {
+            "ppo": {
+                "reward_norm": {"mean_level": "none", "std_level": "none"},
+                "adv_norm": {"mean_level": "batch", "std_level": "batch"},
+            }
+        }
+    },
+    # Clip-higher, dynamic sampling (groups whose rewards are all equal are dropped at the
+    # rollout server and their places filled by new prompts), token mean. The overlong
+    # penalty is trainer.ppo.overlong_* (it needs the length budget).
+    "dapo": {
+        "trainer": {"ppo": {"eps_clip": 0.2, "eps_clip_higher": 0.28}},
+        "rollout": {"workflow_params": {"accept": "nonuniform"}},
+    },
+    # One importance ratio per sequence, with the paper's narrow clip range.
+    "gspo": {
+        "trainer": {
+            "ppo": {
+                "importance_sampling_level": "sequence",
+                "eps_clip": 3e-4,
+                "eps_clip_higher": 4e-4,
+            }
+        }
+    },
+}
 DTYPES = ("float32", "float64")
 MIXED_PRECISION = ("auto", "on", "off")
 IMP_WEIGHT_MODES = ("mask", "clamp")
@@ -209,6 +252,20 @@ class PPOSettings:
     # "recompute" (that pass), "loglinear" (interpolated by version, no pass), "metrics"
     # (recompute, and report loglinear's error as prox_approx_* step stats).
     prox_logp_method: str = "recompute"
+    # "token" ratios, or "sequence": GSPO's one ratio per sequence (exp of its mean token
+    # log-ratio) with the sequence's mean advantage.
+    importance_sampling_level: str = "token"
+    # Token losses to the step's loss: "token_mean" over the batch, "seq_mean" (each
+    # sequence's token mean, averaged), "constant" (token sum over loss_constant_len x
+    # sequences, Dr.GRPO; loss_constant_len 0: rollout.sampling.max_new_tokens).
+    loss_agg: str = "token_mean"
+    loss_constant_len: int = 0
+    # DAPO's overlong penalty on the reward: 0 up to overlong_max_len - overlong_cache
+    # response tokens, then down linearly to -overlong_factor at overlong_max_len and
+    # beyond (overlong_max_len 0: off).
+    overlong_max_len: int = 0
+    overlong_cache: int = 0
+    overlong_factor: float = 1.0
 
 
 @dataclass
@@ -377,6 +434,9 @@ class RunConfig:
     """A whole run."""
 
     name: str = "builtin"
+    # A named algorithm (one of ALGORITHMS): the settings it stands for are applied first,
+    # then the file and the overrides; --print-config shows the result.
+    algorithm: str = "grpo"
     total_steps: int = 400
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -436,6 +496,7 @@ def load_config(
     checks (default: the whole run).
     """
     cfg = OmegaConf.structured(RunConfig)
+    data: dict[str, Any] | None = None
     if path is not None:
         inline = path.lstrip().startswith("{")
         text = path if inline else Path(path).read_text()
@@ -451,9 +512,18 @@ def load_config(
             raise FieldError(
                 str(path), f"the top level must be a mapping, got {type(data).__name__}"
             )
+    parsed = [_parse_override(o) for o in overrides]
+    # The algorithm's settings go under everything the user set: find its name first.
+    algorithm = next(
+        (str(v) for k, v in reversed(parsed) if k == "algorithm"),
+        str(data.get("algorithm", "grpo")) if data is not None else "grpo",
+    )
+    if algorithm not in ALGORITHMS:
+        raise FieldError("algorithm", f"must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    cfg = _merge(cfg, ALGORITHMS[algorithm], "algorithm")
+    if data is not None:
         cfg = _merge(cfg, data, str(path))
-    for override in overrides:
-        key, value = _parse_override(override)
+    for key, value in parsed:
         # One override at a time, so an error names the override's key even when OmegaConf
         # does not (e.g. a scalar given for a whole section).
         cfg = _merge(cfg, _nested(key, value), key)
@@ -627,6 +697,20 @@ def _validate_trainer(cfg: RunConfig) -> None:
     _at_least("trainer.ppo.n_minibatches", p.n_minibatches, 1)
     _at_least("trainer.ppo.epochs", p.epochs, 1)
     _choice("trainer.ppo.prox_logp_method", p.prox_logp_method, PROX_LOGP_METHODS)
+    _choice(
+        "trainer.ppo.importance_sampling_level",
+        p.importance_sampling_level,
+        IMPORTANCE_SAMPLING_LEVELS,
+    )
+    _choice("trainer.ppo.loss_agg", p.loss_agg, LOSS_AGGREGATIONS)
+    _at_least("trainer.ppo.loss_constant_len", p.loss_constant_len, 0)
+    _at_least("trainer.ppo.overlong_max_len", p.overlong_max_len, 0)
+    _at_least("trainer.ppo.overlong_cache", p.overlong_cache, 0)
+    if p.overlong_cache > p.overlong_max_len:
+        raise FieldError(
+            "trainer.ppo.overlong_cache",
+            f"{p.overlong_cache} exceeds overlong_max_len {p.overlong_max_len}",
+        )
     _positive("trainer.call_timeout_s", t.call_timeout_s)
     _at_least("trainer.max_restarts", t.max_restarts, 0)
     _positive("trainer.restart_timeout_s", t.restart_timeout_s)

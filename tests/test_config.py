@@ -210,3 +210,27 @@ def test_tensorboard_is_off_by_default_and_on_only_where_it_can_write():
             load_config(None, ["output.tensorboard=true"])
     else:
         assert load_config(None, ["output.tensorboard=true"]).output.tensorboard is True
+
+
+def test_an_algorithm_name_sets_its_keys_under_what_the_user_sets(tmp_path):
+    rloo = load_config(None, ["algorithm=rloo"]).trainer.ppo.reward_norm
+    assert (rloo.mean_level, rloo.std_level, rloo.mean_leave1out) == ("group", "none", True)
+    # An explicit key wins over the algorithm's, wherever it is written.
+    mine = load_config(None, ["algorithm=rloo", "trainer.ppo.reward_norm.std_level=batch"])
+    assert mine.trainer.ppo.reward_norm.std_level == "batch"
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm: dapo\ntrainer:\n  ppo:\n    eps_clip: 0.1\n")
+    dapo = load_config(str(path))
+    assert dapo.algorithm == "dapo" and dapo.trainer.ppo.eps_clip_higher == 0.28
+    assert dapo.trainer.ppo.eps_clip == 0.1
+    assert dapo.rollout.workflow_params == {"accept": "nonuniform"}
+    gspo = load_config(None, ["algorithm=gspo"]).trainer.ppo
+    assert (gspo.importance_sampling_level, gspo.eps_clip) == ("sequence", 3e-4)
+    assert load_config(None, ["algorithm=dr_grpo"]).trainer.ppo.loss_agg == "constant"
+    # The resolved config (what --print-config prints) reads back to the same config.
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(to_yaml(dapo))
+    assert "eps_clip_higher: 0.28" in resolved.read_text()
+    assert load_config(str(resolved)) == dapo
+    with pytest.raises(FieldError, match="algorithm"):
+        load_config(None, ["algorithm=ppo_with_critic"])

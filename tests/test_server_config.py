@@ -67,9 +67,12 @@ def test_the_engine_dataclasses_default_to_what_a_default_run_gives_them():
         built.fsdp,
         built.dtype,
     )
-    # Only the step count is the run's alone (a schedule decays to total_steps).
+    # Only the step count and the response budget are the run's alone (a schedule decays to
+    # total_steps; Dr.GRPO's constant is max_new_tokens).
     assert dataclasses.replace(direct.optim, total_steps=built.optim.total_steps) == built.optim
-    assert direct.ppo == built.ppo
+    assert dataclasses.replace(direct.ppo, loss_constant_len=built.ppo.loss_constant_len) == (
+        built.ppo
+    )
     assert HFEngineConfig() == hf_engine_config(RunConfig())
 
 

@@ -37,6 +37,7 @@ from areal_grpc.server import Service, service
 from areal_grpc.server_config import (
     TRAINER_SECTIONS,
     add_run_config_args,
+    max_new_tokens,
     run_config_from_args,
     trainer_path_roots,
     weights_root,
@@ -108,10 +109,20 @@ def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceCo
             n_minibatches=p.n_minibatches,
             epochs=p.epochs,
             prox_logp_method=p.prox_logp_method,  # type: ignore[arg-type]
+            importance_sampling_level=p.importance_sampling_level,  # type: ignore[arg-type]
+            loss_agg=p.loss_agg,  # type: ignore[arg-type]
+            loss_constant_len=p.loss_constant_len or max_new_tokens(run),
             # Log-probs are recomputed under the temperature the rollouts sampled with
             # (greedy, 0, samples nothing to correct: 1).
             temperature=run.rollout.sampling.temperature or 1.0,
-            reward=RewardConfig(bias=p.reward_bias, scale=p.reward_scale, clip=p.reward_clip),
+            reward=RewardConfig(
+                bias=p.reward_bias,
+                scale=p.reward_scale,
+                clip=p.reward_clip,
+                overlong_max_len=p.overlong_max_len,
+                overlong_cache=p.overlong_cache,
+                overlong_factor=p.overlong_factor,
+            ),
             reward_norm=_norm(p.reward_norm),
             adv_norm=_norm(p.adv_norm),
         ),

@@ -41,12 +41,18 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class RewardConfig:
-    """Sequence reward shaping: ``clip((r + bias) * scale, -clip, +clip)``."""
+    """Sequence reward shaping: ``clip((r + bias) * scale, -clip, +clip)``, then DAPO's
+    overlong penalty when ``overlong_max_len`` is set (see :func:`overlong_penalty`)."""
 
     bias: float = 0.0
     scale: float = 1.0
     # None disables clipping.
     clip: float | None = 20.0
+    # DAPO's soft overlong punishment: responses longer than max_len - cache lose up to
+    # `overlong_factor` reward, linearly, and the full factor beyond max_len (0: off).
+    overlong_max_len: int = 0
+    overlong_cache: int = 0
+    overlong_factor: float = 1.0
 
 
 @dataclass
@@ -95,6 +101,30 @@ class PPOConfig:
     # (no pass: interpolated between behaviour and current log-probs by version, see
     # loglinear_prox_logp), "metrics" (recompute, and report loglinear's error).
     prox_logp_method: Literal["recompute", "loglinear", "metrics"] = "recompute"
+    # "token": one importance ratio per token; "sequence": GSPO's, exp of the mean token
+    # log-ratio of the sequence for all its tokens, with the sequence's mean advantage.
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    # How token losses become the step's loss: "token_mean" over the global batch (DAPO,
+    # GRPO as AReaL runs it), "seq_mean" (mean over sequences of each one's token mean, the
+    # GRPO paper's), or "constant": the token sum over loss_constant_len x sequences
+    # (Dr.GRPO: long answers are not down-weighted per token).
+    loss_agg: Literal["token_mean", "seq_mean", "constant"] = "token_mean"
+    loss_constant_len: int = 0
+
+
+def overlong_penalty(lengths: torch.Tensor, cfg: RewardConfig) -> torch.Tensor:
+    """DAPO's soft overlong punishment of responses of ``lengths`` tokens (float32, [B]).
+
+    With L_max = ``overlong_max_len`` and L_c = ``overlong_cache``: 0 up to L_max - L_c, then
+    ``((L_max - L_c) - L) / L_c`` (linear down to -1 at L_max), -1 beyond; times the factor.
+    """
+    if cfg.overlong_max_len <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    free = cfg.overlong_max_len - cfg.overlong_cache
+    n = lengths.float()
+    ramp = (free - n) / max(cfg.overlong_cache, 1)
+    penalty = torch.where(n <= free, 0.0, torch.where(n <= cfg.overlong_max_len, ramp, -1.0))
+    return penalty * cfg.overlong_factor
 
 
 def shape_rewards(rewards: torch.Tensor, cfg: RewardConfig) -> torch.Tensor:
@@ -200,7 +230,7 @@ def compute_advantages(
     rewards from t to the end (undiscounted return-to-go, no critic).
     """
     mask = loss_mask.to(torch.bool)
-    r = shape_rewards(rewards, cfg.reward)
+    r = shape_rewards(rewards, cfg.reward) + overlong_penalty(mask.sum(dim=-1), cfg.reward)
     if cfg.reward_norm is not None:
         r = normalize(r, cfg.reward_norm, group_index=group_index, reduce=reduce)
     adv = r[:, None].expand(mask.shape).clone()
@@ -328,22 +358,35 @@ def ppo_loss(
     cfg: PPOConfig,
     total_tokens: float,
     entropy: torch.Tensor | None = None,
+    total_seqs: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Decoupled PPO loss of one micro-batch, divided by the *global* token count.
+    """Decoupled PPO loss of one micro-batch, normalised by *global* counts.
 
     All inputs are token-aligned [B, S]; ``mask`` is the trainable mask. Summing the returned
-    loss over micro-batches and ranks gives ``sum over all tokens of l / total_tokens`` (token
-    mean of the global batch); ``total_tokens`` counts the mask before the importance-weight cap.
+    loss over micro-batches and ranks gives, by ``cfg.loss_agg``: ``sum over all tokens of l /
+    total_tokens`` (token mean of the global batch), the mean over the ``total_seqs``
+    sequences of each one's token mean, or ``sum of l / (loss_constant_len * total_seqs)``.
+    Counts are of the mask before the importance-weight cap.
 
-    ``l = w * max(-A r, -A clamp(r, 1 - eps, 1 + eps_high))`` with ``r = exp(logp - prox)``,
-    optionally dual-clipped ``min(l, c_clip |A|)``, and ``w = exp(prox - behaviour)`` capped.
+    ``l = w * max(-A r, -A clamp(r, 1 - eps, 1 + eps_high))`` with ``r = exp(logp - prox)``
+    per token (or, at the sequence level, ``exp`` of the sequence's mean log-ratio with the
+    sequence's mean advantage), optionally dual-clipped ``min(l, c_clip |A|)``, and
+    ``w = exp(prox - behaviour)`` capped.
     """
     mask = mask.to(torch.bool)
     maskf = mask.float()
     prox = prox_logp.float().detach()
     adv = advantages.float().detach()
-    # Masked before exp: padding positions must not produce inf (inf * 0 grads are NaN).
-    ratio = torch.where(mask, torch.exp((logp.float() - prox) * maskf), 0.0)
+    if cfg.importance_sampling_level == "sequence":
+        # GSPO: one ratio per sequence from its mean token log-ratio (masked first, so
+        # padding never reaches exp), and the sequence's mean advantage on every token.
+        n_tok = maskf.sum(dim=-1).clamp(min=1.0)
+        seq_log_ratio = ((logp.float() - prox) * maskf).sum(dim=-1) / n_tok
+        ratio = torch.where(mask, torch.exp(seq_log_ratio)[:, None].expand_as(maskf), 0.0)
+        adv = torch.where(mask, ((adv * maskf).sum(dim=-1) / n_tok)[:, None], 0.0)
+    else:
+        # Masked before exp: padding positions must not produce inf (inf * 0 grads are NaN).
+        ratio = torch.where(mask, torch.exp((logp.float() - prox) * maskf), 0.0)
     eps_high = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
     clipped_ratio = ratio.clamp(1.0 - cfg.eps_clip, 1.0 + eps_high)
     pg1 = -adv * ratio
@@ -373,7 +416,17 @@ def ppo_loss(
     else:
         w = maskf
     pg = torch.where(final_mask, pg, 0.0)
-    loss = pg.sum() / max(float(total_tokens), 1.0)
+    if cfg.loss_agg == "token_mean":
+        loss = pg.sum() / max(float(total_tokens), 1.0)
+    elif cfg.loss_agg == "seq_mean":
+        per_seq = pg.sum(dim=-1) / maskf.sum(dim=-1).clamp(min=1.0)
+        loss = per_seq.sum() / max(float(total_seqs), 1.0)
+    elif cfg.loss_agg == "constant":
+        if cfg.loss_constant_len <= 0:
+            raise ValueError("loss_agg 'constant' needs loss_constant_len > 0")
+        loss = pg.sum() / max(float(cfg.loss_constant_len) * float(total_seqs), 1.0)
+    else:
+        raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}")
     with torch.no_grad():
         stats = LossStats(
             loss=float(loss),

@@ -382,12 +382,16 @@ class TrainerEngine:
                     float(batch["rewards"].double().sum()),
                     # Staleness of trained tokens: versions behind the weights being trained.
                     float(((self.version - batch["versions"]) * batch["train_mask"]).sum()),
+                    # Sequences with a trained token (what a per-sequence loss averages over).
+                    float((batch["train_mask"].sum(dim=1) > 0).sum()),
                 ],
                 dtype=torch.float64,
                 device=self.device,
             )
         )
-        total_tokens, total_rows, reward_sum, staleness_sum = (float(v) for v in totals.tolist())
+        total_tokens, total_rows, reward_sum, staleness_sum, total_seqs = (
+            float(v) for v in totals.tolist()
+        )
         if total_rows == 0:
             raise ValueError("the global batch has no trajectories")
         # PPO mini-batches: token-balanced row slices, each cut into micro-batches (the
@@ -407,16 +411,19 @@ class TrainerEngine:
                 part[k] = (part[k][0], {key: v.to(self.device) for key, v in mb.items()})
             minis.append(part)
         mbs = [pair for part in minis for pair in part]
-        # Each update's loss is a token mean over its own mini-batch (all ranks).
-        mini_tokens = [total_tokens]
+        # Each update's loss is normalised over its own mini-batch (all ranks): its trained
+        # tokens and the sequences that have any.
+        mini_counts = [(total_tokens, total_seqs)]
         if n_minis > 1:
-            mini_tokens = self.reduce_sum(
-                torch.tensor(
-                    [float(sum(float(mb["train_mask"].sum()) for _, mb in p)) for p in minis],
-                    dtype=torch.float64,
-                    device=self.device,
-                )
-            ).tolist()
+            local = [
+                [
+                    float(sum(float(mb["train_mask"].sum()) for _, mb in p)),
+                    float(sum(float((mb["train_mask"].sum(dim=1) > 0).sum()) for _, mb in p)),
+                ]
+                for p in minis
+            ]
+            sums = self.reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device))
+            mini_counts = [(float(t), float(q)) for t, q in sums.tolist()]
         n_mb = len(mbs)
         report("received", 0, n_mb)
 
@@ -492,9 +499,9 @@ class TrainerEngine:
             report("update", done, n_mb * epochs)
 
         for _ in range(epochs):
-            for part, tokens_j in zip(minis, mini_tokens, strict=True):
+            for part, counts in zip(minis, mini_counts, strict=True):
                 grad_norms.append(
-                    self._update(part, tokens_j, prox_mode, scale, stats, approx, trained_one)
+                    self._update(part, counts, prox_mode, scale, stats, approx, trained_one)
                 )
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -542,7 +549,7 @@ class TrainerEngine:
     def _update(
         self,
         part: list[tuple[list[int], Batch]],
-        tokens: float,
+        counts: tuple[float, float],
         prox_mode: str,
         scale: float,
         stats: LossStats,
@@ -564,8 +571,9 @@ class TrainerEngine:
                 mb["advantages"],
                 mb["train_mask"],
                 cfg,
-                tokens,
+                counts[0],
                 entropy,
+                total_seqs=counts[1],
             )
             (loss * scale).backward()
             stats.add(mb_stats)

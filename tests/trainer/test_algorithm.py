@@ -19,6 +19,7 @@ from areal_servers.trainer.algorithm import (
     loglinear_prox_logp,
     masked_token_logprobs,
     normalize,
+    overlong_penalty,
     ppo_loss,
     shape_rewards,
     token_logprobs,
@@ -362,3 +363,52 @@ def test_loglinear_prox_moves_each_token_toward_the_current_policy_by_its_stalen
         )
     )
     assert float(p) == pytest.approx(math.exp(-0.5) ** 0.5 * math.exp(-2.5) ** 0.5)
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    cfg = RewardConfig(overlong_max_len=10, overlong_cache=4, overlong_factor=0.5)
+    lengths = torch.tensor([3, 6, 7, 8, 10, 11])
+    # Free up to 10 - 4 = 6 tokens; then (6 - L) / 4 down to -1 at 10; -1 beyond; x 0.5.
+    want = [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]
+    assert overlong_penalty(lengths, cfg).tolist() == pytest.approx(want)
+    assert overlong_penalty(lengths, RewardConfig()).tolist() == [0.0] * 6
+    # It enters the rewards before normalisation: a group of equal rewards whose members
+    # differ in length gets advantages by length alone.
+    ppo = PPOConfig(reward=cfg, reward_norm=None)
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0, :6], mask[1, :10] = True, True
+    adv = compute_advantages(torch.tensor([1.0, 1.0]), mask, ppo)
+    assert adv[0, 0] == pytest.approx(1.0) and adv[1, 0] == pytest.approx(0.5)
+
+
+def _loss_case(cfg: PPOConfig, total_tokens: float, total_seqs: float) -> float:
+    """Two sequences: 2 and 3 trained tokens, log-ratios and advantages chosen by hand."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    log_ratio = torch.tensor([[0.1, 0.3, 0.0], [0.0, 0.0, 0.0]])
+    prox = torch.full((2, 3), -1.0)
+    logp = prox + log_ratio
+    adv = torch.tensor([[1.0, 3.0, 0.0], [-1.0, -1.0, -1.0]])
+    loss, _ = ppo_loss(logp, prox, prox, adv, mask, cfg, total_tokens, total_seqs=total_seqs)
+    return float(loss)
+
+
+def test_sequence_level_ratios_and_loss_aggregations_match_hand_computations():
+    base = {"eps_clip": 0.2, "behav_imp_weight_cap": None}
+    # Token level, token mean: row 0 tokens r = e^0.1, e^0.3 (clipped to 1.2 for A > 0:
+    # min of -A r and -A 1.2 is the larger loss, max(-A r, -A clip) = -A * min(r, 1.2)),
+    # row 1 r = 1 with A = -1 -> loss 1 each.
+    t0 = -1.0 * min(math.exp(0.1), 1.2)
+    t1 = -3.0 * min(math.exp(0.3), 1.2)
+    token = (t0 + t1 + 3 * 1.0) / 5
+    assert _loss_case(PPOConfig(**base), 5, 2) == pytest.approx(token, rel=1e-6)
+    # Sequence level (GSPO): row 0's ratio is e^{mean(0.1, 0.3)} = e^0.2, clipped to 1.2,
+    # and its tokens carry the mean advantage 2; row 1 unchanged.
+    seq = PPOConfig(**base, importance_sampling_level="sequence")
+    s0 = -2.0 * min(math.exp(0.2), 1.2)
+    assert _loss_case(seq, 5, 2) == pytest.approx((2 * s0 + 3 * 1.0) / 5, rel=1e-6)
+    # Sequence mean of token means, over the 2 sequences.
+    seq_mean = PPOConfig(**base, loss_agg="seq_mean")
+    assert _loss_case(seq_mean, 5, 2) == pytest.approx(((t0 + t1) / 2 + 1.0) / 2, rel=1e-6)
+    # Dr.GRPO's constant: the token sum over 4 (length budget) x 2 sequences.
+    const = PPOConfig(**base, loss_agg="constant", loss_constant_len=4)
+    assert _loss_case(const, 5, 2) == pytest.approx((t0 + t1 + 3.0) / 8, rel=1e-6)

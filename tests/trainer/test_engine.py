@@ -152,21 +152,33 @@ def test_two_rank_fsdp_steps_equal_one_plain_process(make_batch, dtype, lr, tole
         assert got[0][0][step].microbatches == got[1][0][step].microbatches
 
 
-def ppo_config(fsdp: bool, n_minibatches: int, epochs: int, max_tokens: int = 30) -> EngineConfig:
+def ppo_config(
+    fsdp: bool, n_minibatches: int, epochs: int, max_tokens: int = 30, **ppo: object
+) -> EngineConfig:
     cfg = config(fsdp=fsdp, max_tokens=max_tokens, dtype="float64")
-    cfg.ppo = PPOConfig(kl_ctl=0.0, n_minibatches=n_minibatches, epochs=epochs)
+    cfg.ppo = PPOConfig(kl_ctl=0.0, n_minibatches=n_minibatches, epochs=epochs, **ppo)  # type: ignore[arg-type]
     return cfg
 
 
-def test_minibatches_and_epochs_on_two_ranks_equal_the_same_updates_in_one_process(make_batch):
+@pytest.mark.parametrize(
+    "ppo",
+    [
+        {},
+        # Sequence-level ratios and a per-sequence mean: the global sequence counts of each
+        # mini-batch are all-reduced like its token counts.
+        {"importance_sampling_level": "sequence", "loss_agg": "seq_mean"},
+    ],
+    ids=["token", "gspo-seq-mean"],
+)
+def test_minibatches_and_epochs_on_two_ranks_equal_the_same_updates_in_one_process(make_batch, ppo):
     """2 mini-batches x 2 epochs: four optimizer steps per batch, one version. Rank r's
     mini-batch j joins the other rank's mini-batch j into one update, so one process whose
     mini-batch j holds both ranks' rows makes the same four updates."""
     batch = make_batch(n_groups=4, group_size=2, seed=4, length=10)
     shards = [[rows_of(batch, [0, 1, 2, 3]), rows_of(batch, [4, 5, 6, 7])]]
-    got = _two_ranks(shards, ppo_config(fsdp=True, n_minibatches=2, epochs=2))
+    got = _two_ranks(shards, ppo_config(fsdp=True, n_minibatches=2, epochs=2, **ppo))
     # Equal rows split in halves: mini-batch 0 is rows 0, 1 (rank 0) and 4, 5 (rank 1).
-    plain = TrainerEngine(ppo_config(fsdp=False, n_minibatches=2, epochs=2))
+    plain = TrainerEngine(ppo_config(fsdp=False, n_minibatches=2, epochs=2, **ppo))
     before = params(plain)
     want = plain.train_step(rows_of(batch, [0, 1, 4, 5, 2, 3, 6, 7]))
     diff = max_diff({k: torch.from_numpy(v) for k, v in got[0][1].items()}, params(plain))
@@ -178,7 +190,7 @@ def test_minibatches_and_epochs_on_two_ranks_equal_the_same_updates_in_one_proce
         assert r.loss == pytest.approx(want.loss, abs=1e-9)
         assert r.grad_norm == pytest.approx(want.grad_norm, rel=1e-9)
     # Four updates are not one: the same batch in a single update ends elsewhere.
-    single = TrainerEngine(ppo_config(fsdp=False, n_minibatches=1, epochs=1))
+    single = TrainerEngine(ppo_config(fsdp=False, n_minibatches=1, epochs=1, **ppo))
     single.train_step(rows_of(batch, [0, 1, 4, 5, 2, 3, 6, 7]))
     assert max_diff(params(single), params(plain)) > 1e-6
     assert max_diff(params(plain), before) > 1e-4
