@@ -35,6 +35,7 @@ from typing import Any
 
 from areal_clients.rollout import RolloutClient
 from areal_clients.trainer import TrainerClient
+from arealgrpc.v1 import trainer_pb2
 
 from areal_grpc import tracing
 from areal_grpc.config import RunConfig
@@ -323,7 +324,9 @@ class Coordinator:
             self.trainers.version,
         )
 
-    async def _train(self, step: int, batch: Sequence[Finished], staleness: int) -> Any:
+    async def _train(
+        self, step: int, batch: Sequence[Finished], staleness: int
+    ) -> trainer_pb2.StepStats:
         """TrainStep of ``batch`` on every rank, traced with links to the groups' traces."""
         trained = [t.trace_context for f in batch for t in f.group.trajectories[:1]]
         with tracing.span(
