@@ -120,6 +120,12 @@ class Endpoint:
         """Takes episodes: healthy, with an open stream."""
         return self.healthy and self.stream is not None
 
+    def cut(self) -> None:
+        """Aborts its stream, if any (its reader sees the stream is gone and files nothing)."""
+        if self.stream is not None:
+            self.stream.abort()
+            self.stream = None
+
 
 @dataclass(frozen=True)
 class EpisodeSettings:
@@ -241,9 +247,7 @@ class RolloutFleet:
             return 0
         self.endpoints.remove(ep)
         ep.healthy = False
-        if ep.stream is not None:
-            ep.stream.abort()
-            ep.stream = None
+        ep.cut()
         requeued = sum(self.pool.requeue(t) for t in self.pool.running_on(address))
         await ep.client.close()
         return requeued
@@ -312,9 +316,7 @@ class RolloutFleet:
     def cut_streams(self) -> None:
         """Cuts every stream (the readers file nothing more); the servers stay healthy."""
         for ep in self.endpoints:
-            if ep.stream is not None:
-                ep.stream.abort()
-                ep.stream = None
+            ep.cut()
 
     def reopen_streams(self) -> None:
         """Reopens the stream of every healthy server without one."""
@@ -366,9 +368,7 @@ class RolloutFleet:
     def take_out(self, ep: Endpoint) -> None:
         """Leaves a server out of rotation, re-queues its tasks, and tries to bring it back."""
         ep.healthy = False
-        if ep.stream is not None:
-            ep.stream.abort()
-            ep.stream = None
+        ep.cut()
         for task_id in self.pool.running_on(ep.address):
             self.pool.requeue(task_id, ep.address)
         if ep in self.endpoints and not self.stopping:

@@ -373,17 +373,20 @@ class TrainerEngine:
         if "group_index" not in batch:
             batch["group_index"] = torch.zeros_like(batch["rewards"], dtype=torch.int64)
         batch["train_mask"] = trainable_mask(batch["loss_mask"], batch["attention_mask"])
+        # Trained tokens per row: the token counts, the sequences that have any, and the
+        # mini-batch split all follow from it.
+        row_tokens = batch["train_mask"].sum(dim=1)
         rows = batch["rewards"].shape[0]
         totals = self.reduce_sum(
             torch.tensor(
                 [
-                    float(batch["train_mask"].sum()),
+                    float(row_tokens.sum()),
                     float(rows),
                     float(batch["rewards"].double().sum()),
                     # Staleness of trained tokens: versions behind the weights being trained.
                     float(((self.version - batch["versions"]) * batch["train_mask"]).sum()),
                     # Sequences with a trained token (what a per-sequence loss averages over).
-                    float((batch["train_mask"].sum(dim=1) > 0).sum()),
+                    float((row_tokens > 0).sum()),
                 ],
                 dtype=torch.float64,
                 device=self.device,
@@ -400,7 +403,7 @@ class TrainerEngine:
         updates = n_minis * epochs
         mini_rows: list[list[int] | None] = [None]
         if n_minis > 1:
-            mini_rows = list(plan_minibatches(batch["train_mask"].sum(dim=1).tolist(), n_minis))
+            mini_rows = list(plan_minibatches(row_tokens.tolist(), n_minis))
         minis: list[list[tuple[list[int], Batch]]] = []
         for rows in mini_rows:
             part = split_microbatches(
@@ -416,11 +419,11 @@ class TrainerEngine:
         mini_counts = [(total_tokens, total_seqs)]
         if n_minis > 1:
             local = [
-                [
-                    float(sum(float(mb["train_mask"].sum()) for _, mb in p)),
-                    float(sum(float((mb["train_mask"].sum(dim=1) > 0).sum()) for _, mb in p)),
-                ]
-                for p in minis
+                [float(row_tokens[r].sum()), float((row_tokens[r] > 0).sum())]
+                for r in (
+                    torch.as_tensor(picked or [], dtype=torch.int64, device=row_tokens.device)
+                    for picked in mini_rows
+                )
             ]
             sums = self.reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device))
             mini_counts = [(float(t), float(q)) for t, q in sums.tolist()]
