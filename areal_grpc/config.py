@@ -62,6 +62,10 @@ DEVICES = ("auto", "cpu", "cuda")
 # or not at all.
 NORM_LEVELS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# How far the proximal policy may be from the behaviour one (trainer.ppo.rejection.metric);
+# "none" applies no behaviour weight at all.
+REJECTION_METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3", "binary_kl", "none")
+REJECTION_AGGS = ("mean", "sum", "max")
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "constant")
@@ -78,12 +82,25 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "rloo": {"trainer": {"ppo": {"reward_norm": {"std_level": "none", "mean_leave1out": True}}}},
     # Group mean, batch std; token mean.
     "liteppo": {"trainer": {"ppo": {"reward_norm": {"std_level": "batch"}}}},
-    # No per-group baseline: advantages normalised over the global batch.
+    # PPO without a critic: no per-group baseline, advantages normalised over the global
+    # batch (AReaL's PPO settings, the value model left out).
+    "ppo_no_critic": {
+        "trainer": {
+            "ppo": {
+                "reward_norm": {"mean_level": "none", "std_level": "none"},
+                "adv_norm": {"mean_level": "batch", "std_level": "batch"},
+            }
+        }
+    },
+    # REINFORCE++: the same, with a small k1 KL-to-reference penalty in the token rewards
+    # (summed from each token on); it loads a frozen reference model on every trainer rank.
     "reinforce_pp": {
         "trainer": {
             "ppo": {
                 "reward_norm": {"mean_level": "none", "std_level": "none"},
                 "adv_norm": {"mean_level": "batch", "std_level": "batch"},
+                "kl_ctl": 0.001,
+                "kl_estimator": "k1",
             }
         }
     },
@@ -94,6 +111,11 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
         "trainer": {"ppo": {"eps_clip": 0.2, "eps_clip_higher": 0.28}},
         "rollout": {"workflow_params": {"accept": "nonuniform"}},
     },
+    # IcePop: tokens whose behaviour ratio left [0.5, 5] are dropped from the loss.
+    "icepop": {"trainer": {"ppo": {"rejection": {"metric": "ratio", "lower": 0.5, "upper": 5.0}}}},
+    # KPop: tokens whose two-way Bernoulli KL between the proximal and behaviour
+    # probabilities exceeds 2 are dropped.
+    "kpop": {"trainer": {"ppo": {"rejection": {"metric": "binary_kl", "upper": 2.0}}}},
     # One importance ratio per sequence, with the paper's narrow clip range.
     "gspo": {
         "trainer": {
@@ -107,7 +129,7 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
 }
 DTYPES = ("float32", "float64")
 MIXED_PRECISION = ("auto", "on", "off")
-IMP_WEIGHT_MODES = ("mask", "clamp")
+REJECTION_ACTIONS = ("mask", "clamp")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 WEIGHT_SYNC_METHODS = ("distributed", "stream", "disk")
 LAUNCH_MODES = ("local", "attach", "ray")
@@ -219,6 +241,24 @@ class NormSettings:
 
 
 @dataclass
+class RejectionSettings:
+    """The behaviour importance weight exp(prox - behaviour) and the tokens it rejects
+    (AReaL's rejection_sampling): ``metric`` per token ("ratio" of the probabilities, Schulman's
+    KL estimators "kl_k1".."kl_k3" of it, or KPop's "binary_kl"), judged per token or per
+    sequence (``level``, with ``agg`` of the sequence's values), outside ``[lower, upper]``
+    masked or (ratio only) clamped into it. The default is the cap exp(prox - behaviour) <= 5;
+    IcePop adds lower 0.5; metric "none": no weight.
+    """
+
+    metric: str = "ratio"
+    level: str = "token"
+    action: str = "mask"
+    agg: str = "mean"
+    lower: float | None = None
+    upper: float = 5.0
+
+
+@dataclass
 class PPOSettings:
     """GRPO / decoupled-PPO actor settings (AReaL's defaults where it has one)."""
 
@@ -227,9 +267,8 @@ class PPOSettings:
     eps_clip_higher: float | None = None
     # Dual-clip constant (> 1); None disables it.
     c_clip: float | None = None
-    # Cap on the behaviour importance weight; None disables the weight.
-    behav_imp_weight_cap: float | None = 5.0
-    behav_imp_weight_mode: str = "mask"
+    # Which tokens the decoupled loss trusts (see RejectionSettings).
+    rejection: RejectionSettings = field(default_factory=RejectionSettings)
     # Normalisation of the (shaped) sequence rewards before they become advantages: GRPO's
     # per-group mean and std by default.
     reward_norm: NormSettings = field(default_factory=NormSettings)
@@ -242,6 +281,10 @@ class PPOSettings:
     kl_ctl: float = 0.0
     # KL estimator of the penalty (Schulman's k1, k2, k3).
     kl_estimator: str = "k1"
+    # KL to the reference (initial) model as a loss term, beta * KL per trained token,
+    # instead of or beside the reward penalty kl_ctl; either one loads the reference model.
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: str = "k3"
     # PPO mini-batches: the batch is cut into n_minibatches token-balanced slices (the same
     # count on every rank), one optimizer step each, and passed over `epochs` times; the
     # policy version still advances once per batch. More than one update per batch
@@ -454,10 +497,19 @@ class RunConfig:
 # -- loading ---------------------------------------------------------------------------------
 
 
+# Keys that earlier versions read, and what replaced them (named in the unknown-key error).
+REPLACED_KEYS = {
+    "trainer.ppo.behav_imp_weight_cap": "trainer.ppo.rejection.upper (null: rejection.metric=none)",
+    "trainer.ppo.behav_imp_weight_mode": "trainer.ppo.rejection.action",
+}
+
+
 def _omegaconf_error(exc: OmegaConfBaseException, fallback: str) -> FieldError:
     key = getattr(exc, "full_key", None) or fallback
     first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if isinstance(exc, ConfigKeyError):
+        if key in REPLACED_KEYS:
+            return FieldError(key, f"no longer read: use {REPLACED_KEYS[key]}")
         return FieldError(key, f"unknown key ({first_line})")
     return FieldError(key, first_line)
 
@@ -676,12 +728,7 @@ def _validate_trainer(cfg: RunConfig) -> None:
         _positive("trainer.ppo.eps_clip_higher", p.eps_clip_higher)
     if p.c_clip is not None and not p.c_clip > 1.0:
         raise FieldError("trainer.ppo.c_clip", f"must be > 1 when set, got {p.c_clip}")
-    if p.behav_imp_weight_cap is not None and not p.behav_imp_weight_cap > 1.0:
-        raise FieldError(
-            "trainer.ppo.behav_imp_weight_cap",
-            f"must be > 1 when set, got {p.behav_imp_weight_cap}",
-        )
-    _choice("trainer.ppo.behav_imp_weight_mode", p.behav_imp_weight_mode, IMP_WEIGHT_MODES)
+    _validate_rejection(p.rejection)
     for name, norm in (("reward_norm", p.reward_norm), ("adv_norm", p.adv_norm)):
         _choice(f"trainer.ppo.{name}.mean_level", norm.mean_level, NORM_LEVELS)
         _choice(f"trainer.ppo.{name}.std_level", norm.std_level, NORM_LEVELS)
@@ -694,6 +741,8 @@ def _validate_trainer(cfg: RunConfig) -> None:
     _positive("trainer.ppo.reward_clip", p.reward_clip)
     _at_least("trainer.ppo.kl_ctl", p.kl_ctl, 0.0)
     _choice("trainer.ppo.kl_estimator", p.kl_estimator, KL_ESTIMATORS)
+    _at_least("trainer.ppo.kl_loss_coef", p.kl_loss_coef, 0.0)
+    _choice("trainer.ppo.kl_loss_estimator", p.kl_loss_estimator, KL_ESTIMATORS)
     _at_least("trainer.ppo.n_minibatches", p.n_minibatches, 1)
     _at_least("trainer.ppo.epochs", p.epochs, 1)
     _choice("trainer.ppo.prox_logp_method", p.prox_logp_method, PROX_LOGP_METHODS)
@@ -716,6 +765,28 @@ def _validate_trainer(cfg: RunConfig) -> None:
     _positive("trainer.restart_timeout_s", t.restart_timeout_s)
     _at_least("trainer.health_interval_s", t.health_interval_s, 0.0)
     _positive("trainer.health_timeout_s", t.health_timeout_s)
+
+
+def _validate_rejection(r: RejectionSettings) -> None:
+    key = "trainer.ppo.rejection"
+    _choice(f"{key}.metric", r.metric, REJECTION_METRICS)
+    _choice(f"{key}.level", r.level, IMPORTANCE_SAMPLING_LEVELS)
+    _choice(f"{key}.action", r.action, REJECTION_ACTIONS)
+    _choice(f"{key}.agg", r.agg, REJECTION_AGGS)
+    if r.metric == "none":
+        return
+    if r.action == "clamp" and r.metric != "ratio":
+        raise FieldError(f"{key}.action", f"'clamp' bounds a ratio; metric is {r.metric!r}")
+    if r.metric == "ratio":
+        if not r.upper > 1.0:
+            raise FieldError(f"{key}.upper", f"a ratio bound must be > 1, got {r.upper}")
+        if r.lower is not None and not 0.0 < r.lower < 1.0:
+            raise FieldError(f"{key}.lower", f"a ratio bound must be in (0, 1), got {r.lower}")
+        return
+    if r.metric != "kl_k1":
+        _positive(f"{key}.upper", r.upper)
+    if r.lower is not None and r.lower >= r.upper:
+        raise FieldError(f"{key}.lower", f"{r.lower} is not below upper {r.upper}")
 
 
 def _validate_staleness(cfg: RunConfig) -> None:

@@ -56,7 +56,7 @@ def test_yaml_then_overrides_in_order(tmp_path):
     assert cfg.staleness.max_staleness == 0
     assert cfg.weight_sync.methods == ["disk"]  # lists are replaced, not appended
     assert cfg.trainer.ppo.eps_clip == 0.1
-    assert cfg.trainer.ppo.behav_imp_weight_cap == 5.0  # untouched siblings keep defaults
+    assert cfg.trainer.ppo.rejection.upper == 5.0  # untouched siblings keep defaults
     assert cfg.rollout == RunConfig().rollout
 
 
@@ -64,14 +64,14 @@ def test_overrides_parse_yaml_values():
     cfg = load_config(
         None,
         [
-            "trainer.ppo.behav_imp_weight_cap=null",
+            "trainer.ppo.rejection.lower=null",
             "weight_sync.methods=[stream,disk]",
             "output.tensorboard=false",
             "trainer.lr=1",
             "name=7",
         ],
     )
-    assert cfg.trainer.ppo.behav_imp_weight_cap is None
+    assert cfg.trainer.ppo.rejection.lower is None
     assert cfg.weight_sync.methods == ["stream", "disk"]
     assert cfg.output.tensorboard is False
     assert cfg.trainer.lr == 1.0 and isinstance(cfg.trainer.lr, float)
@@ -126,7 +126,13 @@ def test_bad_override_names_the_key(override, field, words):
         ("trainer.ranks=0", "trainer.ranks"),
         ("trainer.backend=mpi", "trainer.backend"),
         ("trainer.ppo.eps_clip=-0.1", "trainer.ppo.eps_clip"),
-        ("trainer.ppo.behav_imp_weight_cap=0.5", "trainer.ppo.behav_imp_weight_cap"),
+        ("trainer.ppo.rejection.upper=0.5", "trainer.ppo.rejection.upper"),
+        ("trainer.ppo.rejection.lower=1.5", "trainer.ppo.rejection.lower"),
+        ("trainer.ppo.rejection.metric=kl", "trainer.ppo.rejection.metric"),
+        ("trainer.ppo.rejection.level=batch", "trainer.ppo.rejection.level"),
+        ("trainer.ppo.rejection.agg=median", "trainer.ppo.rejection.agg"),
+        ("trainer.ppo.kl_loss_coef=-1", "trainer.ppo.kl_loss_coef"),
+        ("trainer.ppo.kl_loss_estimator=k4", "trainer.ppo.kl_loss_estimator"),
         ("trainer.ppo.adv_norm.mean_level=token", "trainer.ppo.adv_norm.mean_level"),
         ("trainer.ppo.adv_norm.mean_leave1out=true", "trainer.ppo.adv_norm.mean_leave1out"),
         ("trainer.ppo.reward_norm=group", "trainer.ppo.reward_norm"),
@@ -234,3 +240,39 @@ def test_an_algorithm_name_sets_its_keys_under_what_the_user_sets(tmp_path):
     assert load_config(str(resolved)) == dapo
     with pytest.raises(FieldError, match="algorithm"):
         load_config(None, ["algorithm=ppo_with_critic"])
+
+
+def test_token_masks_and_critic_free_presets_expand_to_their_keys():
+    icepop = load_config(None, ["algorithm=icepop"]).trainer.ppo.rejection
+    assert (icepop.metric, icepop.lower, icepop.upper, icepop.action) == ("ratio", 0.5, 5.0, "mask")
+    kpop = load_config(None, ["algorithm=kpop"]).trainer.ppo.rejection
+    assert (kpop.metric, kpop.upper) == ("binary_kl", 2.0)
+    for name in ("ppo_no_critic", "reinforce_pp"):
+        p = load_config(None, [f"algorithm={name}"]).trainer.ppo
+        assert (p.reward_norm.mean_level, p.reward_norm.std_level) == ("none", "none"), name
+        assert (p.adv_norm.mean_level, p.adv_norm.std_level) == ("batch", "batch"), name
+    assert load_config(None, ["algorithm=ppo_no_critic"]).trainer.ppo.kl_ctl == 0.0
+    reinforce = load_config(None, ["algorithm=reinforce_pp"]).trainer.ppo
+    assert (reinforce.kl_ctl, reinforce.kl_estimator) == (0.001, "k1")
+
+
+def test_rejection_rules_that_cannot_work_are_refused_by_name():
+    # Clamping bounds a ratio; a KL has nothing to clamp.
+    with pytest.raises(FieldError) as err:
+        load_config(
+            None, ["trainer.ppo.rejection.metric=kl_k3", "trainer.ppo.rejection.action=clamp"]
+        )
+    assert err.value.field == "trainer.ppo.rejection.action"
+    with pytest.raises(FieldError) as err:
+        load_config(None, ["trainer.ppo.rejection.metric=kl_k1", "trainer.ppo.rejection.lower=6"])
+    assert err.value.field == "trainer.ppo.rejection.lower"
+    # "none" needs no bounds at all.
+    off = load_config(None, ["trainer.ppo.rejection.metric=none", "trainer.ppo.rejection.upper=0"])
+    assert off.trainer.ppo.rejection.metric == "none"
+
+
+def test_a_key_earlier_versions_read_names_its_replacement():
+    with pytest.raises(FieldError) as err:
+        load_config(None, ["trainer.ppo.behav_imp_weight_cap=3"])
+    assert err.value.field == "trainer.ppo.behav_imp_weight_cap"
+    assert "use trainer.ppo.rejection.upper" in err.value.description

@@ -42,7 +42,8 @@ def test_a_standalone_trainer_takes_the_run_configs_defaults():
     assert engine.optim.max_grad_norm == run.trainer.grad_clip
     assert engine.optim.total_steps == run.total_steps
     assert engine.microbatch.max_tokens_per_mb == run.trainer.max_tokens_per_mb
-    assert engine.ppo.behav_imp_weight_cap == run.trainer.ppo.behav_imp_weight_cap
+    assert engine.ppo.rejection is not None
+    assert engine.ppo.rejection.upper == run.trainer.ppo.rejection.upper
 
 
 def test_ppo_minibatches_and_epochs_reach_the_trainer_engine():

@@ -24,7 +24,12 @@ import sys
 from collections.abc import Sequence
 
 import torch
-from areal_servers.trainer.algorithm import NormConfig, PPOConfig, RewardConfig
+from areal_servers.trainer.algorithm import (
+    NormConfig,
+    PPOConfig,
+    RejectionConfig,
+    RewardConfig,
+)
 from areal_servers.trainer.engine import DistConfig, EngineConfig, OptimConfig
 from areal_servers.trainer.microbatch import MicroBatchSpec
 from areal_servers.trainer.publish.base import PublisherConfig
@@ -32,7 +37,7 @@ from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import trainer_pb2, trainer_pb2_grpc
 
 from areal_grpc.cli import base_parser, serve_main
-from areal_grpc.config import NormSettings, RunConfig
+from areal_grpc.config import NormSettings, RejectionSettings, RunConfig
 from areal_grpc.server import Service, service
 from areal_grpc.server_config import (
     TRAINER_SECTIONS,
@@ -72,6 +77,20 @@ def _norm(n: NormSettings) -> NormConfig | None:
     )
 
 
+def _rejection(r: RejectionSettings) -> RejectionConfig | None:
+    """The engine's rejection rule for the run config's (None: no behaviour weight)."""
+    if r.metric == "none":
+        return None
+    return RejectionConfig(
+        metric=r.metric,  # type: ignore[arg-type]
+        level=r.level,  # type: ignore[arg-type]
+        action=r.action,  # type: ignore[arg-type]
+        agg=r.agg,  # type: ignore[arg-type]
+        lower=r.lower,
+        upper=r.upper,
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> TrainerServiceConfig:
     """The service config this rank's command line describes."""
     return service_config(run_config_from_args(args, TRAINER_SECTIONS), args)
@@ -102,10 +121,11 @@ def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceCo
             eps_clip=p.eps_clip,
             eps_clip_higher=p.eps_clip_higher,
             c_clip=p.c_clip,
-            behav_imp_weight_cap=p.behav_imp_weight_cap,
-            behav_imp_weight_mode=p.behav_imp_weight_mode,  # type: ignore[arg-type]
+            rejection=_rejection(p.rejection),
             kl_ctl=p.kl_ctl,
             kl_estimator=p.kl_estimator,  # type: ignore[arg-type]
+            kl_loss_coef=p.kl_loss_coef,
+            kl_loss_estimator=p.kl_loss_estimator,  # type: ignore[arg-type]
             n_minibatches=p.n_minibatches,
             epochs=p.epochs,
             prox_logp_method=p.prox_logp_method,  # type: ignore[arg-type]

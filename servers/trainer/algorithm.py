@@ -71,6 +71,27 @@ class NormConfig:
 
 
 @dataclass
+class RejectionConfig:
+    """Which tokens the decoupled loss trusts, by how far the proximal policy has moved from
+    the behaviour one (AReaL's rejection sampling; IcePop and KPop are settings of it).
+
+    ``metric`` per token, with ``log r = prox - behaviour``: "ratio" (r, compared in log
+    space), "kl_k1" (log r), "kl_k2" ((log r)^2 / 2), "kl_k3" (r - 1 - log r), "binary_kl"
+    (KPop: the larger of the two Bernoulli KLs between the token's probabilities).
+    ``level`` "sequence" judges a whole sequence by ``agg`` of its tokens' values (for
+    "ratio", of log r: "mean" is the geometric mean ratio). ``action`` "mask" drops the
+    tokens outside ``[lower, upper]``; "clamp" (ratio only) clamps the weight into it.
+    """
+
+    metric: Literal["ratio", "kl_k1", "kl_k2", "kl_k3", "binary_kl"] = "ratio"
+    level: Literal["token", "sequence"] = "token"
+    action: Literal["mask", "clamp"] = "mask"
+    agg: Literal["mean", "sum", "max"] = "mean"
+    lower: float | None = None
+    upper: float = 5.0
+
+
+@dataclass
 class PPOConfig:
     """Decoupled PPO / GRPO actor settings (defaults follow AReaL where it has one)."""
 
@@ -79,13 +100,16 @@ class PPOConfig:
     eps_clip_higher: float | None = None
     # Dual clip constant (> 1); None disables it.
     c_clip: float | None = None
-    # Cap on the behaviour importance weight exp(prox - behaviour); None disables the weight.
-    behav_imp_weight_cap: float | None = 5.0
-    # "mask": drop tokens whose weight exceeds the cap; "clamp": clamp the weight to the cap.
-    behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
+    # The behaviour importance weight exp(prox - behaviour) and which tokens it rejects;
+    # None: no weight (every token weighs 1, nothing is rejected).
+    rejection: RejectionConfig | None = field(default_factory=RejectionConfig)
     # KL-to-reference reward penalty coefficient (0: no reference model needed).
     kl_ctl: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    # KL to the reference model as a loss term instead (GRPO paper's beta * KL(pi || ref),
+    # per trained token, aggregated like the policy loss); k3 is unbiased and never negative.
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
     # Logits are divided by this before log-softmax (match the sampler's temperature).
     temperature: float = 1.0
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -310,8 +334,10 @@ class LossStats:
     imp_weight_max: float = 0.0
     entropy_sum: float = 0.0
     tokens: float = 0.0
-    # Tokens dropped by the importance-weight cap in "mask" mode.
+    # Tokens dropped by the rejection rule (its "mask" action).
     capped_tokens: float = 0.0
+    # Sum of the KL-loss estimate over the kept tokens (0 without a KL loss).
+    kl_sum: float = 0.0
 
     @property
     def imp_weight_mean(self) -> float:
@@ -328,6 +354,7 @@ class LossStats:
         self.entropy_sum += other.entropy_sum
         self.tokens += other.tokens
         self.capped_tokens += other.capped_tokens
+        self.kl_sum += other.kl_sum
 
 
 def loglinear_prox_logp(
@@ -349,6 +376,92 @@ def loglinear_prox_logp(
     return behave + alpha * (logp - behave)
 
 
+# Beyond e^30 a weight is meaningless and e^89 overflows float32: the log-weights of the KL
+# metrics (which bound the divergence, not the ratio) are clamped here.
+_MAX_LOG_WEIGHT = 30.0
+# Probabilities of exactly 0 or 1 make a Bernoulli KL infinite.
+_PROB_EPS = 1e-7
+
+
+def _bernoulli_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(p) || Bernoulli(q)), elementwise."""
+    return p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+
+
+def _row_agg(values: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """``agg`` of each row's masked ``values``, broadcast back over the row."""
+    if agg == "max":
+        row = torch.where(mask, values, float("-inf")).amax(dim=-1)
+        row = torch.where(mask.any(dim=-1), row, 0.0)
+    else:
+        row = torch.where(mask, values, 0.0).sum(dim=-1)
+        if agg == "mean":
+            row = row / mask.sum(dim=-1).clamp(min=1)
+        elif agg != "sum":
+            raise ValueError(f"unknown rejection agg {agg!r}")
+    return row[:, None].expand_as(values)
+
+
+def behaviour_weights(
+    prox_logp: torch.Tensor,
+    behave_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: RejectionConfig | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(importance weight exp(prox - behaviour), rejected) for token-aligned [B, S] inputs.
+
+    The weight is 0 outside ``mask`` and on rejected tokens; ``rejected`` is the boolean
+    mask of tokens of ``mask`` that ``cfg`` drops. A non-finite log-ratio gets weight 0 (it
+    would poison the loss) without counting as rejected. With ``cfg`` None every token of
+    ``mask`` weighs 1.
+    """
+    mask = mask.to(torch.bool)
+    if cfg is None:
+        return mask.float(), torch.zeros_like(mask)
+    log_r = torch.where(mask, prox_logp.float() - behave_logp.float(), 0.0)
+    log_r = torch.where(torch.isfinite(log_r), log_r, float("-inf"))
+    finite = torch.isfinite(log_r)
+    safe = torch.where(finite, log_r, 0.0)
+    if cfg.metric in ("ratio", "kl_k1"):
+        value = log_r
+    elif cfg.metric == "kl_k2":
+        value = safe * safe / 2
+    elif cfg.metric == "kl_k3":
+        value = torch.expm1(safe) - safe
+    elif cfg.metric == "binary_kl":
+        p = prox_logp.float().exp().clamp(_PROB_EPS, 1 - _PROB_EPS)
+        q = behave_logp.float().exp().clamp(_PROB_EPS, 1 - _PROB_EPS)
+        value = torch.maximum(_bernoulli_kl(p, q), _bernoulli_kl(q, p))
+    else:
+        raise ValueError(f"unknown rejection metric {cfg.metric!r}")
+    log_w = log_r
+    if cfg.level == "sequence":
+        value = _row_agg(value, mask & finite, cfg.agg)
+        if cfg.metric == "ratio":
+            # A sequence's weight is its aggregated ratio (geometric mean for "mean").
+            log_w = torch.where(finite, value, float("-inf"))
+    elif cfg.level != "token":
+        raise ValueError(f"unknown rejection level {cfg.level!r}")
+    in_log = cfg.metric == "ratio"
+    upper = math.log(cfg.upper) if in_log else cfg.upper
+    lower = None if cfg.lower is None else (math.log(cfg.lower) if in_log else cfg.lower)
+    if cfg.action == "clamp":
+        if not in_log:
+            raise ValueError(f"rejection action 'clamp' needs metric 'ratio', got {cfg.metric!r}")
+        log_w = log_w.clamp(min=lower, max=upper)
+        rejected = torch.zeros_like(mask)
+    elif cfg.action == "mask":
+        out = value > upper
+        if lower is not None:
+            out = out | (value < lower)
+        rejected = mask & finite & out
+        log_w = log_w.clamp(max=upper if in_log else _MAX_LOG_WEIGHT)
+    else:
+        raise ValueError(f"unknown rejection action {cfg.action!r}")
+    w = torch.where(mask & ~rejected, torch.exp(log_w), 0.0)
+    return w, rejected
+
+
 def ppo_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,
@@ -359,6 +472,7 @@ def ppo_loss(
     total_tokens: float,
     entropy: torch.Tensor | None = None,
     total_seqs: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Decoupled PPO loss of one micro-batch, normalised by *global* counts.
 
@@ -370,8 +484,9 @@ def ppo_loss(
 
     ``l = w * max(-A r, -A clamp(r, 1 - eps, 1 + eps_high))`` with ``r = exp(logp - prox)``
     per token (or, at the sequence level, ``exp`` of the sequence's mean log-ratio with the
-    sequence's mean advantage), optionally dual-clipped ``min(l, c_clip |A|)``, and
-    ``w = exp(prox - behaviour)`` capped.
+    sequence's mean advantage), optionally dual-clipped ``min(l, c_clip |A|)``, and ``w``
+    the behaviour weight of :func:`behaviour_weights` (0 on rejected tokens). With
+    ``kl_loss_coef`` each kept token adds ``kl_loss_coef * KL(logp, ref_logp)``.
     """
     mask = mask.to(torch.bool)
     maskf = mask.float()
@@ -395,26 +510,19 @@ def ppo_loss(
     clipped = (pg2 > pg1) & mask
     if cfg.c_clip is not None:
         pg = torch.minimum(pg, cfg.c_clip * adv.abs())
-    final_mask = mask
-    capped = torch.zeros_like(mask)
-    if cfg.behav_imp_weight_cap is not None:
-        log_w = (prox - behave_logp.float()) * maskf
-        # A non-finite log-ratio gets weight 0 rather than poisoning the loss.
-        log_w = torch.where(torch.isfinite(log_w), log_w, float("-inf"))
-        cap = cfg.behav_imp_weight_cap
-        log_cap = math.log(cap)
-        if cfg.behav_imp_weight_mode == "mask":
-            capped = mask & (log_w > log_cap)
-            final_mask = mask & ~capped
-        elif cfg.behav_imp_weight_mode != "clamp":
-            raise ValueError(f"unknown behav_imp_weight_mode {cfg.behav_imp_weight_mode!r}")
-        # Capped in log space: exp of a large gap (behaviour log-prob -100 against a proximal
-        # -1) overflows float32 to inf, and inf * 0 on a masked token is NaN in the gradient.
-        w = torch.exp(log_w.clamp(max=log_cap))
-        w = w * final_mask
-        pg = pg * w
-    else:
-        w = maskf
+    w, capped = behaviour_weights(prox, behave_logp, mask, cfg.rejection)
+    final_mask = mask & ~capped
+    pg = pg * w
+    kl = torch.zeros_like(pg)
+    if cfg.kl_loss_coef != 0.0:
+        if ref_logp is None:
+            raise ValueError("kl_loss_coef != 0 needs the reference log-probs")
+        # Not importance-weighted: the penalty is on the current policy itself. The log-ratio
+        # is clamped before k2/k3 exponentiate it (an inf there is a NaN gradient).
+        delta = (logp.float() - ref_logp.float()).clamp(-20.0, 20.0)
+        est = kl_estimate(delta, torch.zeros_like(delta), cfg.kl_loss_estimator)
+        kl = torch.where(final_mask, est, 0.0)
+        pg = pg + cfg.kl_loss_coef * kl
     pg = torch.where(final_mask, pg, 0.0)
     if cfg.loss_agg == "token_mean":
         loss = pg.sum() / max(float(total_tokens), 1.0)
@@ -431,10 +539,11 @@ def ppo_loss(
         stats = LossStats(
             loss=float(loss),
             clipped_tokens=float(clipped.sum()),
-            imp_weight_sum=float((w * final_mask).sum()),
+            imp_weight_sum=float(w.sum()),
             imp_weight_max=float(w.max()) if w.numel() else 0.0,
             entropy_sum=float((entropy.float() * maskf).sum()) if entropy is not None else 0.0,
             tokens=float(maskf.sum()),
             capped_tokens=float(capped.sum()),
+            kl_sum=float(kl.detach().sum()),
         )
     return loss, stats

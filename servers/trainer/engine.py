@@ -313,7 +313,7 @@ class TrainerEngine:
         self.ref_model: PreTrainedModel | None = None
         # Dropout makes a training forward differ from the proximal (eval) one.
         self._has_dropout = _has_dropout(self.model)
-        if cfg.ppo.kl_ctl != 0.0:
+        if cfg.ppo.kl_ctl != 0.0 or cfg.ppo.kl_loss_coef != 0.0:
             # The reference policy is the initial one; frozen, replicated (no gradients).
             self.ref_model = build_model(cfg.model, cfg.seed, self.device, self.dtype).eval()
             self.ref_model.requires_grad_(False)
@@ -521,6 +521,7 @@ class TrainerEngine:
                     stats.entropy_sum,
                     stats.tokens,
                     stats.capped_tokens,
+                    stats.kl_sum,
                 ],
                 dtype=torch.float64,
                 device=self.device,
@@ -546,7 +547,8 @@ class TrainerEngine:
             elapsed_seconds=time.perf_counter() - start,
             microbatches=n_mb,
             extra=self._extra_stats(sums[5], staleness_sum, adv_stats, total_tokens)
-            | self._approx_stats(prox_mode, approx, tokens),
+            | self._approx_stats(prox_mode, approx, tokens)
+            | ({"kl_loss_mean": sums[6] / kept if kept else 0.0} if cfg.kl_loss_coef else {}),
         )
 
     def _update(
@@ -577,6 +579,7 @@ class TrainerEngine:
                 counts[0],
                 entropy,
                 total_seqs=counts[1],
+                ref_logp=mb.get("ref_logp"),
             )
             (loss * scale).backward()
             stats.add(mb_stats)

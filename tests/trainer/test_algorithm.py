@@ -13,7 +13,9 @@ import torch
 from areal_servers.trainer.algorithm import (
     NormConfig,
     PPOConfig,
+    RejectionConfig,
     RewardConfig,
+    behaviour_weights,
     compute_advantages,
     kl_estimate,
     loglinear_prox_logp,
@@ -225,13 +227,14 @@ def ref_token_loss(theta, prox, behave, adv, cfg: PPOConfig):
     if cfg.c_clip is not None:
         loss = min(loss, cfg.c_clip * abs(adv))
     w, kept = 1.0, True
-    if cfg.behav_imp_weight_cap is not None:
+    rej = cfg.rejection
+    if rej is not None:
         w = math.exp(prox - behave)
-        if w > cfg.behav_imp_weight_cap:
-            if cfg.behav_imp_weight_mode == "mask":
-                kept, w = False, 0.0
-            else:
-                w = cfg.behav_imp_weight_cap
+        lower = rej.lower if rej.lower is not None else 0.0
+        if rej.action == "mask" and not lower <= w <= rej.upper:
+            kept, w = False, 0.0
+        elif rej.action == "clamp":
+            w = min(max(w, lower), rej.upper)
         loss *= w
     return (loss if kept else 0.0), kept, pg2 > pg1, w
 
@@ -240,9 +243,12 @@ PPO_CONFIGS = [
     PPOConfig(),
     PPOConfig(eps_clip=0.1, eps_clip_higher=0.3),
     PPOConfig(c_clip=3.0),
-    PPOConfig(behav_imp_weight_cap=1.5, behav_imp_weight_mode="clamp"),
-    PPOConfig(behav_imp_weight_cap=1.2, behav_imp_weight_mode="mask", c_clip=2.0),
-    PPOConfig(behav_imp_weight_cap=None),
+    PPOConfig(rejection=RejectionConfig(upper=1.5, action="clamp")),
+    PPOConfig(rejection=RejectionConfig(upper=1.2), c_clip=2.0),
+    # IcePop: both bounds, masked.
+    PPOConfig(rejection=RejectionConfig(lower=0.8, upper=1.2)),
+    PPOConfig(rejection=RejectionConfig(lower=0.8, upper=1.3, action="clamp")),
+    PPOConfig(rejection=None),
 ]
 
 
@@ -290,7 +296,7 @@ def test_ppo_loss_matches_reference_and_its_gradient(cfg):
     assert stats.tokens == int(mask.sum())
     assert stats.clipped_tokens == clipped
     assert stats.imp_weight_max == pytest.approx(w_max if kept_n else 0.0, abs=1e-6)
-    if cfg.behav_imp_weight_cap is not None:
+    if cfg.rejection is not None:
         assert stats.imp_weight_mean == pytest.approx(w_sum / kept_n, abs=1e-6)
     assert stats.entropy_sum == pytest.approx(float((entropy * mask).sum()), abs=1e-5)
     assert torch.isfinite(theta.grad).all()
@@ -303,7 +309,7 @@ def test_microbatch_losses_sum_to_the_global_token_mean():
     theta = prox + 0.1 * torch.randn(4, 5, generator=gen)
     adv = torch.randn(4, 5, generator=gen)
     mask = torch.rand(4, 5, generator=gen) > 0.2
-    cfg = PPOConfig(behav_imp_weight_cap=None)
+    cfg = PPOConfig(rejection=None)
     total = float(mask.sum())
     whole, _ = ppo_loss(theta, prox, prox, adv, mask, cfg, total)
     parts = [
@@ -393,7 +399,7 @@ def _loss_case(cfg: PPOConfig, total_tokens: float, total_seqs: float) -> float:
 
 
 def test_sequence_level_ratios_and_loss_aggregations_match_hand_computations():
-    base = {"eps_clip": 0.2, "behav_imp_weight_cap": None}
+    base = {"eps_clip": 0.2, "rejection": None}
     # Token level, token mean: row 0 tokens r = e^0.1, e^0.3 (clipped to 1.2 for A > 0:
     # min of -A r and -A 1.2 is the larger loss, max(-A r, -A clip) = -A * min(r, 1.2)),
     # row 1 r = 1 with A = -1 -> loss 1 each.
@@ -412,3 +418,96 @@ def test_sequence_level_ratios_and_loss_aggregations_match_hand_computations():
     # Dr.GRPO's constant: the token sum over 4 (length budget) x 2 sequences.
     const = PPOConfig(**base, loss_agg="constant", loss_constant_len=4)
     assert _loss_case(const, 5, 2) == pytest.approx((t0 + t1 + 3.0) / 8, rel=1e-6)
+
+
+def _bkl(p: float, q: float) -> float:
+    return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+def test_rejection_metrics_match_hand_computations_per_token():
+    """One row of four tokens (the last is padding), each metric against its formula."""
+    prox = torch.tensor([[math.log(0.5), math.log(0.9), math.log(0.2), 0.0]])
+    behave = torch.tensor([[math.log(0.4), math.log(0.3), math.log(0.25), 5.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    p, q = [0.5, 0.9, 0.2], [0.4, 0.3, 0.25]
+    log_r = [math.log(a / b) for a, b in zip(p, q, strict=True)]  # 0.223, 1.099, -0.223
+    cases = {
+        # ratio: r = 1.25, 3, 0.8 against [0.9, 2]: the 3 and the 0.8 go.
+        "ratio": (0.9, 2.0, [False, True, True]),
+        # k1 = log r against [-0.1, 0.5]: 1.099 and -0.223 go.
+        "kl_k1": (-0.1, 0.5, [False, True, True]),
+        # k2 = (log r)^2 / 2 = 0.0249, 0.603, 0.0249 against upper 0.1.
+        "kl_k2": (None, 0.1, [False, True, False]),
+        # k3 = r - 1 - log r = 0.0269, 0.901, 0.0231 against upper 0.025.
+        "kl_k3": (None, 0.025, [True, True, False]),
+        # binary KL, both directions: 0.0204/0.0201, 0.794/1.033, 0.0070/0.0074.
+        "binary_kl": (None, 0.02, [True, True, False]),
+    }
+    assert _bkl(p[0], q[0]) > 0.02 and _bkl(p[2], q[2]) < 0.02  # the cases straddle 0.02
+    for metric, (lower, upper, rejected) in cases.items():
+        cfg = RejectionConfig(metric=metric, lower=lower, upper=upper)  # type: ignore[arg-type]
+        w, rej = behaviour_weights(prox, behave, mask, cfg)
+        assert rej[0, :3].tolist() == rejected, metric
+        assert not rej[0, 3]
+        want = [0.0 if r else math.exp(x) for r, x in zip(rejected, log_r, strict=True)]
+        torch.testing.assert_close(w[0, :3], torch.tensor(want), rtol=1e-5, atol=1e-6)
+        assert w[0, 3] == 0.0
+    # Clamp keeps every token, its weight pulled into [0.9, 2].
+    w, rej = behaviour_weights(
+        prox, behave, mask, RejectionConfig(action="clamp", lower=0.9, upper=2.0)
+    )
+    assert not rej.any()
+    torch.testing.assert_close(w[0, :3], torch.tensor([1.25, 2.0, 0.9]), rtol=1e-5, atol=1e-6)
+    # No rule: every trained token weighs 1.
+    w, rej = behaviour_weights(prox, behave, mask, None)
+    assert w.tolist() == [[1.0, 1.0, 1.0, 0.0]] and not rej.any()
+
+
+def test_sequence_level_rejection_judges_whole_rows_by_their_aggregate():
+    """Row 0: log r = 0.2, 0.4 (mean 0.3, sum 0.6, max 0.4); row 1: log r = 1.0, -1.0."""
+    log_r = torch.tensor([[0.2, 0.4], [1.0, -1.0]])
+    behave = torch.full((2, 2), -2.0)
+    prox = behave + log_r
+    mask = torch.ones(2, 2, dtype=torch.bool)
+
+    def run(agg: str, upper: float) -> tuple[list[list[bool]], torch.Tensor]:
+        cfg = RejectionConfig(level="sequence", agg=agg, upper=upper)  # type: ignore[arg-type]
+        w, rej = behaviour_weights(prox, behave, mask, cfg)
+        return rej.tolist(), w
+
+    # Geometric mean: row 0 e^0.3 = 1.35 > 1.3 goes, row 1 e^0 = 1 stays with weight 1.
+    rej, w = run("mean", 1.3)
+    assert rej == [[True, True], [False, False]]
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    # Product: row 0 e^0.6 = 1.82 stays under 2, with weight 1.82 on both tokens.
+    rej, w = run("sum", 2.0)
+    assert rej == [[False, False], [False, False]]
+    torch.testing.assert_close(w[0], torch.full((2,), math.exp(0.6)))
+    # Max: row 1's e^1 = 2.72 > 2 drops it although its mean ratio is 1.
+    rej, _ = run("max", 2.0)
+    assert rej == [[False, False], [True, True]]
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_loss_term_adds_beta_times_the_estimate_with_its_gradient(estimator):
+    """Two trained tokens with log pi - log ref = 0.5 and -0.3, zero advantages."""
+    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[0.0, -1.5, -1.7]])
+    mask = torch.tensor([[False, True, True]])
+    zeros = torch.zeros(1, 3)
+    beta = 0.1
+    cfg = PPOConfig(kl_loss_coef=beta, kl_loss_estimator=estimator, rejection=None)
+    loss, stats = ppo_loss(logp, logp.detach(), logp.detach(), zeros, mask, cfg, 2.0, ref_logp=ref)
+    loss.backward()
+    est = {
+        "k1": (lambda x: x, lambda x: 1.0),
+        "k2": (lambda x: x * x / 2, lambda x: x),
+        "k3": (lambda x: math.exp(-x) - 1 + x, lambda x: 1 - math.exp(-x)),
+    }[estimator]
+    xs = [0.5, -0.3]
+    assert loss.item() == pytest.approx(beta * sum(est[0](x) for x in xs) / 2, rel=1e-5)
+    assert stats.kl_sum == pytest.approx(sum(est[0](x) for x in xs), rel=1e-5)
+    want_grad = [0.0] + [beta * est[1](x) / 2 for x in xs]
+    torch.testing.assert_close(logp.grad[0], torch.tensor(want_grad), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="reference"):
+        ppo_loss(logp, logp.detach(), logp.detach(), zeros, mask, cfg, 2.0)

@@ -238,6 +238,28 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(make_batch):
     assert r0.extra["advantage_mean"] != pytest.approx(r1.extra["advantage_mean"], abs=1e-6)
 
 
+def test_kl_loss_pulls_toward_the_initial_policy_from_the_second_step_on(make_batch):
+    """k3's value and gradient are 0 where the policy equals the reference: the first step
+    with the KL loss is the plain step; after it the policies differ and the loss acts."""
+
+    def engine(beta: float) -> TrainerEngine:
+        cfg = config(fsdp=False, dtype="float64")
+        cfg.ppo = PPOConfig(kl_loss_coef=beta, kl_loss_estimator="k3")
+        return TrainerEngine(cfg)
+
+    batch = make_batch(seed=5)
+    plain, pulled = engine(0.0), engine(0.5)
+    assert plain.ref_model is None and pulled.ref_model is not None
+    plain.train_step(batch)
+    first = pulled.train_step(batch)
+    assert first.extra["kl_loss_mean"] == pytest.approx(0.0, abs=1e-12)
+    assert max_diff(params(plain), params(pulled)) <= 1e-9
+    plain.train_step(batch)
+    second = pulled.train_step(batch)
+    assert second.extra["kl_loss_mean"] > 0.0
+    assert max_diff(params(plain), params(pulled)) > 1e-9
+
+
 def test_skipping_the_proximal_forward_changes_nothing_without_dropout(make_batch):
     """The proximal policy is the weights before the step: with no dropout the training
     forward's detached log-probs equal a separate no-grad forward's, so two steps with and

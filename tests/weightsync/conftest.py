@@ -183,7 +183,7 @@ def start_trainers(
             "trainer.torch_threads=1",
             # Large enough that one step visibly changes greedy outputs.
             "trainer.lr=3e-3",
-            "trainer.ppo.behav_imp_weight_cap=null",
+            "trainer.ppo.rejection.metric=none",
             "trainer.collective_timeout_s=120",
             f"weight_sync.disk_root={weights_root}",
             f"output.dir={export_root}",
