@@ -38,6 +38,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "LauncherConfig",
+    "LoraSettings",
     "ModelConfig",
     "NormSettings",
     "OutputConfig",
@@ -138,6 +139,23 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters (through peft) on the policy: only they train, and only they travel in a
+    weight update; the base weights stay frozen in every process. ``rank`` 0: no LoRA, the
+    whole model trains."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    # Module names (or suffixes) that get adapters; "all-linear" is every linear layer but
+    # the output head (peft's meaning).
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    dropout: float = 0.0
+    # Exports hold the adapter (adapter_config.json + adapter_model.safetensors, for peft);
+    # with this set, also the merged full model in <export>/merged.
+    merged_export: bool = False
+
+
+@dataclass
 class ModelConfig:
     """Which policy to train."""
 
@@ -147,6 +165,7 @@ class ModelConfig:
     source: str = "builtin:micro"
     # Seeds model init, the dataloader order and sampling.
     seed: int = 0
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
@@ -663,6 +682,14 @@ def _validate_model(cfg: RunConfig) -> None:
     if not cfg.model.source:
         raise FieldError("model.source", "must not be empty")
     _at_least("model.seed", cfg.model.seed, 0)
+    lora = cfg.model.lora
+    _at_least("model.lora.rank", lora.rank, 0)
+    if lora.rank:
+        _positive("model.lora.alpha", lora.alpha)
+        if not 0.0 <= lora.dropout < 1.0:
+            raise FieldError("model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+        if not lora.target_modules or not all(lora.target_modules):
+            raise FieldError("model.lora.target_modules", "must name at least one module")
 
 
 def _validate_data(cfg: RunConfig) -> None:
@@ -677,6 +704,12 @@ def _validate_data(cfg: RunConfig) -> None:
 
 
 def _validate_rollout(cfg: RunConfig) -> None:
+    if cfg.rollout.engine == "sglang" and cfg.model.lora.rank > 0:
+        raise FieldError(
+            "model.lora.rank",
+            "the sglang engine does not take adapter-only weight updates yet: "
+            "use rollout.engine=hf with LoRA",
+        )
     r = cfg.rollout
     _at_least("rollout.num_servers", r.num_servers, 1)
     _at_least("rollout.torch_threads", r.torch_threads, 1)

@@ -31,6 +31,7 @@ import torch
 import transformers
 from transformers import ByT5Tokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config
 
+from areal_grpc.config import LoraSettings
 from areal_grpc.paths import write_marker
 
 log = logging.getLogger(__name__)
@@ -237,13 +238,62 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    source: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
+    source: str,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    lora: LoraSettings | None = None,
 ) -> PreTrainedModel:
     """A causal LM from a model source; built-in models are initialised from ``seed``.
 
     Every process that builds the same built-in source with the same seed gets bit-identical
     weights, so trainers and rollout servers start from the same policy without a transfer.
+    With ``lora`` (rank > 0) the model comes wrapped by :func:`with_lora`.
     """
+    model = _load_base(source, seed, dtype)
+    if lora is not None and lora.rank > 0:
+        return with_lora(model, lora, seed)
+    return model
+
+
+def with_lora(model: PreTrainedModel, lora: LoraSettings, seed: int = 0) -> PreTrainedModel:
+    """``model`` wrapped in peft LoRA adapters; the base weights are frozen.
+
+    The adapters' init is seeded, so every process gets the same ones (LoRA's B starts at
+    zero: the wrapped model computes exactly what the base model does until it trains).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(lora.target_modules)
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        # peft reads "all-linear" only as a string, not inside a list.
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        task_type="CAUSAL_LM",
+    )
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        wrapped = get_peft_model(model, config)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    return wrapped  # type: ignore[return-value]
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """Whether ``model`` carries peft adapters (only they train, only they are published)."""
+    return hasattr(model, "peft_config")
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The transformer blocks of a causal LM, under a peft wrapper or not."""
+    base = model.get_base_model() if is_lora(model) else model  # type: ignore[operator]
+    return base.model.layers  # type: ignore[return-value]
+
+
+def _load_base(source: str, seed: int, dtype: torch.dtype) -> PreTrainedModel:
     if is_builtin(source):
         spec = builtin_spec(source)
         config = qwen2_config(spec, ByT5Tokenizer())

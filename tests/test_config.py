@@ -276,3 +276,18 @@ def test_a_key_earlier_versions_read_names_its_replacement():
         load_config(None, ["trainer.ppo.behav_imp_weight_cap=3"])
     assert err.value.field == "trainer.ppo.behav_imp_weight_cap"
     assert "use trainer.ppo.rejection.upper" in err.value.description
+
+
+def test_lora_settings_are_checked_by_name():
+    assert load_config(None, ["model.lora.rank=8"]).model.lora.target_modules == ["all-linear"]
+    for overrides, field in [
+        (["model.lora.rank=-1"], "model.lora.rank"),
+        (["model.lora.rank=8", "model.lora.alpha=0"], "model.lora.alpha"),
+        (["model.lora.rank=8", "model.lora.dropout=1"], "model.lora.dropout"),
+        (["model.lora.rank=8", "model.lora.target_modules=[]"], "model.lora.target_modules"),
+        # Adapter-only updates into sglang are not built: refused before anything starts.
+        (["model.lora.rank=8", "rollout.engine=sglang"], "model.lora.rank"),
+    ]:
+        with pytest.raises(FieldError) as err:
+            load_config(None, overrides)
+        assert err.value.field == field, overrides

@@ -289,6 +289,7 @@ class Coordinator:
             "wait_s": t_wait,
             "train_s": t_train,
             "sync_s": t_sync,
+            "sync_bytes": self.syncer.last_bytes,
             "running": st.running,
             "accepted": st.accepted,
             "rejected": st.rejected,

@@ -41,6 +41,8 @@ class SyncOutcome:
     version: int
     # Rollout servers that did not take the update (left out of rotation until level).
     failed: list[str] = field(default_factory=list)
+    # Bytes the trainer sent (all methods, all servers; a LoRA update is its adapters').
+    sent_bytes: int = 0
 
 
 # (trainer addresses, rollout addresses, methods, timeout_s) -> the outcome.
@@ -70,7 +72,9 @@ async def fleet_weight_sync(
     result = await update_fleet_weights(
         trainer_addresses, rollout_addresses, methods=methods, timeout_s=timeout_s
     )
-    return SyncOutcome(int(result.version), [str(a) for a in result.failed_servers])
+    return SyncOutcome(
+        int(result.version), [str(a) for a in result.failed_servers], int(result.total_bytes)
+    )
 
 
 class WeightSyncer:
@@ -89,6 +93,8 @@ class WeightSyncer:
         self.trainers = trainers
         self.fleet = fleet
         self.pool = pool
+        # What the last step's update moved (metrics' sync_bytes).
+        self.last_bytes = 0
         fleet.join = self.join
 
     async def sync(self) -> int:
@@ -114,6 +120,7 @@ class WeightSyncer:
                     )
                 )
             self.pool.set_version(outcome.version)
+            self.last_bytes = outcome.sent_bytes
             self.fleet.level(targets, outcome.failed)
         finally:
             self.fleet.open.set()

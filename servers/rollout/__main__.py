@@ -69,6 +69,7 @@ def hf_engine_config(run: RunConfig) -> HFEngineConfig:
         device=r.device,
         max_running_requests=r.max_running_requests,
         max_batch_tokens=r.max_batch_tokens,
+        lora=run.model.lora,
     )
 
 

@@ -36,9 +36,9 @@ from areal_servers.rollout.engine import (
 )
 from transformers import DynamicCache, PreTrainedModel
 
-from areal_grpc.config import ModelConfig, RolloutConfig
+from areal_grpc.config import LoraSettings, ModelConfig, RolloutConfig
 from areal_grpc.errors import PreconditionError
-from areal_grpc.model import load_model, load_tokenizer
+from areal_grpc.model import is_lora, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ class HFEngineConfig:
     # (rows are padded to the longest). Requests wait until they fit; one that never could
     # is INVALID_ARGUMENT naming this limit. None: only max_running_requests bounds it.
     max_batch_tokens: int | None = RolloutConfig.max_batch_tokens
+    # LoRA adapters, as the trainer has them: weight updates then carry only the adapters.
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass(eq=False)
@@ -133,10 +135,18 @@ class HFEngine(InferenceEngine):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.model_name = self.config.model
-        self._model = (model or load_model(self.config.model, seed=self.config.seed)).to(
-            self.device
-        )
+        if model is None:
+            model = load_model(self.config.model, seed=self.config.seed, lora=self.config.lora)
+        self._model = model.to(self.device)
         self._model.eval()
+        # What a weight update must bring: every tensor, or with LoRA the adapters only (the
+        # base weights are frozen, the same as the trainer's).
+        self._required = (
+            {n for n, p in self._model.named_parameters() if p.requires_grad}
+            if is_lora(self._model)
+            else set(self._model.state_dict())
+        )
+        self._model.requires_grad_(False)
         log.info("hf engine: %s on %s", self.model_name, self.device)
         tokenizer = load_tokenizer(self.config.model) if model is None else None
         mcfg = self._model.config
@@ -353,7 +363,7 @@ class HFEngine(InferenceEngine):
         unexpected = sorted(set(state_dict) - set(current))
         if unexpected:
             raise ValueError(f"state dict has unknown tensors: {unexpected[:5]}")
-        missing = set(current) - set(state_dict)
+        missing = self._required - set(state_dict)
         if getattr(self._model.config, "tie_word_embeddings", False):
             # Tied output weights share the embedding; checkpoints usually omit them.
             missing.discard("lm_head.weight")

@@ -104,6 +104,7 @@ def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceCo
     engine = EngineConfig(
         model=run.model.source,
         seed=run.model.seed,
+        lora=run.model.lora,
         fsdp=t.fsdp,
         mixed_precision=mixed,
         device=device,

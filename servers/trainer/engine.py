@@ -61,9 +61,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from areal_grpc.config import ModelConfig, TrainerConfig
+from areal_grpc.config import LoraSettings, ModelConfig, TrainerConfig
 from areal_grpc.errors import PreconditionError
-from areal_grpc.model import load_model, load_tokenizer, save_pretrained
+from areal_grpc.model import (
+    decoder_layers,
+    is_lora,
+    load_model,
+    load_tokenizer,
+    save_pretrained,
+)
 from areal_grpc.paths import check_replaceable, remove_owned, replace_dir, write_marker
 
 
@@ -123,6 +129,8 @@ class EngineConfig:
 
     model: str = ModelConfig.source
     seed: int = ModelConfig.seed
+    # LoRA adapters (rank 0: none, the whole model trains).
+    lora: LoraSettings = field(default_factory=LoraSettings)
     # Shard with FSDP2 (needs a process group); False: plain single-process training.
     fsdp: bool = _T.fsdp
     # bf16 parameters with fp32 gradient reduction; None: on GPU only (CPU bf16 is slow).
@@ -194,10 +202,14 @@ def resolve_device(device: str | None, rank: int = 0) -> torch.device:
 
 
 def build_model(
-    source: str, seed: int, device: torch.device, dtype: torch.dtype = torch.float32
+    source: str,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    lora: LoraSettings | None = None,
 ) -> PreTrainedModel:
     """The policy on ``device`` (identical on every rank for a built-in source)."""
-    model = load_model(source, seed=seed, dtype=dtype)
+    model = load_model(source, seed=seed, dtype=dtype, lora=lora)
     # The eager path gives the same numbers for every padding width.
     model.config.use_cache = False
     return model.to(device)
@@ -218,7 +230,7 @@ def apply_fsdp(
         if mixed_precision
         else MixedPrecisionPolicy()
     )
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
@@ -303,7 +315,7 @@ class TrainerEngine:
         self.tokenizer = load_tokenizer(cfg.model)
         self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
         self.dtype = getattr(torch, cfg.dtype)
-        self.model = build_model(cfg.model, cfg.seed, self.device, self.dtype)
+        self.model = build_model(cfg.model, cfg.seed, self.device, self.dtype, cfg.lora)
         self.vocab_size = int(self.model.config.vocab_size)
         if cfg.fsdp:
             mixed = cfg.mixed_precision
@@ -311,9 +323,12 @@ class TrainerEngine:
                 mixed = self.device.type == "cuda"
             apply_fsdp(self.model, mixed, self.device)
         self.ref_model: PreTrainedModel | None = None
+        # The reference policy is the initial one: with LoRA that is the base model, the
+        # policy with its adapters switched off, so no second copy is loaded.
+        self._has_ref = cfg.ppo.kl_ctl != 0.0 or cfg.ppo.kl_loss_coef != 0.0
         # Dropout makes a training forward differ from the proximal (eval) one.
         self._has_dropout = _has_dropout(self.model)
-        if cfg.ppo.kl_ctl != 0.0 or cfg.ppo.kl_loss_coef != 0.0:
+        if self._has_ref and not is_lora(self.model):
             # The reference policy is the initial one; frozen, replicated (no gradients).
             self.ref_model = build_model(cfg.model, cfg.seed, self.device, self.dtype).eval()
             self.ref_model.requires_grad_(False)
@@ -362,6 +377,13 @@ class TrainerEngine:
         return masked_token_logprobs(
             forward, mb["input_ids"], mb["train_mask"], self.cfg.ppo.temperature
         )
+
+    def _reference_logprobs(self, mb: Batch) -> torch.Tensor:
+        """The reference (initial) policy's log-probs of the trained tokens of ``mb``."""
+        if self.ref_model is not None:
+            return self._forward_logprobs(self.ref_model, mb)[0]
+        with self.model.disable_adapter():  # type: ignore[operator]
+            return self._forward_logprobs(self.model, mb)[0]
 
     def train_step(self, batch: Batch | None, progress: Progress | None = None) -> StepResult:
         """One PPO step on this rank's shard (``None``: empty shard). Collective."""
@@ -440,19 +462,19 @@ class TrainerEngine:
         exact_free = not self._has_dropout and updates == 1
         prox_mode = "exact" if exact_free else cfg.prox_logp_method
         recompute = prox_mode in ("recompute", "metrics")
-        if recompute or self.ref_model is not None:
+        if recompute or self._has_ref:
             self.model.eval()
             with torch.no_grad():
                 for k, (_, mb) in enumerate(mbs):
                     if recompute:
                         mb["prox_logp"] = self._forward_logprobs(self.model, mb)[0]
-                    if self.ref_model is not None:
-                        mb["ref_logp"] = self._forward_logprobs(self.ref_model, mb)[0]
+                    if self._has_ref:
+                        mb["ref_logp"] = self._reference_logprobs(mb)
                     report("logprobs", k + 1, n_mb)
 
         # 2. Advantages for the whole shard (batch-level statistics are all-reduced).
         ref_full = None
-        if self.ref_model is not None:
+        if self._has_ref:
             ref_full = torch.zeros_like(batch["logprobs"])
             for rows_k, mb in mbs:
                 if rows_k:
@@ -766,20 +788,26 @@ class TrainerEngine:
         return int(meta["global_step"]), self.version
 
     def export_hf(self, path: str) -> None:
-        """Writes the full model in Hugging Face format (collective; rank 0 writes).
+        """Writes the model in Hugging Face format (collective; rank 0 writes).
 
         The gathered weights go into a fresh unsharded model of the same source so that
-        ``save_pretrained`` sees ordinary tensors; the directory appears atomically.
+        ``save_pretrained`` sees ordinary tensors; the directory appears atomically. With
+        LoRA it holds the adapter (peft's adapter_config.json and adapter_model.safetensors,
+        loadable over the base model) and, with ``lora.merged_export``, the merged full model
+        in ``merged/``.
         """
         full = self.full_state_dict()
         if self.rank == 0:
             final = Path(path)
             check_replaceable(final)
             tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-            plain = load_model(self.cfg.model, seed=self.cfg.seed)
+            plain = load_model(self.cfg.model, seed=self.cfg.seed, lora=self.cfg.lora)
             plain.load_state_dict({k: v.float() for k, v in full.items()})
             try:
                 save_pretrained(plain, self.tokenizer, tmp)
+                if is_lora(plain) and self.cfg.lora.merged_export:
+                    merged = plain.merge_and_unload()  # type: ignore[operator]
+                    save_pretrained(merged, self.tokenizer, tmp / "merged")
                 write_marker(tmp, "export")
                 replace_dir(tmp, final)
             except BaseException:

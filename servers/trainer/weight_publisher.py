@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from areal_grpc.chunk_wire import stream_channel_options
 from areal_grpc.errors import status_proto_of
 from areal_grpc.host_memory import tune_malloc
+from areal_grpc.model import is_lora
 from areal_grpc.server import aio_channel, default_channel_options
 from areal_grpc.weight_transfer import (
     cuda_uuid,
@@ -69,9 +70,13 @@ DEFAULT_METHODS = (
 def published_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter or buffer) in state-dict order; tied duplicates are left out.
 
-    Works the same on every rank without communication (DTensor shapes are global), so all
-    ranks agree on the order of the gathers.
+    A LoRA model publishes its adapters only: the frozen base weights and buffers are the
+    same in every process from the start. Works the same on every rank without
+    communication (DTensor shapes are global), so all ranks agree on the order of the gathers.
     """
+    if is_lora(model):
+        trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        return [(name, trained[name]) for name in model.state_dict() if name in trained]
     owners: dict[str, torch.Tensor] = dict(model.named_parameters())
     owners.update(dict(model.named_buffers()))
     # state_dict() lists tied weights under every name; named_parameters() only once (e.g.

@@ -39,6 +39,7 @@ from arealgrpc.v1 import (
     weight_sync_pb2_grpc,
 )
 
+from areal_grpc.config import LoraSettings
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import BackgroundServer, service, sync_channel
 
@@ -270,8 +271,13 @@ MakeRollout = Callable[..., Rollout]
 def make_rollout() -> Iterator[MakeRollout]:
     started: list[Rollout] = []
 
-    def make(disk_root: str | Path | None = None, device: str = "cpu", **kw: object) -> Rollout:
-        engine = HFEngine(HFEngineConfig(model=MODEL, device=device))
+    def make(
+        disk_root: str | Path | None = None,
+        device: str = "cpu",
+        lora: LoraSettings | None = None,
+        **kw: object,
+    ) -> Rollout:
+        engine = HFEngine(HFEngineConfig(model=MODEL, device=device, lora=lora or LoraSettings()))
         rollout = RolloutServicer(engine, load_tokenizer(MODEL))
         kw.setdefault("group_timeout_s", 60)
         ws = build_weight_sync_service(
