@@ -1,0 +1,460 @@
+"""The gateway's HTTP surface: OpenAI chat/text completions and RL sessions, on FastAPI.
+
+Everything it does goes through the mesh's gRPC services: leases and submissions through the
+CoordinatorService, generation through the RolloutService (token ids in, token ids out). See
+the package docstring for the endpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from arealgrpc.v1 import common_pb2, coordinator_pb2, rollout_pb2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from areal_grpc.errors import FieldError, PreconditionError, retry_delay_s
+from areal_grpc.model import load_tokenizer
+
+from ..coordinator import CoordinatorClient
+from ..rollout import RolloutClient
+from .chat import ChatRenderer, Conversation, normalize_messages
+from .sessions import Session, SessionGone, SessionStore
+
+SESSION_HEADER = "x-session-id"
+# Most completions one request may ask for.
+MAX_N = 64
+# How long the list of serving rollout servers is reused for requests without a session.
+_FLEET_TTL_S = 2.0
+_HTTP_OF_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+@dataclass
+class GatewayConfig:
+    """What the gateway serves and where the mesh is."""
+
+    coordinator: str
+    # The run's model source: the tokenizer and chat template come from it.
+    model: str = "builtin:micro"
+    # Bearer token clients must send (Authorization: Bearer ...); None: no auth.
+    api_key: str | None = None
+    producer_id: str = "gateway"
+    default_max_tokens: int = 256
+    # Per Generate call to a rollout server.
+    generate_timeout_s: float = 300.0
+
+
+class HTTPError(Exception):
+    """An error answered in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status in (401, 403):
+            kind = "authentication_error" if self.status == 401 else "permission_error"
+        elif self.status == 429:
+            kind = "rate_limit_error"
+        body = {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _from_rpc(exc: grpc.RpcError, what: str) -> HTTPError:
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    status = _HTTP_OF_GRPC.get(code, 500)
+    headers = {}
+    if status == 429:
+        delay = retry_delay_s(exc)
+        headers["Retry-After"] = str(max(1, round(delay if delay is not None else 1.0)))
+    return HTTPError(status, f"{what}: {details}", code=code.name.lower(), headers=headers)
+
+
+def _int(body: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise FieldError(key, f"must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _float(body: Mapping[str, Any], key: str, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise FieldError(key, f"must be a number in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+class Gateway:
+    """The state behind the endpoints: mesh clients, the renderer and the open sessions."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.coordinator = CoordinatorClient(cfg.coordinator)
+        self.sessions = SessionStore()
+        self._rollouts: dict[str, RolloutClient] = {}
+        self._fleet: list[str] = []
+        self._fleet_at = 0.0
+        self._turn = itertools.count()
+
+    async def close(self) -> None:
+        """Closes every channel."""
+        for client in self._rollouts.values():
+            await client.close()
+        await self.coordinator.close()
+
+    def rollout(self, address: str) -> RolloutClient:
+        """A client of the rollout server at ``address`` (one channel each)."""
+        if address not in self._rollouts:
+            self._rollouts[address] = RolloutClient(address)
+        return self._rollouts[address]
+
+    async def any_rollout(self) -> str:
+        """A serving rollout server, in turn (requests without a session)."""
+        now = time.monotonic()
+        if now - self._fleet_at > _FLEET_TTL_S or not self._fleet:
+            try:
+                status = await self.coordinator.status(timeout_s=10.0)
+            except grpc.RpcError as exc:
+                raise _from_rpc(exc, "coordinator") from exc
+            # "healthy" is the coordinator's own test for a server in rotation.
+            self._fleet = [
+                w.address
+                for w in status.workers
+                if w.role == coordinator_pb2.WORKER_ROLE_ROLLOUT and w.healthy
+            ]
+            self._fleet_at = now
+        if not self._fleet:
+            raise HTTPError(503, "no rollout server is serving", code="no_rollout_server")
+        return self._fleet[next(self._turn) % len(self._fleet)]
+
+    def check_auth(self, request: Request) -> None:
+        """401 without a bearer token, 403 with a wrong one (when an API key is set)."""
+        if self.cfg.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise HTTPError(401, "missing bearer token (Authorization: Bearer <key>)")
+        if not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
+            raise HTTPError(403, "the bearer token is not valid")
+
+    def session(self, session_id: str) -> Session:
+        """The open session; 404 when unknown, 409 when its lease expired."""
+        try:
+            return self.sessions.get(session_id)
+        except KeyError:
+            raise HTTPError(404, f"no session {session_id!r}", param=SESSION_HEADER) from None
+
+    def sampling(self, body: Mapping[str, Any], n: int) -> common_pb2.SamplingParams:
+        """The request's sampling settings as the contract's SamplingParams."""
+        for key in ("seed", "tools", "functions", "response_format"):
+            if body.get(key) not in (None, [], {}):
+                raise FieldError(key, "is not supported by this gateway yet")
+        if body.get("top_logprobs"):
+            raise FieldError("top_logprobs", "only the sampled token's log-prob is available")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        limit = _int({key: max_tokens}, key, self.cfg.default_max_tokens, 1, 1 << 20)
+        params = common_pb2.SamplingParams(
+            max_new_tokens=limit, n_samples=n, stop_token_ids=self.stop_ids(body.get("stop"))
+        )
+        temperature = _float(body, "temperature", 0.0, 2.0)
+        if temperature is not None:
+            params.temperature = temperature
+        top_p = _float(body, "top_p", 0.0, 1.0)
+        if top_p is not None:
+            if top_p == 0.0:
+                raise FieldError("top_p", "must be > 0")
+            params.top_p = top_p
+        return params
+
+    def stop_ids(self, stop: Any) -> list[int]:
+        """Stop strings as stop token ids: each must be one token of the vocabulary."""
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise FieldError("stop", "must be a string or a list of strings")
+        ids = []
+        for i, s in enumerate(items):
+            encoded = self.renderer.encode(s)
+            if len(encoded) != 1:
+                raise FieldError(
+                    f"stop[{i}]",
+                    f"{s!r} is {len(encoded)} tokens; only single-token stops are supported "
+                    "(the sampled tokens must stay exactly as generated)",
+                )
+            ids.append(encoded[0])
+        return ids
+
+    async def generate(
+        self, address: str, prompt: list[int], params: common_pb2.SamplingParams, rid: str
+    ) -> rollout_pb2.GenerateResponse:
+        """Generate at ``address``, its errors as HTTP errors."""
+        try:
+            return await self.rollout(address).generate(
+                prompt, params, timeout_s=self.cfg.generate_timeout_s, request_id=rid
+            )
+        except grpc.RpcError as exc:
+            raise _from_rpc(exc, f"rollout server {address}") from exc
+
+
+def _choice_logprobs(gw: Gateway, completion: rollout_pb2.Completion) -> dict[str, Any]:
+    content = []
+    for tid, lp in zip(completion.output_ids, completion.output_logprobs, strict=True):
+        token = gw.tokenizer.decode([tid], skip_special_tokens=False)
+        content.append(
+            {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []}
+        )
+    return {"content": content}
+
+
+def create_app(cfg: GatewayConfig) -> FastAPI:
+    """The gateway as a FastAPI application (serve it with uvicorn)."""
+    holder: list[Gateway] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Made on the server's event loop: gRPC aio channels belong to the loop they start on.
+        holder.append(Gateway(cfg))
+        app.state.gateway = holder[0]
+        try:
+            yield
+        finally:
+            await holder.pop().close()
+
+    app = FastAPI(title="areal-grpc gateway", lifespan=lifespan)
+
+    def gateway() -> Gateway:
+        return holder[0]
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(FieldError)
+    async def _field_error(_: Request, exc: FieldError) -> JSONResponse:
+        return HTTPError(400, str(exc), param=exc.field).response()
+
+    @app.exception_handler(SessionGone)
+    async def _gone(_: Request, exc: SessionGone) -> JSONResponse:
+        return HTTPError(409, str(exc), param=SESSION_HEADER, code="session_expired").response()
+
+    @app.exception_handler(PreconditionError)
+    async def _precondition(_: Request, exc: PreconditionError) -> JSONResponse:
+        return HTTPError(409, str(exc)).response()
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        gateway().check_auth(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise HTTPError(400, "the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the body must be a JSON object")
+        return body
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        gateway().check_auth(request)
+        return {
+            "object": "list",
+            "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "areal-grpc"}],
+        }
+
+    async def complete(
+        request: Request,
+        body: dict[str, Any],
+        base: Conversation,
+        kind: str,
+        parent: Conversation | None = None,
+    ) -> dict[str, Any]:
+        """Generates ``n`` replies to ``base``'s prompt and records them in the session.
+
+        ``parent``: the session's conversation ``base`` continues; it is replaced by ``base``
+        only once the replies exist (a failed request leaves the session as it was).
+        """
+        n = _int(body, "n", 1, 1, MAX_N)
+        params = gateway().sampling(body, n)
+        session_id = request.headers.get(SESSION_HEADER)
+        session = gateway().session(session_id) if session_id else None
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        address = session.lease.rollout_address if session else await gateway().any_rollout()
+        prompt = list(base.token_ids)
+        reply = await gateway().generate(address, prompt, params, rid)
+        if len(reply.completions) != n:
+            raise HTTPError(
+                502,
+                f"rollout server {address} returned {len(reply.completions)} completions for n={n}",
+            )
+        # Every choice continues the same prompt: the first takes the conversation itself,
+        # the others copies of it as it was before any reply.
+        convs = [base] + [base.branch() for _ in range(n - 1)]
+        choices, completion_tokens = [], 0
+        for i, (conv, completion) in enumerate(zip(convs, reply.completions, strict=True)):
+            stopped = completion.finish_reason == common_pb2.FINISH_REASON_STOP
+            text = gateway().renderer.reply_text(completion.output_ids, stopped)
+            cid = rid if n == 1 else f"{rid}:{i}"
+            conv.add_reply(cid, completion, text)
+            if session is not None:
+                session.add(conv, parent if i == 0 else None)
+            completion_tokens += len(completion.output_ids)
+            choice: dict[str, Any] = {
+                "index": i,
+                "finish_reason": _FINISH.get(completion.finish_reason, "stop"),
+                "completion_id": cid,
+            }
+            if kind == "chat":
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = (
+                    _choice_logprobs(gateway(), completion) if body.get("logprobs") else None
+                )
+            else:
+                choice["text"] = text
+                choice["logprobs"] = None
+            if body.get("return_token_ids"):
+                choice["token_ids"] = list(completion.output_ids)
+            choices.append(choice)
+        return {
+            "id": rid,
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": cfg.model,
+            "system_fingerprint": f"policy-v{reply.policy_version}",
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt) + completion_tokens,
+            },
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = await json_body(request)
+        if body.get("stream"):
+            raise FieldError("stream", "streaming is not supported by this gateway yet")
+        messages = normalize_messages(body.get("messages"))
+        session_id = request.headers.get(SESSION_HEADER)
+        if session_id:
+            # No lock: matching and recording do not await, so concurrent requests of a
+            # session each see a consistent session; two continuing the same conversation
+            # become two conversations (the second finds it already replaced).
+            conv, parent = (
+                gateway().session(session_id).conversation_for(messages, gateway().renderer)
+            )
+            return await complete(request, body, conv, "chat", parent)
+        fresh = Conversation.start(messages, gateway().renderer)
+        return await complete(request, body, fresh, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await json_body(request)
+        if body.get("stream"):
+            raise FieldError("stream", "streaming is not supported by this gateway yet")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]
+            text = gateway().tokenizer.decode(ids)
+        elif isinstance(prompt, str) and prompt:
+            text, ids = prompt, gateway().renderer.encode(prompt)
+        else:
+            raise FieldError("prompt", "must be a non-empty string or a list of token ids")
+        n = len(ids)
+        conv = Conversation([], text, ids, [0.0] * n, [-1] * n, [False] * n, n)
+        return await complete(request, body, conv, "text")
+
+    @app.post("/rl/sessions")
+    async def open_session(request: Request) -> Any:
+        body = await json_body(request) if await request.body() else {}
+        group_size = _int(body, "group_size", 1, 1, 1 << 16)
+        metadata = body.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise FieldError("metadata", "must be an object")
+        try:
+            lease = await gateway().coordinator.acquire(cfg.producer_id, group_size, timeout_s=30.0)
+        except grpc.RpcError as exc:
+            raise _from_rpc(exc, "coordinator") from exc
+        session = Session(lease, metadata)
+        gateway().sessions.add(session)
+        return {
+            "session_id": session.session_id,
+            "policy_version": int(lease.policy_version),
+            "expires_at": session.expires_at,
+            "group_size": int(lease.group_size),
+        }
+
+    @app.post("/rl/sessions/{session_id}/reward")
+    async def reward(session_id: str, request: Request) -> Any:
+        body = await json_body(request)
+        group = gateway().session(session_id).group(body)
+        # Ended before the submission awaits: later completions of it are 404.
+        gateway().sessions.pop(session_id)
+        try:
+            reply = await gateway().coordinator.submit([(session_id, group)])
+        except grpc.RpcError as exc:
+            raise _from_rpc(exc, "coordinator") from exc
+        reasons = [r.reason for r in reply.rejections]
+        return {
+            "submitted": True,
+            "accepted": reply.accepted_groups == 1,
+            "reason": "; ".join(reasons),
+            "trajectories": len(group.trajectories),
+        }
+
+    @app.delete("/rl/sessions/{session_id}")
+    async def release(session_id: str, request: Request) -> Any:
+        gateway().check_auth(request)
+        gateway().session(session_id)
+        gateway().sessions.pop(session_id)
+        try:
+            await gateway().coordinator.release(session_id)
+        except grpc.RpcError as exc:
+            raise _from_rpc(exc, "coordinator") from exc
+        return {"released": True}
+
+    return app

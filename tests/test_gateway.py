@@ -1,0 +1,349 @@
+"""The OpenAI-compatible gateway, driven by the official ``openai`` package.
+
+Real parts on loopback: a rollout server process (builtin:micro), an in-process
+CoordinatorService over a WorkPool with that server registered, and the gateway app served by
+uvicorn. The tests check what an agent written against ``openai`` sees, and that what reaches
+the coordinator's buffer is token-exact: the trained tokens are the sampled ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from areal_clients.gateway import GatewayConfig, create_app
+from areal_clients.gateway.chat import ChatRenderer, Conversation
+from arealgrpc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, rollout_pb2
+
+from areal_grpc.coordinator.pool import WorkPool
+from areal_grpc.coordinator.service import CoordinatorServicer
+from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
+from areal_grpc.model import load_tokenizer
+from areal_grpc.server import BackgroundServer, ServerOptions, sync_channel
+
+MODEL = "builtin:micro"
+VOCAB = 384
+BATCH = 4  # capacity: BATCH x (max_staleness + 1) = 4 leases at version 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Mesh:
+    pool: WorkPool
+    servicer: CoordinatorServicer
+    server: BackgroundServer
+    address: str
+
+    def stop(self) -> None:
+        self.server.call(self.servicer.stop())
+        self.server.stop()
+
+    def buffered(self) -> list[tuple[str, common_pb2.TrajectoryGroup]]:
+        async def snapshot() -> list[tuple[str, common_pb2.TrajectoryGroup]]:
+            return [(f.work.task_id, f.group) for f in self.pool.buffer]
+
+        return self.server.call(snapshot())
+
+
+@dataclass
+class Gateway:
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+
+def serve_gateway(cfg: GatewayConfig) -> Gateway:
+    """The gateway app under uvicorn in a thread, on a free port."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.05)
+    return Gateway(f"http://127.0.0.1:{port}", server, thread)
+
+
+def stop_gateway(gw: Gateway) -> None:
+    gw.server.should_exit = True
+    gw.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
+    argv = python_module_argv("areal_servers.rollout", "--port", "0", f"model.source={MODEL}")
+    child = start_child("rollout", argv, log_dir=tmp_path_factory.mktemp("rollout-logs"))
+    yield child
+    stop_children([child])
+
+
+def start_mesh(rollout_address: str | None) -> Mesh:
+    pool = WorkPool(BATCH, 0, vocab_size=VOCAB)
+    servicer = CoordinatorServicer(pool)
+    server = BackgroundServer([servicer.as_service()], ServerOptions(host="127.0.0.1", port=0))
+    running = server.start()
+
+    async def start() -> None:
+        servicer.start()
+
+    server.call(start())
+    if rollout_address is not None:
+        with sync_channel(running.address) as channel:
+            coordinator_pb2_grpc.CoordinatorServiceStub(channel).RegisterWorker(
+                coordinator_pb2.RegisterWorkerRequest(
+                    role=coordinator_pb2.WORKER_ROLE_ROLLOUT,
+                    address=rollout_address,
+                    worker_id="rollout-0",
+                ),
+                timeout=10,
+            )
+    return Mesh(pool, servicer, server, running.address)
+
+
+@pytest.fixture(scope="module")
+def mesh(rollout: Child) -> Iterator[Mesh]:
+    m = start_mesh(rollout.address)
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(mesh: Mesh) -> Iterator[Gateway]:
+    gw = serve_gateway(GatewayConfig(coordinator=mesh.address, model=MODEL, default_max_tokens=8))
+    yield gw
+    stop_gateway(gw)
+
+
+def client(gw: Gateway, **kw: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, **kw)
+
+
+def session(gw: Gateway, **body: object) -> str:
+    reply = httpx.post(f"{gw.url}/rl/sessions", json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["session_id"])
+
+
+def test_chat_completions_through_the_openai_client(gateway: Gateway) -> None:
+    c = client(gateway)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    reply = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "2+2="}],
+        max_tokens=6,
+        temperature=1.0,
+        n=3,
+        logprobs=True,
+    )
+    assert [ch.index for ch in reply.choices] == [0, 1, 2]
+    total = 0
+    for ch in reply.choices:
+        assert ch.message.role == "assistant" and isinstance(ch.message.content, str)
+        assert ch.finish_reason in ("stop", "length")
+        tokens = ch.logprobs.content
+        assert 1 <= len(tokens) <= 6 and all(t.logprob <= 0.0 for t in tokens)
+        total += len(tokens)
+    renderer = ChatRenderer(load_tokenizer(MODEL))
+    prompt = renderer.encode(renderer.text([{"role": "user", "content": "2+2="}]))
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.completion_tokens == total
+    assert reply.system_fingerprint == "policy-v0"
+    # Text completions too.
+    text = c.completions.create(model=MODEL, prompt="abc", max_tokens=4)
+    assert len(text.choices) == 1 and text.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_multi_turn_session_trains_exactly_the_sampled_tokens(gateway: Gateway, mesh: Mesh):
+    """Two turns continuing each other become one trajectory whose loss covers exactly the
+    ids the model sampled, in order; a conversation with rewritten history is a second one."""
+
+    async def agent() -> tuple[str, list[list[int]], list[int]]:
+        sid = session(gateway, group_size=2)
+        c = openai.AsyncOpenAI(
+            base_url=f"{gateway.url}/v1",
+            api_key="unused",
+            max_retries=0,
+            default_headers={"X-Session-Id": sid},
+        )
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+        ]
+        sampled: list[list[int]] = []
+        for turn in ("and again", "once more"):
+            r = await c.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=5, extra_body={"return_token_ids": True}
+            )
+            sampled.append(r.choices[0].token_ids)  # type: ignore[attr-defined]
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content or ""},
+                {"role": "user", "content": turn},
+            ]
+        # A rewritten history (the first reply replaced): a conversation of its own.
+        rewritten = [*messages[:2], {"role": "assistant", "content": "something else"}]
+        other = await c.chat.completions.create(
+            model=MODEL,
+            messages=[*rewritten, {"role": "user", "content": "?"}],
+            max_tokens=3,
+            extra_body={"return_token_ids": True},
+        )
+        await c.close()
+        return sid, sampled, other.choices[0].token_ids  # type: ignore[attr-defined]
+
+    sid, sampled, other = asyncio.run(agent())
+    reply = httpx.post(f"{gateway.url}/rl/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"submitted": True, "accepted": True, "reason": "", "trajectories": 2}
+    (group,) = [g for task, g in mesh.buffered() if task == sid]
+    first, second = group.trajectories
+    for traj, turns in ((first, sampled), (second, [other])):
+        trained = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
+        assert trained == [t for turn in turns for t in turn]
+        # Each turn's tokens sit in one run, with their log-probs and version 0.
+        assert all(v == 0 for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m)
+        assert all(v == -1 for v, m in zip(traj.versions, traj.loss_mask, strict=True) if not m)
+        assert traj.reward == 1.0 and traj.task_id == sid
+    renderer = ChatRenderer(load_tokenizer(MODEL))
+    opening = renderer.encode(
+        renderer.text(
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+        )
+    )
+    assert list(first.token_ids[: first.prompt_length]) == opening
+    assert list(first.token_ids[len(opening) : len(opening) + len(sampled[0])]) == sampled[0]
+
+
+def test_sampled_ids_that_do_not_round_trip_stay_exact_in_the_next_turn() -> None:
+    """A reply whose ids do not survive decode -> encode (a lone UTF-8 lead byte in the byte
+    tokenizer) is continued with the sampled ids, not with a re-encoding of its text."""
+    renderer = ChatRenderer(load_tokenizer(MODEL))
+    messages = [{"role": "user", "content": "hi"}]
+    conv = Conversation.start(messages, renderer)
+    sampled = [0xC3 + 3, ord("a") + 3]  # byte 0xC3 then "a": not valid UTF-8
+    completion = rollout_pb2.Completion(
+        output_ids=sampled,
+        output_logprobs=[-0.5, -0.25],
+        output_versions=[3, 3],
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+    )
+    text = renderer.reply_text(sampled, stopped=False)
+    assert renderer.encode(text) != sampled  # the text alone would not give them back
+    conv.add_reply("c1", completion, text)
+    nxt = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "ok"}]
+    # History the client changed (another reply in its place) does not continue it.
+    changed = [*messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "ok"}]
+    assert conv.continued_by(changed, renderer) is None
+    new_ids = conv.continued_by(nxt, renderer)
+    assert new_ids is not None
+    conv.extend_prompt(nxt, new_ids, renderer.text(nxt))
+    traj = conv.trajectory(1.0, "t", "g")
+    trained = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
+    assert trained == sampled
+    assert list(traj.token_ids[conv.prompt_length : conv.prompt_length + 2]) == sampled
+    assert list(traj.logprobs)[conv.prompt_length : conv.prompt_length + 2] == [-0.5, -0.25]
+    # The rendered continuation ends with the opened reply of the next turn.
+    assert renderer.text(nxt).endswith("<|assistant|>\n")
+
+
+def test_bad_requests_are_400_naming_the_field(gateway: Gateway) -> None:
+    c = client(gateway)
+    cases = [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": ["two words"]}, "stop[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ]
+    for body, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model=MODEL, **body)  # type: ignore[arg-type]
+        assert err.value.status_code == 400
+        assert err.value.body["param"] == param, body  # type: ignore[index]
+    # A session id the gateway never gave: 404; the gateway still serves afterwards.
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            extra_headers={"X-Session-Id": "nope"},
+        )
+    reward = httpx.post(f"{gateway.url}/rl/sessions/nope/reward", json={"reward": 1}, timeout=10)
+    assert reward.status_code == 404
+    assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+
+
+def test_rewards_per_completion_and_a_released_session(gateway: Gateway, mesh: Mesh) -> None:
+    sid = session(gateway)
+    c = client(gateway, default_headers={"X-Session-Id": sid})
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}], n=2)
+    ids = [ch.completion_id for ch in r.choices]  # type: ignore[attr-defined]
+    assert ids == [f"{r.id}:0", f"{r.id}:1"]
+    bad = httpx.post(
+        f"{gateway.url}/rl/sessions/{sid}/reward", json={"rewards": {ids[0]: 1.0}}, timeout=10
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == f"rewards.{ids[1]}"
+    ok = httpx.post(
+        f"{gateway.url}/rl/sessions/{sid}/reward",
+        json={"rewards": {ids[0]: 1.0, ids[1]: 0.0}},
+        timeout=10,
+    )
+    assert ok.status_code == 200 and ok.json()["accepted"] is True
+    (group,) = [g for task, g in mesh.buffered() if task == sid]
+    assert [t.reward for t in group.trajectories] == [1.0, 0.0]
+    # The session ended with its reward; a released one is gone too and its lease freed.
+    assert (
+        httpx.post(f"{gateway.url}/rl/sessions/{sid}/reward", json={"reward": 1}).status_code == 404
+    )
+    other = session(gateway)
+    assert httpx.delete(f"{gateway.url}/rl/sessions/{other}", timeout=10).status_code == 200
+    assert httpx.delete(f"{gateway.url}/rl/sessions/{other}", timeout=10).status_code == 404
+
+
+def test_a_full_staleness_budget_is_429_with_retry_after(tmp_path: Path) -> None:
+    """No rollout server and no capacity left: sessions get 429 + Retry-After, sessionless
+    completions 503."""
+    m = start_mesh(None)
+    gw = serve_gateway(GatewayConfig(coordinator=m.address, model=MODEL))
+    try:
+        for _ in range(BATCH):
+            assert httpx.post(f"{gw.url}/rl/sessions", json={}, timeout=10).status_code == 200
+        full = httpx.post(f"{gw.url}/rl/sessions", json={}, timeout=10)
+        assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+        assert full.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.InternalServerError) as err:
+            client(gw).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}]
+            )
+        assert err.value.status_code == 503
+    finally:
+        stop_gateway(gw)
+        m.stop()
+
+
+def test_bearer_auth_when_an_api_key_is_set(mesh: Mesh) -> None:
+    gw = serve_gateway(GatewayConfig(coordinator=mesh.address, model=MODEL, api_key="s3cret"))
+    try:
+        assert httpx.get(f"{gw.url}/v1/models", timeout=10).status_code == 401
+        with pytest.raises(openai.PermissionDeniedError):
+            openai.OpenAI(base_url=f"{gw.url}/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in ok.models.list().data] == [MODEL]
+    finally:
+        stop_gateway(gw)
