@@ -408,6 +408,20 @@ class WeightSyncConfig:
 
 
 @dataclass
+class GatewaySettings:
+    """The OpenAI-compatible agent gateway (areal-gateway) the coordinator may start."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    # 0: any free port (printed as GATEWAY http://host:port/v1).
+    port: int = 0
+    # Environment variable holding the bearer token clients must send (unset: no auth).
+    api_key_env: str = "AREAL_GATEWAY_API_KEY"
+    # max_tokens of requests that give none.
+    max_tokens: int = 256
+
+
+@dataclass
 class EvalConfig:
     """Evaluation on the task's eval split (greedy)."""
 
@@ -511,6 +525,7 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -822,6 +837,13 @@ def _validate_rejection(r: RejectionSettings) -> None:
         raise FieldError(f"{key}.lower", f"{r.lower} is not below upper {r.upper}")
 
 
+def _validate_gateway(cfg: RunConfig) -> None:
+    g = cfg.gateway
+    if not 0 <= g.port <= 65535:
+        raise FieldError("gateway.port", f"must be in [0, 65535], got {g.port}")
+    _at_least("gateway.max_tokens", g.max_tokens, 1)
+
+
 def _validate_staleness(cfg: RunConfig) -> None:
     s = cfg.staleness
     _at_least("staleness.max_staleness", s.max_staleness, 0)
@@ -926,6 +948,7 @@ SECTION_CHECKS: dict[str, Callable[[RunConfig], None]] = {
     "output": _validate_output,
     "security": lambda cfg: _validate_security(cfg.security),
     "launcher": _validate_launcher,
+    "gateway": _validate_gateway,
 }
 
 

@@ -157,6 +157,26 @@ class RolloutClient:
             timeout=timeout_s,
         )
 
+    def generate_stream(
+        self,
+        input_ids: Sequence[int],
+        sampling: common_pb2.SamplingParams | None = None,
+        timeout_s: float | None = None,
+        *,
+        trace_context: common_pb2.TraceContext | None = None,
+        request_id: str = "",
+    ) -> AsyncIterator[rollout_pb2.GenerateStreamResponse]:
+        """One completion as it decodes (``GenerateStream``; cancel the iteration to stop it)."""
+        return self.stub.GenerateStream(
+            rollout_pb2.GenerateStreamRequest(
+                input_ids=list(input_ids),
+                sampling=sampling or common_pb2.SamplingParams(),
+                request_id=request_id or tracing.carried_task_id(),
+                trace_context=tracing.outgoing(trace_context),
+            ),
+            timeout=timeout_s,
+        )
+
     def episodes(self) -> EpisodeStream:
         """Opens a ``RunEpisodes`` stream."""
         return EpisodeStream(self.stub)

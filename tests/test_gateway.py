@@ -9,6 +9,7 @@ the coordinator's buffer is token-exact: the trained tokens are the sampled ones
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import threading
 import time
@@ -24,6 +25,7 @@ from areal_clients.gateway import GatewayConfig, create_app
 from areal_clients.gateway.chat import ChatRenderer, Conversation
 from arealgrpc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, rollout_pb2
 
+from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
@@ -347,3 +349,99 @@ def test_bearer_auth_when_an_api_key_is_set(mesh: Mesh) -> None:
         assert [m.id for m in ok.models.list().data] == [MODEL]
     finally:
         stop_gateway(gw)
+
+
+def test_streamed_replies_arrive_as_chunks_and_continue_their_conversation(
+    gateway: Gateway, mesh: Mesh
+) -> None:
+    """stream=true: OpenAI chunks per choice, usage at the end; the text the client pieced
+    together continues the conversation token-exact (one trajectory, all sampled ids)."""
+    sid = session(gateway)
+    c = client(gateway, default_headers={"X-Session-Id": sid})
+    messages: list[dict[str, str]] = [{"role": "user", "content": "count"}]
+    completion_tokens = 0
+    for turn in range(2):
+        texts: dict[int, str] = {}
+        finishes: dict[int, str] = {}
+        n = 2 if turn == 0 else 1
+        for chunk in c.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            n=n,
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
+            if chunk.usage is not None:
+                completion_tokens += chunk.usage.completion_tokens if turn == 1 else 0
+                continue
+            for ch in chunk.choices:
+                texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+                if ch.finish_reason:
+                    finishes[ch.index] = ch.finish_reason
+        assert sorted(texts) == list(range(n)) and set(finishes.values()) <= {"stop", "length"}
+        # Continue with choice 0, as the client saw it.
+        messages += [
+            {"role": "assistant", "content": texts[0]},
+            {"role": "user", "content": "more"},
+        ]
+    reply = httpx.post(f"{gateway.url}/rl/sessions/{sid}/reward", json={"reward": 0.5}, timeout=30)
+    assert reply.status_code == 200 and reply.json()["trajectories"] == 2, reply.text
+    (group,) = [g for task, g in mesh.buffered() if task == sid]
+    continued, other = group.trajectories
+    # The continued conversation holds both turns' sampled tokens; the other only its first.
+    trained = sum(continued.loss_mask)
+    assert trained > sum(other.loss_mask) >= 1
+    assert completion_tokens >= 1 and trained >= completion_tokens
+
+
+def test_the_run_starts_the_gateway_and_trains_on_its_sessions(
+    tmp_path: Path, coordinator_command
+) -> None:
+    """``gateway.enabled=true``: the run prints GATEWAY beside COORDINATOR; an agent's session
+    through it is trained like the run's own groups, and Ctrl-C stops the gateway too."""
+    out = tmp_path / "run"
+    proc = coordinator_command.start(
+        out,
+        *coordinator_command.SMALL_RUN,
+        "total_steps=100000",  # stopped by Ctrl-C once the session is trained
+        "staleness.max_staleness=2",
+        "gateway.enabled=true",
+    )
+    coordinator_command.address(proc)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    while line and not line.startswith("GATEWAY"):  # log lines share the output
+        line = proc.stdout.readline()
+    assert line.startswith("GATEWAY http://127.0.0.1:") and line.rstrip().endswith("/v1"), line
+    base = line.split()[1].removesuffix("/v1")
+    rest: list[str] = []
+    drain = threading.Thread(target=lambda: rest.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    drain.start()
+    deadline = time.monotonic() + 60
+    while (r := httpx.post(f"{base}/rl/sessions", json={}, timeout=30)).status_code == 429:
+        assert time.monotonic() < deadline, "no capacity for a minute"
+        time.sleep(float(r.headers["Retry-After"]))
+    sid = r.json()["session_id"]
+    c = openai.OpenAI(
+        base_url=f"{base}/v1", api_key="x", max_retries=0, default_headers={"X-Session-Id": sid}
+    )
+    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    reply = httpx.post(f"{base}/rl/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30)
+    assert reply.json()["accepted"] is True, reply.text
+
+    def trained() -> set[str]:
+        path = out / "batches.jsonl"
+        if not path.exists():
+            return set()
+        return {g["task_id"] for b in read_jsonl(path) for g in b["groups"]}
+
+    deadline = time.monotonic() + 120
+    while sid not in trained() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sid in trained()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, "".join(rest)
+    drain.join(timeout=10)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{base}/v1/models", timeout=5)

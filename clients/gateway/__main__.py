@@ -1,4 +1,12 @@
-"""``areal-gateway --coordinator host:port``: serve the OpenAI-compatible gateway."""
+"""``areal-gateway --coordinator host:port [key=value ...]``: serve the OpenAI-compatible
+gateway of a run.
+
+It reads the run's config keys (``--config`` and dotted overrides, as the coordinator takes
+them): ``model.source`` (its tokenizer and chat template), ``gateway.*`` (host, port, default
+max_tokens, the API key's environment variable) and ``security``: its gRPC calls speak the
+run's TLS and bearer token, it serves HTTPS with the run's certificate, and clients must send
+the run's token (else ``$<gateway.api_key_env>``, if set) as ``Authorization: Bearer``.
+"""
 
 from __future__ import annotations
 
@@ -11,48 +19,78 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from areal_grpc.cli import run_channel_options
+from areal_grpc.config import RunConfig
+from areal_grpc.errors import FieldError
+from areal_grpc.launch import LISTENING
+from areal_grpc.security import is_loopback, load_auth_token
+from areal_grpc.server import set_default_channel_options
+from areal_grpc.server_config import add_run_config_args, run_config_from_args
+
 from .app import GatewayConfig, create_app
+
+SECTIONS = ("run", "model", "security", "gateway")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line."""
-    p = argparse.ArgumentParser(prog="areal-gateway", description=__doc__)
+    p = argparse.ArgumentParser(prog="areal-gateway", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--coordinator", required=True, help="the CoordinatorService's host:port")
-    p.add_argument("--model", default="builtin:micro", help="the run's model.source (tokenizer)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
-    p.add_argument(
-        "--api-key-env",
-        default="AREAL_GATEWAY_API_KEY",
-        help="environment variable holding the bearer token clients must send (unset: none)",
-    )
-    p.add_argument("--producer-id", default="gateway")
-    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
+    p.add_argument("--allow-plaintext", action="store_true", help="serve HTTP beyond loopback")
+    add_run_config_args(p)
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    """Binds, prints ``GATEWAY http://host:port/v1``, serves until stopped."""
-    cfg = GatewayConfig(
-        coordinator=args.coordinator,
-        model=args.model,
-        api_key=os.environ.get(args.api_key_env) or None,
-        producer_id=args.producer_id,
-        default_max_tokens=args.max_tokens,
+def gateway_config(run: RunConfig, coordinator: str) -> GatewayConfig:
+    """The gateway's settings from the run config."""
+    key = load_auth_token(run.security.auth_token_file) or os.environ.get(run.gateway.api_key_env)
+    return GatewayConfig(
+        coordinator=coordinator,
+        model=run.model.source,
+        api_key=key or None,
+        default_max_tokens=run.gateway.max_tokens,
     )
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+
+
+async def serve(run: RunConfig, coordinator: str, allow_plaintext: bool) -> None:
+    """Binds, prints the LISTENING and GATEWAY lines, serves until stopped."""
+    sec, g = run.security, run.gateway
+    tls = bool(sec.tls_cert and sec.tls_key)
+    if not tls and not allow_plaintext and not is_loopback(g.host):
+        raise SystemExit(
+            f"areal-gateway: refusing to serve plaintext HTTP on {g.host}: configure "
+            "security.tls_cert/tls_key, bind to loopback, or pass --allow-plaintext"
+        )
+    set_default_channel_options(run_channel_options(sec))
+    sock = socket.socket(socket.AF_INET6 if ":" in g.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock.bind((g.host, g.port))
+    # Listening before the address is printed: a client that connects at once waits in the
+    # backlog until uvicorn takes it, instead of being refused.
+    sock.listen(128)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), log_level="warning"))
+    config = uvicorn.Config(
+        create_app(gateway_config(run, coordinator)),
+        log_level="warning",
+        ssl_certfile=sec.tls_cert if tls else None,
+        ssl_keyfile=sec.tls_key if tls else None,
+    )
+    server = uvicorn.Server(config)
     shown = f"[{host}]" if ":" in host else host
-    print(f"GATEWAY http://{shown}:{port}/v1", flush=True)
+    print(f"{LISTENING}{shown}:{port}", flush=True)
+    print(f"GATEWAY {'https' if tls else 'http'}://{shown}:{port}/v1", flush=True)
     await server.serve(sockets=[sock])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point."""
-    asyncio.run(serve(parse_args(argv)))
+    args = parse_args(argv)
+    try:
+        run = run_config_from_args(args, SECTIONS)
+    except FieldError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(run, args.coordinator, args.allow_plaintext))
     return 0
 
 

@@ -7,19 +7,21 @@ the package docstring for the endpoints.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import itertools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from arealgrpc.v1 import common_pb2, coordinator_pb2, rollout_pb2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from areal_grpc.errors import FieldError, PreconditionError, retry_delay_s
 from areal_grpc.model import load_tokenizer
@@ -83,16 +85,17 @@ class HTTPError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
+    def body(self) -> dict[str, Any]:
+        """The error object of OpenAI's error shape."""
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status in (401, 403):
             kind = "authentication_error" if self.status == 401 else "permission_error"
         elif self.status == 429:
             kind = "rate_limit_error"
-        body = {
-            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        }
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.body()}, status_code=self.status, headers=self.headers)
 
 
 def _from_rpc(exc: grpc.RpcError, what: str) -> HTTPError:
@@ -241,6 +244,91 @@ class Gateway:
             raise _from_rpc(exc, f"rollout server {address}") from exc
 
 
+@dataclass
+class Call:
+    """One completion request, checked: what to generate, where, for whom."""
+
+    body: dict[str, Any]
+    kind: str  # "chat" or "text"
+    base: Conversation
+    parent: Conversation | None
+    session: Session | None
+    n: int
+    params: common_pb2.SamplingParams
+    rid: str
+    address: str
+    model: str
+    branches: list[Conversation] = field(init=False)
+
+    def record(self, i: int, completion: rollout_pb2.Completion, text: str) -> str:
+        """Adds choice ``i``'s reply to its conversation (and the session); its id."""
+        conv = self.base if i == 0 else self.branches[i - 1]
+        cid = self.rid if self.n == 1 else f"{self.rid}:{i}"
+        conv.add_reply(cid, completion, text)
+        if self.session is not None:
+            self.session.add(conv, self.parent if i == 0 else None)
+        return cid
+
+    def __post_init__(self) -> None:
+        # Every choice continues the same prompt: the first takes the conversation
+        # itself, the others copies of it as it was before any reply.
+        self.branches = [self.base.branch() for _ in range(self.n - 1)]
+
+    def envelope(self, obj: str) -> dict[str, Any]:
+        """The fields every response object and chunk starts with."""
+        return {"id": self.rid, "object": obj, "created": int(time.time()), "model": self.model}
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _sse(obj: Mapping[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class _Streamed:
+    """One completion arriving token by token, and the text shown of it so far."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        self.shown = ""
+
+    def take(self, msg: rollout_pb2.GenerateStreamResponse) -> None:
+        self.ids += msg.output_ids
+        self.logprobs += msg.output_logprobs
+        self.versions += msg.output_versions
+        if msg.finish_reason:
+            self.finish = msg.finish_reason
+
+    def delta(self, renderer: ChatRenderer, final: bool) -> str:
+        """The text not shown yet. Until the end the newest token is held back (it may be
+        the stop token) and so is a trailing partial character."""
+        if final:
+            text = renderer.reply_text(self.ids, self.finish == common_pb2.FINISH_REASON_STOP)
+        else:
+            text = renderer.reply_text(self.ids[:-1], False).rstrip("\ufffd")
+        if not text.startswith(self.shown):
+            return ""  # what was shown stays what the conversation records
+        out, self.shown = text[len(self.shown) :], text
+        return out
+
+    def completion(self) -> rollout_pb2.Completion:
+        return rollout_pb2.Completion(
+            output_ids=self.ids,
+            output_logprobs=self.logprobs,
+            output_versions=self.versions,
+            finish_reason=self.finish,  # type: ignore[arg-type]
+        )
+
+
 def _choice_logprobs(gw: Gateway, completion: rollout_pb2.Completion) -> dict[str, Any]:
     content = []
     for tid, lp in zip(completion.output_ids, completion.output_logprobs, strict=True):
@@ -304,17 +392,17 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "areal-grpc"}],
         }
 
-    async def complete(
+    async def prepare(
         request: Request,
         body: dict[str, Any],
         base: Conversation,
         kind: str,
         parent: Conversation | None = None,
-    ) -> dict[str, Any]:
-        """Generates ``n`` replies to ``base``'s prompt and records them in the session.
+    ) -> Call:
+        """Checks the request's fields and picks the rollout server (nothing generated yet).
 
         ``parent``: the session's conversation ``base`` continues; it is replaced by ``base``
-        only once the replies exist (a failed request leaves the session as it was).
+        only once a reply exists (a failed request leaves the session as it was).
         """
         n = _int(body, "n", 1, 1, MAX_N)
         params = gateway().sampling(body, n)
@@ -322,60 +410,135 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         session = gateway().session(session_id) if session_id else None
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         address = session.lease.rollout_address if session else await gateway().any_rollout()
-        prompt = list(base.token_ids)
-        reply = await gateway().generate(address, prompt, params, rid)
-        if len(reply.completions) != n:
+        return Call(body, kind, base, parent, session, n, params, rid, address, cfg.model)
+
+    def choice(
+        call: Call, i: int, completion: rollout_pb2.Completion, text: str, cid: str
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "index": i,
+            "finish_reason": _FINISH.get(completion.finish_reason, "stop"),
+            "completion_id": cid,
+        }
+        if call.kind == "chat":
+            out["message"] = {"role": "assistant", "content": text}
+            logprobs = call.body.get("logprobs")
+            out["logprobs"] = _choice_logprobs(gateway(), completion) if logprobs else None
+        else:
+            out["text"] = text
+            out["logprobs"] = None
+        if call.body.get("return_token_ids"):
+            out["token_ids"] = list(completion.output_ids)
+        return out
+
+    async def complete(call: Call) -> dict[str, Any]:
+        """Generates the ``n`` replies in one Generate call and records them."""
+        prompt = list(call.base.token_ids)
+        reply = await gateway().generate(call.address, prompt, call.params, call.rid)
+        if len(reply.completions) != call.n:
             raise HTTPError(
                 502,
-                f"rollout server {address} returned {len(reply.completions)} completions for n={n}",
+                f"rollout server {call.address} returned {len(reply.completions)} completions "
+                f"for n={call.n}",
             )
-        # Every choice continues the same prompt: the first takes the conversation itself,
-        # the others copies of it as it was before any reply.
-        convs = [base] + [base.branch() for _ in range(n - 1)]
         choices, completion_tokens = [], 0
-        for i, (conv, completion) in enumerate(zip(convs, reply.completions, strict=True)):
+        for i, completion in enumerate(reply.completions):
             stopped = completion.finish_reason == common_pb2.FINISH_REASON_STOP
             text = gateway().renderer.reply_text(completion.output_ids, stopped)
-            cid = rid if n == 1 else f"{rid}:{i}"
-            conv.add_reply(cid, completion, text)
-            if session is not None:
-                session.add(conv, parent if i == 0 else None)
+            cid = call.record(i, completion, text)
             completion_tokens += len(completion.output_ids)
-            choice: dict[str, Any] = {
-                "index": i,
-                "finish_reason": _FINISH.get(completion.finish_reason, "stop"),
-                "completion_id": cid,
-            }
-            if kind == "chat":
-                choice["message"] = {"role": "assistant", "content": text}
-                choice["logprobs"] = (
-                    _choice_logprobs(gateway(), completion) if body.get("logprobs") else None
-                )
-            else:
-                choice["text"] = text
-                choice["logprobs"] = None
-            if body.get("return_token_ids"):
-                choice["token_ids"] = list(completion.output_ids)
-            choices.append(choice)
-        return {
-            "id": rid,
-            "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()),
-            "model": cfg.model,
+            choices.append(choice(call, i, completion, text, cid))
+        obj = "chat.completion" if call.kind == "chat" else "text_completion"
+        return call.envelope(obj) | {
             "system_fingerprint": f"policy-v{reply.policy_version}",
             "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt) + completion_tokens,
-            },
+            "usage": _usage(len(prompt), completion_tokens),
         }
+
+    def stream(call: Call) -> StreamingResponse:
+        """The replies as server-sent events in OpenAI's chunk format, one stream each."""
+        obj = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
+        prompt = list(call.base.token_ids)
+        one = common_pb2.SamplingParams()
+        one.CopyFrom(call.params)
+        one.n_samples = 1
+        usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
+
+        def chunk(i: int, delta: str | None, finish: str | None = None) -> str:
+            if call.kind == "chat":
+                part: dict[str, Any] = {"index": i, "delta": {}, "finish_reason": finish}
+                if delta is not None:
+                    part["delta"] = {"content": delta}
+            else:
+                part = {"index": i, "text": delta or "", "finish_reason": finish}
+            return _sse(call.envelope(obj) | {"choices": [part]})
+
+        async def pump(i: int, queue: asyncio.Queue[tuple[int, Any]]) -> None:
+            rid = call.rid if call.n == 1 else f"{call.rid}:{i}"
+            try:
+                async for msg in (
+                    gateway()
+                    .rollout(call.address)
+                    .generate_stream(prompt, one, gateway().cfg.generate_timeout_s, request_id=rid)
+                ):
+                    await queue.put((i, msg))
+                await queue.put((i, None))
+            except grpc.RpcError as exc:
+                await queue.put((i, _from_rpc(exc, f"rollout server {call.address}")))
+
+        async def events() -> AsyncIterator[str]:
+            if call.kind == "chat":
+                for i in range(call.n):
+                    opening = call.envelope(obj) | {
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                            }
+                        ]
+                    }
+                    yield _sse(opening)
+            queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+            tasks = [asyncio.create_task(pump(i, queue)) for i in range(call.n)]
+            replies = [_Streamed() for _ in range(call.n)]
+            try:
+                left = call.n
+                while left:
+                    i, msg = await queue.get()
+                    reply = replies[i]
+                    if isinstance(msg, HTTPError):
+                        yield _sse({"error": msg.body()})
+                        return
+                    if msg is not None:
+                        reply.take(msg)
+                        delta = reply.delta(gateway().renderer, final=False)
+                        if delta:
+                            yield chunk(i, delta)
+                        continue
+                    left -= 1
+                    delta = reply.delta(gateway().renderer, final=True)
+                    finish = _FINISH.get(reply.finish, "stop")
+                    call.record(i, reply.completion(), reply.shown)
+                    yield chunk(i, delta or None, finish)
+                if usage:
+                    tokens = sum(len(r.ids) for r in replies)
+                    yield _sse(
+                        call.envelope(obj) | {"choices": [], "usage": _usage(len(prompt), tokens)}
+                    )
+                yield "data: [DONE]\n\n"
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def answer(call: Call) -> Any:
+        return stream(call) if call.body.get("stream") else await complete(call)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         body = await json_body(request)
-        if body.get("stream"):
-            raise FieldError("stream", "streaming is not supported by this gateway yet")
         messages = normalize_messages(body.get("messages"))
         session_id = request.headers.get(SESSION_HEADER)
         if session_id:
@@ -385,15 +548,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             conv, parent = (
                 gateway().session(session_id).conversation_for(messages, gateway().renderer)
             )
-            return await complete(request, body, conv, "chat", parent)
+            return await answer(await prepare(request, body, conv, "chat", parent))
         fresh = Conversation.start(messages, gateway().renderer)
-        return await complete(request, body, fresh, "chat")
+        return await answer(await prepare(request, body, fresh, "chat"))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await json_body(request)
-        if body.get("stream"):
-            raise FieldError("stream", "streaming is not supported by this gateway yet")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -406,7 +567,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             raise FieldError("prompt", "must be a non-empty string or a list of token ids")
         n = len(ids)
         conv = Conversation([], text, ids, [0.0] * n, [-1] * n, [False] * n, n)
-        return await complete(request, body, conv, "text")
+        return await answer(await prepare(request, body, conv, "text"))
 
     @app.post("/rl/sessions")
     async def open_session(request: Request) -> Any:
