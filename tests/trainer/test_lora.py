@@ -97,3 +97,17 @@ def test_export_holds_the_adapter_and_on_request_the_merged_model(make_batch, tm
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
         # And the adapter did change the model.
         assert (load_model(MODEL)(input_ids=ids).logits - want).abs().max() > 1e-4
+
+
+def test_a_lora_checkpoint_resumes_to_the_same_next_step(make_batch, tmp_path):
+    """Adapters, their AdamW state and the version survive save/load: the restored engine's
+    next step equals the original's."""
+    a = TrainerEngine(lora_config(fsdp=False, dtype="float64"))
+    a.train_step(make_batch(seed=1))
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    b = TrainerEngine(lora_config(fsdp=False, dtype="float64"))
+    assert b.load_checkpoint(str(tmp_path / "ckpt"))[1] == a.version == 1
+    assert max_diff(params(a), params(b)) == 0.0
+    a.train_step(make_batch(seed=3))
+    b.train_step(make_batch(seed=3))
+    assert max_diff(params(a), params(b)) <= 1e-12
