@@ -32,6 +32,7 @@ from areal_grpc.errors import FieldError
 
 __all__ = [
     "ALGORITHMS",
+    "EXTERNAL_TASK",
     "NORM_LEVELS",
     "WEIGHT_SYNC_METHODS",
     "CheckpointConfig",
@@ -67,6 +68,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 # "none" applies no behaviour weight at all.
 REJECTION_METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3", "binary_kl", "none")
 REJECTION_AGGS = ("mean", "sum", "max")
+# data.task of a run that trains only on what producers submit.
+EXTERNAL_TASK = "external"
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "constant")
@@ -172,7 +175,9 @@ class ModelConfig:
 class DataConfig:
     """The prompts."""
 
-    # A built-in task (areal_grpc.tasks: "first3", "echo") or a task whose items come from path.
+    # A built-in task (areal_grpc.tasks: "first3", "echo"), a task whose items come from path,
+    # or "external": no prompts of the run's own, it trains only on the groups producers
+    # submit (the gateway's sessions, SubmitTrajectories).
     task: str = "first3"
     # Train items (JSONL or Parquet, read with the datasets library) for tasks that are not
     # built in (e.g. "gsm8k"); None for built-ins.
@@ -716,6 +721,14 @@ def _validate_data(cfg: RunConfig) -> None:
             raise FieldError(f"data.{key}", f"{value!r} is not a file")
     if cfg.data.eval_path is not None and cfg.data.path is None:
         raise FieldError("data.eval_path", "needs data.path (the train items)")
+    if cfg.data.task == EXTERNAL_TASK:
+        if cfg.data.path is not None:
+            raise FieldError("data.path", "data.task=external has no items of its own")
+        if cfg.eval.every_steps:
+            raise FieldError(
+                "eval.every_steps",
+                "data.task=external has no held-out items to evaluate: set eval.every_steps=0",
+            )
 
 
 def _validate_rollout(cfg: RunConfig) -> None:

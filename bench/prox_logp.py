@@ -37,19 +37,10 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from results import result
 from teardown import exit_on_sigterm
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def result(bench: str, value: float, unit: str, baseline: float, target: str) -> None:
-    """One RESULT line (the format every benchmark here ends with)."""
-    ratio = value / baseline if baseline else float("nan")
-    print(
-        f"RESULT bench={bench} value={value:.4g} unit={unit} baseline={baseline:.4g} "
-        f"ratio={ratio:.4g} target={target}",
-        flush=True,
-    )
 
 
 def run(method: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:

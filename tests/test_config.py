@@ -291,3 +291,16 @@ def test_lora_settings_are_checked_by_name():
         with pytest.raises(FieldError) as err:
             load_config(None, overrides)
         assert err.value.field == field, overrides
+
+
+def test_an_external_only_run_needs_no_items_and_no_eval():
+    cfg = load_config(None, ["data.task=external", "eval.every_steps=0", "gateway.enabled=true"])
+    assert cfg.data.task == "external" and cfg.gateway.enabled
+    for overrides, field in [
+        (["data.task=external"], "eval.every_steps"),
+        (["gateway.port=70000"], "gateway.port"),
+        (["gateway.max_tokens=0"], "gateway.max_tokens"),
+    ]:
+        with pytest.raises(FieldError) as err:
+            load_config(None, overrides)
+        assert err.value.field == field, overrides

@@ -9,7 +9,6 @@ the coordinator's buffer is token-exact: the trained tokens are the sampled ones
 from __future__ import annotations
 
 import asyncio
-import signal
 import socket
 import threading
 import time
@@ -395,17 +394,16 @@ def test_streamed_replies_arrive_as_chunks_and_continue_their_conversation(
     assert completion_tokens >= 1 and trained >= completion_tokens
 
 
-def test_the_run_starts_the_gateway_and_trains_on_its_sessions(
-    tmp_path: Path, coordinator_command
-) -> None:
-    """``gateway.enabled=true``: the run prints GATEWAY beside COORDINATOR; an agent's session
-    through it is trained like the run's own groups, and Ctrl-C stops the gateway too."""
+def test_a_run_trains_on_gateway_sessions_alone(tmp_path: Path, coordinator_command) -> None:
+    """``data.task=external gateway.enabled=true``: the run prints GATEWAY beside COORDINATOR,
+    has no prompts of its own, and its one step trains exactly the two sessions an agent
+    sent through the gateway; the gateway stops with the run."""
     out = tmp_path / "run"
     proc = coordinator_command.start(
         out,
         *coordinator_command.SMALL_RUN,
-        "total_steps=100000",  # stopped by Ctrl-C once the session is trained
-        "staleness.max_staleness=2",
+        "data.task=external",
+        "total_steps=1",
         "gateway.enabled=true",
     )
     coordinator_command.address(proc)
@@ -418,30 +416,63 @@ def test_the_run_starts_the_gateway_and_trains_on_its_sessions(
     rest: list[str] = []
     drain = threading.Thread(target=lambda: rest.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     drain.start()
-    deadline = time.monotonic() + 60
-    while (r := httpx.post(f"{base}/rl/sessions", json={}, timeout=30)).status_code == 429:
-        assert time.monotonic() < deadline, "no capacity for a minute"
-        time.sleep(float(r.headers["Retry-After"]))
-    sid = r.json()["session_id"]
-    c = openai.OpenAI(
-        base_url=f"{base}/v1", api_key="x", max_retries=0, default_headers={"X-Session-Id": sid}
-    )
-    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    reply = httpx.post(f"{base}/rl/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30)
-    assert reply.json()["accepted"] is True, reply.text
-
-    def trained() -> set[str]:
-        path = out / "batches.jsonl"
-        if not path.exists():
-            return set()
-        return {g["task_id"] for b in read_jsonl(path) for g in b["groups"]}
-
-    deadline = time.monotonic() + 120
-    while sid not in trained() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert sid in trained()
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130, "".join(rest)
+    sessions = []
+    for _ in range(2):  # staleness.batch_size=2: one step's worth
+        sid = httpx.post(f"{base}/rl/sessions", json={"group_size": 2}, timeout=30).json()[
+            "session_id"
+        ]
+        c = openai.OpenAI(
+            base_url=f"{base}/v1", api_key="x", max_retries=0, default_headers={"X-Session-Id": sid}
+        )
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a="}], n=2)
+        reply = httpx.post(f"{base}/rl/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30)
+        assert reply.json()["accepted"] is True, reply.text
+        sessions.append(sid)
+    assert proc.wait(timeout=120) == 0, "".join(rest)
     drain.join(timeout=10)
+    trained = [g["task_id"] for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
+    assert sorted(trained) == sorted(sessions)
+    steps = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == [1]
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{base}/v1/models", timeout=5)
+
+
+def test_concurrent_turns_with_equal_replies_continue_different_conversations(
+    gateway: Gateway, mesh: Mesh
+) -> None:
+    """n=3 greedy replies are equal; three concurrent second turns with the same messages
+    each continue one of the three conversations (none is left at its first turn)."""
+
+    async def agent() -> str:
+        sid = session(gateway, group_size=3)
+        c = openai.AsyncOpenAI(
+            base_url=f"{gateway.url}/v1",
+            api_key="x",
+            max_retries=0,
+            default_headers={"X-Session-Id": sid},
+        )
+        q = {"role": "user", "content": "k="}
+        first = await c.chat.completions.create(
+            model=MODEL, messages=[q], n=3, max_tokens=2, temperature=0.0
+        )
+        replies = {ch.message.content for ch in first.choices}
+        assert len(replies) == 1  # greedy: all equal
+        turn = [q, {"role": "assistant", "content": replies.pop() or ""}, q]
+        seconds = await asyncio.gather(
+            *(c.chat.completions.create(model=MODEL, messages=turn, max_tokens=2) for _ in range(3))
+        )
+        rewards = {r.choices[0].completion_id: 1.0 for r in seconds}  # type: ignore[attr-defined]
+        reply = httpx.post(f"{gateway.url}/rl/sessions/{sid}/reward", json={"rewards": rewards})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["trajectories"] == 3
+        await c.close()
+        return sid
+
+    sid = asyncio.run(agent())
+    (group,) = [g for task, g in mesh.buffered() if task == sid]
+    # Every trajectory holds two sampled turns: two runs of loss-masked tokens.
+    for t in group.trajectories:
+        mask = list(t.loss_mask)
+        runs = sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+        assert runs == 2, mask

@@ -38,7 +38,7 @@ from areal_clients.trainer import TrainerClient
 from arealgrpc.v1 import trainer_pb2
 
 from areal_grpc import tracing
-from areal_grpc.config import RunConfig
+from areal_grpc.config import EXTERNAL_TASK, RunConfig
 from areal_grpc.coordinator.checkpoint import CheckpointStore
 from areal_grpc.coordinator.dataloader import PromptLoader, load_items
 from areal_grpc.coordinator.evaluator import Evaluator
@@ -122,7 +122,12 @@ class Coordinator:
         self.out_dir = out_dir
         self.on_step = on_step
         s = cfg.staleness
-        self.loader = PromptLoader(load_items(cfg, "train"), cfg.data.shuffle, cfg.model.seed)
+        # data.task=external: no prompts of its own, only the groups producers submit.
+        self.loader = (
+            None
+            if cfg.data.task == EXTERNAL_TASK
+            else PromptLoader(load_items(cfg, "train"), cfg.data.shuffle, cfg.model.seed)
+        )
         self.pool = WorkPool(
             s.batch_size,
             s.max_staleness,
@@ -164,7 +169,9 @@ class Coordinator:
             max_restarts=cfg.trainer.max_restarts,
             every_steps=cfg.checkpoint.every_steps,
         )
-        eval_items = load_items(cfg, "eval")[: cfg.eval.max_prompts]
+        eval_items = (
+            [] if self.loader is None else load_items(cfg, "eval")[: cfg.eval.max_prompts]
+        )
         self.evaluator = Evaluator(
             eval_items,
             workflow=episode.workflow,

@@ -274,6 +274,11 @@ class Call:
         # itself, the others copies of it as it was before any reply.
         self.branches = [self.base.branch() for _ in range(self.n - 1)]
 
+    def release(self) -> None:
+        """Ends the request's claim on the conversation it continues."""
+        if self.session is not None:
+            self.session.release(self.parent)
+
     def envelope(self, obj: str) -> dict[str, Any]:
         """The fields every response object and chunk starts with."""
         return {"id": self.rid, "object": obj, "created": int(time.time()), "model": self.model}
@@ -530,11 +535,17 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             finally:
                 for t in tasks:
                     t.cancel()
+                call.release()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def answer(call: Call) -> Any:
-        return stream(call) if call.body.get("stream") else await complete(call)
+        if call.body.get("stream"):
+            return stream(call)  # releases its claim when the stream ends
+        try:
+            return await complete(call)
+        finally:
+            call.release()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -542,13 +553,18 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         messages = normalize_messages(body.get("messages"))
         session_id = request.headers.get(SESSION_HEADER)
         if session_id:
-            # No lock: matching and recording do not await, so concurrent requests of a
-            # session each see a consistent session; two continuing the same conversation
-            # become two conversations (the second finds it already replaced).
-            conv, parent = (
-                gateway().session(session_id).conversation_for(messages, gateway().renderer)
-            )
-            return await answer(await prepare(request, body, conv, "chat", parent))
+            # No lock: matching and recording do not await. A conversation being continued
+            # is claimed until its request ends, so concurrent requests with the same
+            # messages (two choices with equal replies) continue different conversations,
+            # and one more than there are becomes a conversation of its own.
+            session = gateway().session(session_id)
+            conv, parent = session.conversation_for(messages, gateway().renderer)
+            try:
+                call = await prepare(request, body, conv, "chat", parent)
+            except BaseException:
+                session.release(parent)
+                raise
+            return await answer(call)
         fresh = Conversation.start(messages, gateway().renderer)
         return await answer(await prepare(request, body, fresh, "chat"))
 

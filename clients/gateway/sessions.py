@@ -33,6 +33,8 @@ class Session:
     conversations: list[Conversation] = field(default_factory=list)
     # Completion id -> the conversation it is the latest reply of, or was a reply of.
     by_completion: dict[str, Conversation] = field(default_factory=dict)
+    # id() of conversations a request in flight continues.
+    claimed: set[int] = field(default_factory=set)
 
     @property
     def session_id(self) -> str:
@@ -58,12 +60,22 @@ class Session:
         session changes until :meth:`add`.
         """
         for conv in reversed(self.conversations):
+            if id(conv) in self.claimed:
+                continue
             ids = conv.continued_by(messages, renderer)
             if ids is not None:
                 longer = conv.branch()
                 longer.extend_prompt(messages, ids, renderer.text(messages))
+                # Claimed until its request ends (:meth:`release`): a concurrent request with
+                # the same messages (two choices with equal replies) continues the other one.
+                self.claimed.add(id(conv))
                 return longer, conv
         return Conversation.start(messages, renderer), None
+
+    def release(self, parent: Conversation | None) -> None:
+        """Ends the claim :meth:`conversation_for` put on ``parent``."""
+        if parent is not None:
+            self.claimed.discard(id(parent))
 
     def add(self, conv: Conversation, replaces: Conversation | None = None) -> None:
         """Records a conversation that took a reply, in place of the one it continues."""

@@ -35,13 +35,17 @@ def exported_state_dict(path) -> dict:
     return out
 
 
-def reference_greedy(path, prompt: list[int], n: int = 12, device: str = "cpu") -> list[int]:
-    """Greedy output of an hf engine loaded from the exported directory."""
+def reference_greedy(
+    path, prompt: list[int], n: int = 12, device: str = "cpu", model_factory=None
+) -> list[int]:
+    """Greedy output of an hf engine loaded from the exported directory (or serving the model
+    ``model_factory()`` builds, e.g. a base model with an exported adapter)."""
 
     async def run() -> list[int]:
         from areal_servers.rollout.engine import SamplingConfig
 
-        engine = HFEngine(HFEngineConfig(model=str(path), device=device))
+        model = model_factory() if model_factory is not None else None
+        engine = HFEngine(HFEngineConfig(model=str(path), device=device), model=model)
         try:
             result = await engine.generate(
                 prompt, SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True)

@@ -10,8 +10,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 from areal_clients.fleet import update_fleet_weights
-from areal_servers.rollout.engine import SamplingConfig
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from peft import PeftModel
 from safetensors.torch import load_file
 
@@ -19,6 +17,7 @@ from areal_grpc.config import LoraSettings
 from areal_grpc.model import load_model
 
 from .conftest import MODEL, MakeRollout, Trainers, start_trainers, stop_trainers, tensor_digest
+from .test_fleet_methods import reference_greedy
 
 LORA = LoraSettings(rank=4, alpha=8.0)
 PROMPT = [5, 17, 42, 99, 7]
@@ -39,23 +38,6 @@ def served_name(saved: str) -> str:
     return saved.replace(".lora_A.weight", ".lora_A.default.weight").replace(
         ".lora_B.weight", ".lora_B.default.weight"
     )
-
-
-def greedy_over_base(adapter_dir, prompt: list[int], n: int = 12) -> list[int]:
-    """Greedy output of an hf engine serving the base model with the exported adapter."""
-
-    async def run() -> list[int]:
-        model = PeftModel.from_pretrained(load_model(MODEL), str(adapter_dir))
-        engine = HFEngine(HFEngineConfig(model=MODEL, device="cpu"), model=model)
-        try:
-            result = await engine.generate(
-                prompt, SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-            )
-        finally:
-            await engine.close()
-        return result.output_ids
-
-    return asyncio.run(run())
 
 
 @pytest.mark.parametrize("method", ["stream", "disk", "distributed"])
@@ -83,7 +65,8 @@ def test_lora_update_moves_only_the_adapters_bit_exact(
     base = [k for k in initial if "lora_" not in k]
     assert base and all(served[k] == initial[k] for k in base)
     assert any(served[served_name(k)] != initial[served_name(k)] for k in adapter)
-    assert rollout.greedy(PROMPT) == greedy_over_base(export, PROMPT)
+    base_and_adapter = lambda: PeftModel.from_pretrained(load_model(MODEL), str(export))  # noqa: E731
+    assert rollout.greedy(PROMPT) == reference_greedy(MODEL, PROMPT, model_factory=base_and_adapter)
 
 
 def test_a_full_update_into_a_lora_server_is_refused_by_name(make_rollout: MakeRollout) -> None:

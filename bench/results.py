@@ -1,0 +1,13 @@
+"""The RESULT line every benchmark ends with (DEVELOPERS.md), in one place."""
+
+from __future__ import annotations
+
+
+def result(bench: str, value: float, unit: str, baseline: float, target: str) -> None:
+    """``RESULT bench=... value=... unit=... baseline=... ratio=value/baseline target=...``."""
+    ratio = value / baseline if baseline else float("nan")
+    print(
+        f"RESULT bench={bench} value={value:.4g} unit={unit} baseline={baseline:.4g} "
+        f"ratio={ratio:.4g} target={target}",
+        flush=True,
+    )
