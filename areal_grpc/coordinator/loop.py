@@ -169,9 +169,7 @@ class Coordinator:
             max_restarts=cfg.trainer.max_restarts,
             every_steps=cfg.checkpoint.every_steps,
         )
-        eval_items = (
-            [] if self.loader is None else load_items(cfg, "eval")[: cfg.eval.max_prompts]
-        )
+        eval_items = [] if self.loader is None else load_items(cfg, "eval")[: cfg.eval.max_prompts]
         self.evaluator = Evaluator(
             eval_items,
             workflow=episode.workflow,
