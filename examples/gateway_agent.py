@@ -4,15 +4,16 @@
 The task is a two-turn exchange with a checking tool. The agent asks the model to echo a
 character (``"k="`` -> ``"k"``); a checker tool looks at the reply and its verdict goes back to
 the model as a ``tool`` message with the question again; the model answers a second time. The
-reward is 1 when the second answer starts with the character, 0.5 when only the first did, else
-0. Each episode is one RL session: four replies to the same question (``n=4``), each continued
-in its own conversation, rewarded per completion. The run trains on these sessions alone
-(``data.task=external``):
+reward is the second answer's: 1 when it starts with the character, 0.1 when it starts with
+another character of the alphabet, else 0. Each episode is one RL session: ``--n`` replies to
+the same question (8), each continued in its own conversation, rewarded per completion. The
+run trains on these sessions alone (``data.task=external``):
 
     .venv/bin/python -m areal_grpc.coordinator data.task=external eval.every_steps=0 \\
-        gateway.enabled=true total_steps=60 staleness.batch_size=8 trainer.lr=1e-3 \\
-        rollout.sampling.max_new_tokens=2
-    .venv/bin/python examples/gateway_agent.py --gateway http://127.0.0.1:<port> --episodes 640
+        gateway.enabled=true total_steps=400 staleness.batch_size=16 trainer.lr=1e-3
+    .venv/bin/python examples/gateway_agent.py --gateway http://127.0.0.1:<port>
+
+(it runs until the run ends and its gateway goes away, or ``--episodes``).
 
 It prints the mean reward of every 32 episodes and, with ``--log``, writes one JSON line per
 episode (time, reward, policy version) for plotting.
@@ -45,13 +46,21 @@ async def open_session(http: httpx.AsyncClient, group_size: int) -> str:
 
 def check(reply: str, char: str) -> bool:
     """The tool: does the reply start with the character?"""
-    return reply.strip().startswith(char)
+    return reply.startswith(char)
 
 
-async def episode(http: httpx.AsyncClient, base_url: str, rng: random.Random) -> dict:
-    """One session: the question, four first answers, the tool's verdicts, four second ones."""
+def score(reply: str, char: str) -> float:
+    """1 for the right character; 0.1 for another of the question's alphabet (a format
+    reward: a fresh model puts almost all its mass elsewhere in its 384 byte tokens)."""
+    if check(reply, char):
+        return 1.0
+    return 0.1 if reply[:1] and reply[0] in CHARS else 0.0
+
+
+async def episode(http: httpx.AsyncClient, base_url: str, rng: random.Random, n: int) -> dict:
+    """One session: the question, ``n`` first answers, the tool's verdicts, ``n`` second ones."""
     char = rng.choice(CHARS)
-    sid = await open_session(http, 4)
+    sid = await open_session(http, n)
     client = openai.AsyncOpenAI(
         base_url=f"{base_url}/v1",
         api_key="unused",
@@ -60,7 +69,7 @@ async def episode(http: httpx.AsyncClient, base_url: str, rng: random.Random) ->
     )
     question = {"role": "user", "content": f"{char}="}
     first = await client.chat.completions.create(
-        model="policy", messages=[question], n=4, max_tokens=2, temperature=1.0
+        model="policy", messages=[question], n=n, max_tokens=2, temperature=1.0
     )
 
     async def second_turn(choice: object) -> tuple[str, float, str]:
@@ -76,8 +85,8 @@ async def episode(http: httpx.AsyncClient, base_url: str, rng: random.Random) ->
             model="policy", messages=messages, max_tokens=2, temperature=1.0
         )
         final = again.choices[0].message.content or ""
-        reward = 1.0 if check(final, char) else (0.5 if verdict == "correct" else 0.0)
-        return again.choices[0].completion_id, reward, again.system_fingerprint or ""  # type: ignore[attr-defined]
+        cid: str = again.choices[0].completion_id  # type: ignore[attr-defined]
+        return cid, score(final, char), again.system_fingerprint or ""
 
     results = await asyncio.gather(*(second_turn(c) for c in first.choices))
     await client.close()
@@ -101,7 +110,11 @@ async def main_async(args: argparse.Namespace) -> None:
 
         async def worker() -> None:
             while len(done) < args.episodes:
-                record = await episode(http, args.gateway, rng)
+                try:
+                    record = await episode(http, args.gateway, rng, args.n)
+                except (httpx.ConnectError, openai.APIConnectionError):
+                    print("the gateway is gone (the run ended): stopping", flush=True)
+                    return
                 record["t"] -= start
                 done.append(record)
                 if log is not None:
@@ -124,13 +137,41 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gateway", required=True, help="http://host:port (the GATEWAY line)")
-    parser.add_argument("--episodes", type=int, default=640)
+    parser.add_argument("--episodes", type=int, default=1_000_000)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8, help="replies per question (the group)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", help="write one JSON line per episode here")
+    parser.add_argument("--plot", help="with --log: draw the reward curve into this PNG")
     args = parser.parse_args()
     args.gateway = args.gateway.removesuffix("/").removesuffix("/v1")
     asyncio.run(main_async(args))
+    if args.plot and args.log:
+        plot(args.log, args.plot)
+
+
+def plot(log: str, png: str, window: int = 64) -> None:
+    """Mean reward of the last ``window`` episodes against seconds (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(log) as f:
+        records = [json.loads(line) for line in f]
+    xs, ys = [], []
+    for i in range(window, len(records) + 1, window // 4):
+        part = records[i - window : i]
+        xs.append(part[-1]["t"])
+        ys.append(sum(r["reward"] for r in part) / window)
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    ax.plot(xs, ys)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel(f"mean reward, last {window} episodes")
+    ax.set_title("an openai-package agent trained through areal-gateway")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ async def serve(run: RunConfig, coordinator: str, allow_plaintext: bool) -> None
     set_default_channel_options(run_channel_options(sec))
     sock = socket.socket(socket.AF_INET6 if ":" in g.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Inherited by the accepted connections: without it a small response waits on Nagle and
+    # the client's delayed ACK (measured: 44 ms for GET /v1/models).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((g.host, g.port))
     # Listening before the address is printed: a client that connects at once waits in the
     # backlog until uvicorn takes it, instead of being refused.
