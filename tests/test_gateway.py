@@ -23,7 +23,10 @@ import uvicorn
 from areal_clients.gateway import GatewayConfig, create_app
 from areal_clients.gateway.chat import ChatRenderer, Conversation
 from arealgrpc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, rollout_pb2
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from areal_grpc import tracing
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
@@ -33,7 +36,7 @@ from areal_grpc.server import BackgroundServer, ServerOptions, sync_channel
 
 MODEL = "builtin:micro"
 VOCAB = 384
-BATCH = 4  # capacity: BATCH x (max_staleness + 1) = 4 leases at version 0
+BATCH = 4  # the 429 test's capacity: BATCH x (max_staleness + 1) = 4 leases at version 0
 
 
 def free_port() -> int:
@@ -95,8 +98,8 @@ def rollout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
     stop_children([child])
 
 
-def start_mesh(rollout_address: str | None) -> Mesh:
-    pool = WorkPool(BATCH, 0, vocab_size=VOCAB)
+def start_mesh(rollout_address: str | None, batch: int = BATCH) -> Mesh:
+    pool = WorkPool(batch, 0, vocab_size=VOCAB)
     servicer = CoordinatorServicer(pool)
     server = BackgroundServer([servicer.as_service()], ServerOptions(host="127.0.0.1", port=0))
     running = server.start()
@@ -120,7 +123,8 @@ def start_mesh(rollout_address: str | None) -> Mesh:
 
 @pytest.fixture(scope="module")
 def mesh(rollout: Child) -> Iterator[Mesh]:
-    m = start_mesh(rollout.address)
+    # Room for every session the module's tests take (nothing trains, so none is freed).
+    m = start_mesh(rollout.address, batch=64)
     yield m
     m.stop()
 
@@ -476,3 +480,35 @@ def test_concurrent_turns_with_equal_replies_continue_different_conversations(
         mask = list(t.loss_mask)
         runs = sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
         assert runs == 2, mask
+
+
+def test_a_sessions_completions_join_its_lease_trace(gateway: Gateway, mesh: Mesh) -> None:
+    """Each completion of a session is a ``gateway.completion`` span, a child of the
+    coordinator's lease span, so generation and submission are one trace with the lease."""
+    spans = InMemorySpanExporter()
+    tracing.init_tracing("areal-test", SimpleSpanProcessor(spans))
+    try:
+        sid = session(gateway)
+        c = client(gateway, default_headers={"X-Session-Id": sid})
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t"}])
+        list(
+            c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "u"}], stream=True
+            )
+        )
+        reply = httpx.post(f"{gateway.url}/rl/sessions/{sid}/reward", json={"reward": 1.0})
+        assert reply.json()["accepted"] is True
+    finally:
+        tracing.shutdown_tracing()
+    finished = spans.get_finished_spans()
+    (lease,) = [
+        s
+        for s in finished
+        if s.name == "coordinator.lease" and s.attributes[tracing.TASK_ID] == sid
+    ]
+    completions = [s for s in finished if s.name == "gateway.completion"]
+    assert len(completions) == 2
+    for s in completions:
+        assert s.attributes[tracing.TASK_ID] == sid
+        assert s.context.trace_id == lease.context.trace_id
+        assert s.parent is not None and s.parent.span_id == lease.context.span_id

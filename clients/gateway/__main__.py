@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from areal_grpc import tracing
 from areal_grpc.cli import run_channel_options
 from areal_grpc.config import RunConfig
 from areal_grpc.errors import FieldError
@@ -93,7 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FieldError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(run, args.coordinator, args.allow_plaintext))
+    # Spans go to $OTEL_EXPORTER_OTLP_ENDPOINT when it is set (else tracing stays off).
+    tracing.init_tracing("areal-gateway")
+    try:
+        asyncio.run(serve(run, args.coordinator, args.allow_plaintext))
+    finally:
+        tracing.shutdown_tracing()
     return 0
 
 

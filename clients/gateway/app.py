@@ -14,7 +14,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from arealgrpc.v1 import common_pb2, coordinator_pb2, rollout_pb2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from areal_grpc import tracing
 from areal_grpc.errors import FieldError, PreconditionError, retry_delay_s
 from areal_grpc.model import load_tokenizer
 
@@ -233,12 +234,21 @@ class Gateway:
         return ids
 
     async def generate(
-        self, address: str, prompt: list[int], params: common_pb2.SamplingParams, rid: str
+        self,
+        address: str,
+        prompt: list[int],
+        params: common_pb2.SamplingParams,
+        rid: str,
+        trace_context: common_pb2.TraceContext | None = None,
     ) -> rollout_pb2.GenerateResponse:
         """Generate at ``address``, its errors as HTTP errors."""
         try:
             return await self.rollout(address).generate(
-                prompt, params, timeout_s=self.cfg.generate_timeout_s, request_id=rid
+                prompt,
+                params,
+                timeout_s=self.cfg.generate_timeout_s,
+                request_id=rid,
+                trace_context=trace_context,
             )
         except grpc.RpcError as exc:
             raise _from_rpc(exc, f"rollout server {address}") from exc
@@ -273,6 +283,21 @@ class Call:
         # Every choice continues the same prompt: the first takes the conversation
         # itself, the others copies of it as it was before any reply.
         self.branches = [self.base.branch() for _ in range(self.n - 1)]
+
+    @contextlib.contextmanager
+    def traced(self, index: int | None = None) -> Iterator[common_pb2.TraceContext | None]:
+        """A ``gateway.completion`` span, a child of the session's lease (so the lease's
+        generation, submission and training are one trace); yields the context Generate
+        calls carry: the span's when this process traces, else the lease's."""
+        lease = self.session.lease.trace_context if self.session is not None else None
+        attributes: dict[str, Any] = {
+            tracing.TASK_ID: self.session.session_id if self.session is not None else self.rid,
+            tracing.ROLLOUT_SERVER: self.address,
+        }
+        if index is not None:
+            attributes["areal.choice"] = index
+        with tracing.span("gateway.completion", parent=lease, attributes=attributes):
+            yield tracing.to_proto() if tracing.enabled() else lease
 
     def release(self) -> None:
         """Ends the request's claim on the conversation it continues."""
@@ -439,7 +464,10 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     async def complete(call: Call) -> dict[str, Any]:
         """Generates the ``n`` replies in one Generate call and records them."""
         prompt = list(call.base.token_ids)
-        reply = await gateway().generate(call.address, prompt, call.params, call.rid)
+        with call.traced() as trace_context:
+            reply = await gateway().generate(
+                call.address, prompt, call.params, call.rid, trace_context
+            )
         if len(reply.completions) != call.n:
             raise HTTPError(
                 502,
@@ -481,12 +509,19 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         async def pump(i: int, queue: asyncio.Queue[tuple[int, Any]]) -> None:
             rid = call.rid if call.n == 1 else f"{call.rid}:{i}"
             try:
-                async for msg in (
-                    gateway()
-                    .rollout(call.address)
-                    .generate_stream(prompt, one, gateway().cfg.generate_timeout_s, request_id=rid)
-                ):
-                    await queue.put((i, msg))
+                with call.traced(i) as trace_context:
+                    async for msg in (
+                        gateway()
+                        .rollout(call.address)
+                        .generate_stream(
+                            prompt,
+                            one,
+                            gateway().cfg.generate_timeout_s,
+                            request_id=rid,
+                            trace_context=trace_context,
+                        )
+                    ):
+                        await queue.put((i, msg))
                 await queue.put((i, None))
             except grpc.RpcError as exc:
                 await queue.put((i, _from_rpc(exc, f"rollout server {call.address}")))
