@@ -9,7 +9,10 @@ the coordinator's buffer is token-exact: the trained tokens are the sampled ones
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +37,7 @@ from areal_grpc.launch import Child, python_module_argv, start_child, stop_child
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import BackgroundServer, ServerOptions, sync_channel
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "builtin:micro"
 VOCAB = 384
 BATCH = 4  # the 429 test's capacity: BATCH x (max_staleness + 1) = 4 leases at version 0
@@ -512,3 +516,33 @@ def test_a_sessions_completions_join_its_lease_trace(gateway: Gateway, mesh: Mes
         assert s.attributes[tracing.TASK_ID] == sid
         assert s.context.trace_id == lease.context.trace_id
         assert s.parent is not None and s.parent.span_id == lease.context.span_id
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not on PATH (Node.js 20+)")
+def test_the_openai_npm_client_from_node(gateway: Gateway, mesh: Mesh) -> None:
+    """The official ``openai`` npm package (pinned in package.json) in Node: a session with a
+    plain and a streamed turn, a 400 naming its field, and an accepted reward."""
+    if not (ROOT / "node_modules/openai").is_dir():
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=ROOT,
+            check=True,
+            timeout=300,
+        )
+    proc = subprocess.run(
+        ["node", str(ROOT / "tests/node/openai_gateway.mjs"), gateway.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["finish_reason"] in ("stop", "length")
+    assert out["chunks"] >= 2
+    assert out["bad"] == {"status": 400, "param": "n"}
+    assert out["reward"]["accepted"] is True and out["reward"]["trajectories"] == 1
+    (group,) = [g for task, g in mesh.buffered() if task == out["session_id"]]
+    # The streamed turn continued the plain one: one trajectory with two sampled runs.
+    mask = list(group.trajectories[0].loss_mask)
+    assert sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])) == 2
