@@ -287,6 +287,11 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
+def adapter_names(model: torch.nn.Module) -> set[str]:
+    """The parameters a LoRA model trains, which are all a weight update of it carries."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The transformer blocks of a causal LM, under a peft wrapper or not."""
     base = model.get_base_model() if is_lora(model) else model  # type: ignore[operator]

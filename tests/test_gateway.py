@@ -144,6 +144,16 @@ def client(gw: Gateway, **kw: object) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, **kw)
 
 
+def async_client(gw: Gateway, session_id: str) -> openai.AsyncOpenAI:
+    """An async client whose requests belong to ``session_id``."""
+    return openai.AsyncOpenAI(
+        base_url=f"{gw.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        default_headers={"X-Session-Id": session_id},
+    )
+
+
 def session(gw: Gateway, **body: object) -> str:
     reply = httpx.post(f"{gw.url}/rl/sessions", json=body, timeout=30)
     assert reply.status_code == 200, reply.text
@@ -185,12 +195,7 @@ def test_a_multi_turn_session_trains_exactly_the_sampled_tokens(gateway: Gateway
 
     async def agent() -> tuple[str, list[list[int]], list[int]]:
         sid = session(gateway, group_size=2)
-        c = openai.AsyncOpenAI(
-            base_url=f"{gateway.url}/v1",
-            api_key="unused",
-            max_retries=0,
-            default_headers={"X-Session-Id": sid},
-        )
+        c = async_client(gateway, sid)
         messages: list[dict[str, str]] = [
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "hello"},
@@ -454,12 +459,7 @@ def test_concurrent_turns_with_equal_replies_continue_different_conversations(
 
     async def agent() -> str:
         sid = session(gateway, group_size=3)
-        c = openai.AsyncOpenAI(
-            base_url=f"{gateway.url}/v1",
-            api_key="x",
-            max_retries=0,
-            default_headers={"X-Session-Id": sid},
-        )
+        c = async_client(gateway, sid)
         q = {"role": "user", "content": "k="}
         first = await c.chat.completions.create(
             model=MODEL, messages=[q], n=3, max_tokens=2, temperature=0.0

@@ -198,9 +198,13 @@ class Gateway:
                 raise FieldError(key, "is not supported by this gateway yet")
         if body.get("top_logprobs"):
             raise FieldError("top_logprobs", "only the sampled token's log-prob is available")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        limit = _int({key: max_tokens}, key, self.cfg.default_max_tokens, 1, 1 << 20)
+        # The newer name wins; a null one falls back to max_tokens.
+        key = (
+            "max_completion_tokens"
+            if body.get("max_completion_tokens") is not None
+            else "max_tokens"
+        )
+        limit = _int(body, key, self.cfg.default_max_tokens, 1, 1 << 20)
         params = common_pb2.SamplingParams(
             max_new_tokens=limit, n_samples=n, stop_token_ids=self.stop_ids(body.get("stop"))
         )

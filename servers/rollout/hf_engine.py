@@ -38,7 +38,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from areal_grpc.config import LoraSettings, ModelConfig, RolloutConfig
 from areal_grpc.errors import PreconditionError
-from areal_grpc.model import is_lora, load_model, load_tokenizer
+from areal_grpc.model import adapter_names, is_lora, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,7 @@ class HFEngine(InferenceEngine):
         # What a weight update must bring: every tensor, or with LoRA the adapters only (the
         # base weights are frozen, the same as the trainer's).
         self._required = (
-            {n for n, p in self._model.named_parameters() if p.requires_grad}
-            if is_lora(self._model)
-            else set(self._model.state_dict())
+            adapter_names(self._model) if is_lora(self._model) else set(self._model.state_dict())
         )
         self._model.requires_grad_(False)
         log.info("hf engine: %s on %s", self.model_name, self.device)

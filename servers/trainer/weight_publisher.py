@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from areal_grpc.chunk_wire import stream_channel_options
 from areal_grpc.errors import status_proto_of
 from areal_grpc.host_memory import tune_malloc
-from areal_grpc.model import is_lora
+from areal_grpc.model import adapter_names, is_lora
 from areal_grpc.server import aio_channel, default_channel_options
 from areal_grpc.weight_transfer import (
     cuda_uuid,
@@ -75,8 +75,9 @@ def published_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     communication (DTensor shapes are global), so all ranks agree on the order of the gathers.
     """
     if is_lora(model):
-        trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        return [(name, trained[name]) for name in model.state_dict() if name in trained]
+        trained = adapter_names(model)
+        params = dict(model.named_parameters())
+        return [(name, params[name]) for name in model.state_dict() if name in trained]
     owners: dict[str, torch.Tensor] = dict(model.named_parameters())
     owners.update(dict(model.named_buffers()))
     # state_dict() lists tied weights under every name; named_parameters() only once (e.g.
