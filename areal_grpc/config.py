@@ -732,11 +732,14 @@ def _validate_data(cfg: RunConfig) -> None:
 
 
 def _validate_rollout(cfg: RunConfig) -> None:
-    if cfg.rollout.engine == "sglang" and cfg.model.lora.rank > 0:
+    if (
+        cfg.rollout.engine == "sglang"
+        and cfg.model.lora.rank > 0
+        and set(cfg.weight_sync.methods) <= {"distributed"}
+    ):
         raise FieldError(
-            "model.lora.rank",
-            "the sglang engine does not take adapter-only weight updates yet: "
-            "use rollout.engine=hf with LoRA",
+            "weight_sync.methods",
+            "SGLang takes LoRA adapters from disk or stream updates only, not distributed ones",
         )
     r = cfg.rollout
     _at_least("rollout.num_servers", r.num_servers, 1)

@@ -23,9 +23,10 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
@@ -33,6 +34,9 @@ from transformers import ByT5Tokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from areal_grpc.config import LoraSettings
 from areal_grpc.paths import write_marker
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -262,17 +266,9 @@ def with_lora(model: PreTrainedModel, lora: LoraSettings, seed: int = 0) -> PreT
     The adapters' init is seeded, so every process gets the same ones (LoRA's B starts at
     zero: the wrapped model computes exactly what the base model does until it trains).
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    targets = list(lora.target_modules)
-    config = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        # peft reads "all-linear" only as a string, not inside a list.
-        target_modules="all-linear" if targets == ["all-linear"] else targets,
-        task_type="CAUSAL_LM",
-    )
+    config = lora_config(lora)
     rng_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
@@ -280,6 +276,21 @@ def with_lora(model: PreTrainedModel, lora: LoraSettings, seed: int = 0) -> PreT
     finally:
         torch.random.set_rng_state(rng_state)
     return wrapped  # type: ignore[return-value]
+
+
+def lora_config(lora: LoraSettings, target_modules: Sequence[str] | None = None) -> LoraConfig:
+    """peft's config for ``lora`` (``target_modules``: the modules resolved, when known)."""
+    from peft import LoraConfig
+
+    targets = list(target_modules if target_modules is not None else lora.target_modules)
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        # peft reads "all-linear" only as a string, not inside a list.
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        task_type="CAUSAL_LM",
+    )
 
 
 def is_lora(model: torch.nn.Module) -> bool:

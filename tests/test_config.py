@@ -285,12 +285,22 @@ def test_lora_settings_are_checked_by_name():
         (["model.lora.rank=8", "model.lora.alpha=0"], "model.lora.alpha"),
         (["model.lora.rank=8", "model.lora.dropout=1"], "model.lora.dropout"),
         (["model.lora.rank=8", "model.lora.target_modules=[]"], "model.lora.target_modules"),
-        # Adapter-only updates into sglang are not built: refused before anything starts.
-        (["model.lora.rank=8", "rollout.engine=sglang"], "model.lora.rank"),
+        # SGLang's distributed updates carry no adapters: with nothing else, refused.
+        (
+            [
+                "model.lora.rank=8",
+                "rollout.engine=sglang",
+                "rollout.sglang_urls=[http://h:30000]",
+                "weight_sync.methods=[distributed]",
+            ],
+            "weight_sync.methods",
+        ),
     ]:
         with pytest.raises(FieldError) as err:
             load_config(None, overrides)
         assert err.value.field == field, overrides
+    sglang = ["model.lora.rank=8", "rollout.engine=sglang", "rollout.sglang_urls=[http://h:3]"]
+    assert load_config(None, sglang).model.lora.rank == 8
 
 
 def test_an_external_only_run_needs_no_items_and_no_eval():

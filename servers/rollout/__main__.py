@@ -54,7 +54,11 @@ def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
 
         return SGLangEngine(
             SGLangEngineConfig(
-                model=run.model.source, url=sglang_url, seed=run.model.seed, launch=not sglang_url
+                model=run.model.source,
+                url=sglang_url,
+                seed=run.model.seed,
+                launch=not sglang_url,
+                lora=run.model.lora,
             )
         )
     return HFEngine(hf_engine_config(run))

@@ -179,6 +179,8 @@ class InferenceEngine(abc.ABC):
     max_request_tokens: int = 0
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    #: Weight updates bring LoRA adapters only; the base weights stay as loaded.
+    adapters_only: bool = False
 
     @abc.abstractmethod
     def stream(

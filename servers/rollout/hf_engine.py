@@ -141,8 +141,9 @@ class HFEngine(InferenceEngine):
         self._model.eval()
         # What a weight update must bring: every tensor, or with LoRA the adapters only (the
         # base weights are frozen, the same as the trainer's).
+        self.adapters_only = is_lora(self._model)
         self._required = (
-            adapter_names(self._model) if is_lora(self._model) else set(self._model.state_dict())
+            adapter_names(self._model) if self.adapters_only else set(self._model.state_dict())
         )
         self._model.requires_grad_(False)
         log.info("hf engine: %s on %s", self.model_name, self.device)

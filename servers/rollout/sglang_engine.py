@@ -5,7 +5,10 @@ Payloads follow SGLang 0.5.10's HTTP protocol as AReaL uses it (reference/areal-
 ``stream: false``; ``POST /pause_generation {}`` and ``POST /continue_generation {}`` around
 a weight update; ``POST /update_weights_from_disk {"model_path", "abort_all_requests": true}``;
 ``GET /health`` for readiness; ``/init_weights_update_group`` and
-``/update_weights_from_distributed`` (one attempt each) for the distributed data plane. A
+``/update_weights_from_distributed`` (one attempt each) for the distributed data plane. With
+LoRA, a weight update is a peft adapter directory loaded with ``POST /load_lora_adapter
+{"lora_name": "<name>-v<version>", "lora_path"}``, generation names it in ``lora_path``, and an
+adapter no request uses any more is dropped with ``POST /unload_lora_adapter {"lora_name"}``. A
 request aborted by a pause comes back as ``FinishReason.INTERRUPTED`` with its partial output;
 :func:`generate_resumable` re-sends prompt + partial output after resume (§2.5). Each returned
 token gets the policy version read when the response arrived.
@@ -27,6 +30,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,8 +63,9 @@ from tenacity import (
 from transformers import ByT5Tokenizer
 
 from areal_grpc import tracing
+from areal_grpc.config import LoraSettings
 from areal_grpc.errors import PreconditionError
-from areal_grpc.model import builtin_spec, is_builtin, qwen2_config
+from areal_grpc.model import builtin_spec, is_builtin, lora_config, qwen2_config
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +103,10 @@ class SGLangEngineConfig:
     retry_wait_s: float = 0.5
     # Where load_weights writes a state dict for /update_weights_from_disk.
     weights_dir: str = ""
+    # The trainer's LoRA adapters (rank 0: none). Updates then bring only the adapters.
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    # Adapters are loaded as "<lora_name>-v<version>" (AReaL's naming).
+    lora_name: str = "areal"
 
 
 @dataclass
@@ -158,9 +167,12 @@ async def http_request(
     return HTTPResponse(resp.status_code, resp.content)
 
 
-def generate_payload(input_ids: Sequence[int], params: SamplingConfig) -> dict[str, Any]:
-    """The ``/generate`` request body for one sample (reference §6.4, exactly)."""
-    return {
+def generate_payload(
+    input_ids: Sequence[int], params: SamplingConfig, lora_path: str = ""
+) -> dict[str, Any]:
+    """The ``/generate`` request body for one sample (reference §6.4, exactly); ``lora_path``
+    names a loaded adapter to generate with."""
+    payload: dict[str, Any] = {
         "input_ids": list(input_ids),
         "image_data": [],
         "sampling_params": {
@@ -176,6 +188,9 @@ def generate_payload(input_ids: Sequence[int], params: SamplingConfig) -> dict[s
         "return_logprob": True,
         "stream": False,
     }
+    if lora_path:
+        payload["lora_path"] = lora_path
+    return payload
 
 
 def parse_generate_response(body: Any) -> tuple[list[int], list[float], str]:
@@ -224,6 +239,16 @@ class SGLangEngine(InferenceEngine):
         self._generated_tokens = 0
         self._weights_tmp: str | None = None
         self._http = http_client(config.request_timeout_s)
+        self.adapters_only = config.lora.rank > 0
+        # The adapter generation uses ("" until the first update: LoRA's B starts at zero, so
+        # the base model is the initial policy), its directory, and the adapter tensors'
+        # names (fixed by the first update).
+        self._adapter = ""
+        self._adapter_dirs: dict[str, Path] = {}
+        self._adapter_names: frozenset[str] = frozenset()
+        # Requests in flight per adapter: a replaced adapter is unloaded once none use it.
+        self._adapter_users: dict[str, int] = {}
+        self._unloads: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -241,10 +266,24 @@ class SGLangEngine(InferenceEngine):
             str(self.config.launch_port),
             "--random-seed",
             str(self.config.seed),
+            *self._lora_launch_args(),
             *self.config.launch_args,
         ]
         log.info("launching %s", " ".join(cmd))
         self._process = subprocess.Popen(cmd)
+
+    def _lora_launch_args(self) -> list[str]:
+        lora = self.config.lora
+        if not lora.rank:
+            return []
+        targets = list(lora.target_modules)
+        return [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(lora.rank),
+            "--lora-target-modules",
+            *(["all"] if targets == ["all-linear"] else targets),
+        ]
 
     async def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Polls ``GET /health`` every second until it answers 200 (TimeoutError otherwise)."""
@@ -276,6 +315,8 @@ class SGLangEngine(InferenceEngine):
 
     async def close(self) -> None:
         """Stops a launched server and removes temporary weight files."""
+        for task in list(self._unloads):
+            task.cancel()
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()
             await asyncio.to_thread(self._process.wait)
@@ -313,13 +354,20 @@ class SGLangEngine(InferenceEngine):
             await self._resumed.wait()
         finally:
             self._queued -= 1
+        # An adapter pins the weights a request runs on, so its tokens carry the version the
+        # request was sent at; full-weight updates abort requests in flight instead (their
+        # partial output comes back before the new version is served).
+        adapter, sent_version = self._adapter, self._version
         self._running += 1
+        self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
         try:
-            body = await self._post("/generate", generate_payload(input_ids, params))
+            body = await self._post("/generate", generate_payload(input_ids, params, adapter))
         finally:
             self._running -= 1
+            self._adapter_users[adapter] -= 1
+            self._unload_idle()
         tokens, logprobs, kind = parse_generate_response(body)
-        version = self._version
+        version = sent_version if self.adapters_only else self._version
         self._generated_tokens += len(tokens)
         if tokens:
             yield TokenEvent(tokens, logprobs, [version] * len(tokens))
@@ -351,6 +399,10 @@ class SGLangEngine(InferenceEngine):
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> None:
         """``POST /update_weights_from_disk``; serves ``version`` once SGLang accepts."""
+        if self.adapters_only:
+            raise PreconditionError(
+                "this SGLang server serves LoRA adapters: a full checkpoint cannot replace them"
+            )
         if version <= self._version:
             raise PreconditionError(
                 f"weights version {version} is not newer than the served version {self._version}"
@@ -398,6 +450,8 @@ class SGLangEngine(InferenceEngine):
         The sender broadcasts the tensors over the group meanwhile; pass ``version`` with the
         last bucket to serve the new version from then on.
         """
+        if self.adapters_only:
+            raise PreconditionError("SGLang's distributed weight updates carry no LoRA adapters")
         if version is not None and version <= self._version:
             raise PreconditionError(
                 f"weights version {version} is not newer than the served version {self._version}"
@@ -428,10 +482,74 @@ class SGLangEngine(InferenceEngine):
                 f"weights version {version} is not newer than the served version {self._version}"
             )
         root = self.config.weights_dir or self._tmp_root()
+        if self.adapters_only:
+            await self._load_adapter(state_dict, version, Path(root))
+            return {}
         path = Path(root) / f"v{version}"
         await asyncio.to_thread(_write_checkpoint, self.config.model, state_dict, path)
         await self.update_weights_from_disk(str(path), version)
         return {}
+
+    async def _load_adapter(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, root: Path
+    ) -> None:
+        """Writes the adapters as a peft directory, has SGLang load it, and generates with it
+        from then on; the adapter it replaces is unloaded once no request uses it."""
+        names = frozenset(state_dict)
+        unknown = sorted(n for n in names if not _ADAPTER_KEY.search(n))
+        if unknown:
+            raise ValueError(f"state dict has unknown tensors: {unknown[:5]}")
+        if self._adapter_names and names != self._adapter_names:
+            missing = sorted(self._adapter_names - names)
+            extra = sorted(names - self._adapter_names)
+            raise ValueError(
+                f"state dict lacks tensors: {missing[:5]}"
+                if missing
+                else f"state dict has unknown tensors: {extra[:5]}"
+            )
+        name = f"{self.config.lora_name}-v{version}"
+        path = root / f"lora-v{version}"
+        await asyncio.to_thread(
+            _write_adapter, self.config.model, self.config.lora, state_dict, path
+        )
+        try:
+            body = await self._post(
+                "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}
+            )
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            raise
+        if isinstance(body, dict) and body.get("success") is False:
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            raise SGLangError(f"load_lora_adapter failed: {body.get('message', body)}")
+        self._adapter_names = names
+        self._adapter_dirs[name] = path
+        self._adapter, self._version = name, version
+        self._unload_idle()
+
+    def _unload_idle(self) -> None:
+        """Starts unloading every replaced adapter that no request uses any more."""
+        for name in list(self._adapter_dirs):
+            if name != self._adapter and not self._adapter_users.get(name):
+                self._adapter_users.pop(name, None)
+                task = asyncio.get_running_loop().create_task(
+                    self._unload(name, self._adapter_dirs.pop(name))
+                )
+                self._unloads.add(task)
+                task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, name: str, path: Path) -> None:
+        try:
+            await self._post("/unload_lora_adapter", {"lora_name": name})
+        except (SGLangError, TransientHTTPError) as exc:
+            # The new adapter serves either way; a leftover one costs SGLang memory only.
+            log.warning("unloading LoRA adapter %s failed: %s", name, exc)
+        await asyncio.to_thread(shutil.rmtree, path, True)
+
+    async def settle(self) -> None:
+        """Waits for adapter unloads under way (tests, shutdown)."""
+        while self._unloads:
+            await asyncio.gather(*list(self._unloads), return_exceptions=True)
 
     def _tmp_root(self) -> str:
         if self._weights_tmp is None:
@@ -473,6 +591,34 @@ def _special_ids(model: str) -> tuple[int | None, int | None]:
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return eos, config.get("pad_token_id")
+
+
+# Adapter tensors as peft names them in a model: "<module>.lora_A.<adapter>.weight".
+_ADAPTER_KEY = re.compile(r"\.(lora_[AB])\.[^.]+\.weight$")
+
+
+def _write_adapter(
+    model: str, lora: LoraSettings, state_dict: Mapping[str, torch.Tensor], path: Path
+) -> None:
+    """A peft adapter directory (adapter_config.json, adapter_model.safetensors) for SGLang.
+
+    peft saves adapter tensors without the adapter's own name, so "q_proj.lora_A.default.
+    weight" is stored as "q_proj.lora_A.weight"; the config names the modules actually wrapped.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {
+        _ADAPTER_KEY.sub(r".\1.weight", n): t.detach().cpu().contiguous()
+        for n, t in state_dict.items()
+    }
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    modules = sorted({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in state_dict})
+    config = lora_config(lora, modules)
+    config.base_model_name_or_path = "" if is_builtin(model) else model
+    config.save_pretrained(str(tmp))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
 
 
 def _write_checkpoint(model: str, state_dict: Mapping[str, torch.Tensor], path: Path) -> None:

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 from areal_servers.rollout.engine import FinishReason, SamplingConfig, generate_resumable
 from areal_servers.rollout.sglang_engine import (
     NO_TOP_K,
@@ -22,8 +23,10 @@ from areal_servers.rollout.sglang_engine import (
     SGLangEngineConfig,
     SGLangError,
 )
+from peft import PeftModel
 from safetensors.torch import load_file
 
+from areal_grpc.config import LoraSettings
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import load_model
 
@@ -83,7 +86,14 @@ class FakeSGLang:
                     ok = (Path(body["model_path"]) / "model.safetensors").is_file()
                     fake.loaded = load_file(str(Path(body["model_path"]) / "model.safetensors"))
                     return self._answer(200, {"success": ok, "message": ""})
-                if self.path in ("/init_weights_update_group", "/update_weights_from_distributed"):
+                if self.path == "/load_lora_adapter":
+                    ok = (Path(body["lora_path"]) / "adapter_model.safetensors").is_file()
+                    return self._answer(200, {"success": ok, "message": ""})
+                if self.path in (
+                    "/init_weights_update_group",
+                    "/update_weights_from_distributed",
+                    "/unload_lora_adapter",
+                ):
                     return self._answer(200, {"success": True, "message": ""})
                 if self.path == "/generate":
                     fake.generate_seen.set()
@@ -325,3 +335,73 @@ async def test_sglang_protocol_fake_server_unhealthy_until_ready_then_timeout_na
     finally:
         await engine.close()
         server.close()
+
+
+async def test_sglang_protocol_fake_server_lora_adapter_per_version(fake, tmp_path):
+    """With LoRA, each update is a peft directory loaded as "areal-v<version>"; requests name
+    the adapter they were sent with and carry its version; a replaced adapter is unloaded (and
+    its directory removed) only once its last request has finished."""
+    lora = LoraSettings(rank=4, alpha=8.0)
+    release = threading.Event()
+
+    def held(body):
+        release.wait(30)
+        return answer([7], "length")
+
+    fake.script = [lambda body: answer([5], "length"), held]
+    engine = SGLangEngine(
+        SGLangEngineConfig(
+            model="builtin:micro", url=fake.url, lora=lora, weights_dir=str(tmp_path)
+        )
+    )
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=1)
+    model = load_model("builtin:micro", lora=lora)
+    adapters = {n: torch.randn_like(p) for n, p in model.named_parameters() if p.requires_grad}
+
+    # Before any update the base model serves (LoRA's B starts at zero): no lora_path.
+    first = await engine.generate([3], cfg)
+    assert "lora_path" not in fake.posts("/generate")[0] and first.output_versions == [0]
+    # A full state dict is not an adapter update: refused before SGLang hears of it.
+    with pytest.raises(ValueError, match="unknown tensors"):
+        await engine.load_weights(load_model("builtin:micro").state_dict(), 1)
+    assert fake.posts("/load_lora_adapter") == []
+    with pytest.raises(PreconditionError, match="LoRA"):
+        await engine.update_weights_from_distributed(["x"], ["float32"], [[1]], "g", 1)
+
+    await engine.load_weights(adapters, 1)
+    assert fake.posts("/load_lora_adapter") == [
+        {"lora_name": "areal-v1", "lora_path": str(tmp_path / "lora-v1")}
+    ]
+    served = PeftModel.from_pretrained(load_model("builtin:micro"), str(tmp_path / "lora-v1"))
+    for name, tensor in served.named_parameters():
+        if "lora_" in name:
+            assert tensor.equal(adapters[name]), name
+
+    fake.generate_seen.clear()
+    in_flight = asyncio.create_task(engine.generate([4], cfg))
+    await asyncio.to_thread(fake.generate_seen.wait, 30)
+    assert fake.posts("/generate")[-1]["lora_path"] == "areal-v1"
+    await engine.load_weights({n: t + 1 for n, t in adapters.items()}, 2)
+    await engine.settle()
+    # areal-v1 still has a request in flight: it stays loaded.
+    assert fake.posts("/unload_lora_adapter") == [] and (tmp_path / "lora-v1").is_dir()
+    release.set()
+    result = await in_flight
+    await engine.settle()
+    assert result.output_versions == [1]  # the version of the adapter it ran on
+    assert fake.posts("/unload_lora_adapter") == [{"lora_name": "areal-v1"}]
+    assert not (tmp_path / "lora-v1").exists() and (tmp_path / "lora-v2").is_dir()
+    fake.script = [lambda body: answer([6], "length")]
+    latest = await engine.generate([5], cfg)
+    assert fake.posts("/generate")[-1]["lora_path"] == "areal-v2" and latest.output_versions == [2]
+    await engine.close()
+
+
+def test_sglang_launch_enables_lora_for_the_run_adapters():
+    engine = SGLangEngine(
+        SGLangEngineConfig(
+            model="builtin:micro", launch=True, lora=LoraSettings(rank=16, alpha=32.0)
+        )
+    )
+    args = engine._lora_launch_args()
+    assert args == ["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "all"]

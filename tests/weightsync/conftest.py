@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from areal_servers.rollout.engine import InferenceEngine
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.receive.base import WeightSyncConfig
 from areal_servers.rollout.service import RolloutServicer
@@ -232,7 +233,7 @@ def trainers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainers]:
 class Rollout:
     server: BackgroundServer
     address: str
-    engine: HFEngine
+    engine: InferenceEngine
     weight_sync: WeightSyncServicer
     channel: grpc.Channel
     rollout: rollout_pb2_grpc.RolloutServiceStub
@@ -248,6 +249,7 @@ class Rollout:
 
     def digests(self) -> dict[str, str]:
         """Checksums of the weights being served."""
+        assert isinstance(self.engine, HFEngine)
         return {k: tensor_digest(v) for k, v in self.engine.model.state_dict().items()}
 
     def greedy(self, prompt: list[int], n: int = 12) -> list[int]:
@@ -275,9 +277,13 @@ def make_rollout() -> Iterator[MakeRollout]:
         disk_root: str | Path | None = None,
         device: str = "cpu",
         lora: LoraSettings | None = None,
+        engine: InferenceEngine | None = None,
         **kw: object,
     ) -> Rollout:
-        engine = HFEngine(HFEngineConfig(model=MODEL, device=device, lora=lora or LoraSettings()))
+        if engine is None:
+            engine = HFEngine(
+                HFEngineConfig(model=MODEL, device=device, lora=lora or LoraSettings())
+            )
         rollout = RolloutServicer(engine, load_tokenizer(MODEL))
         kw.setdefault("group_timeout_s", 60)
         ws = build_weight_sync_service(

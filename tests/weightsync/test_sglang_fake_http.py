@@ -34,7 +34,8 @@ TIMEOUT = 30.0
 
 
 class FakeSGLangHTTP:
-    """Answers SGLang's weight endpoints with success and records every POST body."""
+    """Answers SGLang's weight endpoints with success, ``/generate`` with one token, and
+    records every POST body."""
 
     def __init__(self) -> None:
         self.posts: list[tuple[str, Any]] = []
@@ -50,6 +51,12 @@ class FakeSGLangHTTP:
             def do_POST(self) -> None:
                 n = int(self.headers.get("Content-Length", "0"))
                 fake.posts.append((self.path, json.loads(self.rfile.read(n) or b"null")))
+                if self.path == "/generate":
+                    # One token, then the length limit: enough for a request to complete.
+                    triples = [[-0.5, 7, None]]
+                    finish = {"type": "length", "message": ""}
+                    meta = {"output_token_logprobs": triples, "finish_reason": finish}
+                    return self._answer({"text": "", "meta_info": meta})
                 self._answer({"success": True, "message": "ok"})
 
             def _answer(self, body: object) -> None:

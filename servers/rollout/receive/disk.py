@@ -1,6 +1,7 @@
 """DISK (``UpdateFromDisk``): a versioned safetensors directory that must lie inside this
 server's own configured root (``..``, absolute paths elsewhere and symlinks leading out are
-INVALID_ARGUMENT naming ``path``). The ``sglang`` engine gets ``/update_weights_from_disk``.
+INVALID_ARGUMENT naming ``path``). The ``sglang`` engine gets ``/update_weights_from_disk``
+(with LoRA, the adapters are loaded and rewritten as the peft directory SGLang reads).
 
 DISK shards need no receive buffer: safetensors maps each file privately (copy-on-write), and
 the mapped tensors are handed over as they are, so the served weights share the page cache
@@ -60,7 +61,7 @@ class DiskReceiver(Receiver):
         directory = resolve_confined(root, request.path, "path")
         async with state.update_lock:
             state.check_version(request.policy_version)
-            if state.sglang:
+            if state.sglang and not state.engine.adapters_only:
                 await state.engine.update_weights_from_disk(  # type: ignore[attr-defined]
                     str(directory), request.policy_version
                 )

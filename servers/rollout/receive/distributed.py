@@ -76,6 +76,9 @@ class DistributedReceiver(Receiver):
             raise FieldError(f"{where}.distributed.backend", f"unknown backend {d.backend}")
         if backend not in self.backends:
             return None
+        if self.state.sglang and self.state.engine.adapters_only:
+            declined.append(f"{where}: SGLang's distributed weight updates carry no LoRA adapters")
+            return None
         if backend == "nccl" and not self.state.sglang and d.device_uuid:
             mine = cuda_uuid(self._nccl_device())
             if d.device_uuid == mine:
