@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -407,16 +409,19 @@ def test_streamed_replies_arrive_as_chunks_and_continue_their_conversation(
     assert completion_tokens >= 1 and trained >= completion_tokens
 
 
-def test_a_run_trains_on_gateway_sessions_alone(tmp_path: Path, coordinator_command) -> None:
+def test_a_run_trains_on_gateway_sessions_alone_and_restarts_a_killed_gateway(
+    tmp_path: Path, coordinator_command
+) -> None:
     """``data.task=external gateway.enabled=true``: the run prints GATEWAY beside COORDINATOR,
-    has no prompts of its own, and its one step trains exactly the two sessions an agent
-    sent through the gateway; the gateway stops with the run."""
+    has no prompts of its own, and each step trains exactly the sessions an agent sent through
+    the gateway. A gateway killed with SIGKILL between steps is restarted at the same URL (a
+    session of the dead one is 404 there); the gateway stops with the run."""
     out = tmp_path / "run"
     proc = coordinator_command.start(
         out,
         *coordinator_command.SMALL_RUN,
         "data.task=external",
-        "total_steps=1",
+        "total_steps=2",
         "gateway.enabled=true",
     )
     coordinator_command.address(proc)
@@ -429,26 +434,53 @@ def test_a_run_trains_on_gateway_sessions_alone(tmp_path: Path, coordinator_comm
     rest: list[str] = []
     drain = threading.Thread(target=lambda: rest.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     drain.start()
-    sessions = []
-    for _ in range(2):  # staleness.batch_size=2: one step's worth
-        sid = httpx.post(f"{base}/rl/sessions", json={"group_size": 2}, timeout=30).json()[
-            "session_id"
-        ]
-        c = openai.OpenAI(
-            base_url=f"{base}/v1", api_key="x", max_retries=0, default_headers={"X-Session-Id": sid}
-        )
-        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a="}], n=2)
-        reply = httpx.post(f"{base}/rl/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30)
-        assert reply.json()["accepted"] is True, reply.text
-        sessions.append(sid)
+
+    def one_step() -> list[str]:
+        sessions = []
+        for _ in range(2):  # staleness.batch_size=2: one step's worth
+            sid = new_session(base)
+            c = openai.OpenAI(
+                base_url=f"{base}/v1",
+                api_key="x",
+                max_retries=0,
+                default_headers={"X-Session-Id": sid},
+            )
+            c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "a="}], n=2
+            )
+            reply = httpx.post(f"{base}/rl/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30)
+            assert reply.json()["accepted"] is True, reply.text
+            sessions.append(sid)
+        return sessions
+
+    sessions = one_step()
+    orphan = new_session(base)
+    (gw,) = [
+        c for c in json.loads((out / "mesh.json").read_text())["children"] if c["name"] == "gateway"
+    ]
+    os.kill(gw["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not any(r.startswith("gateway exited") for r in rest):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(rest)
+        time.sleep(0.2)
+    assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 200
+    lost = httpx.post(f"{base}/rl/sessions/{orphan}/reward", json={"reward": 1.0}, timeout=30)
+    assert lost.status_code == 404, lost.text
+    sessions += one_step()
     assert proc.wait(timeout=120) == 0, "".join(rest)
     drain.join(timeout=10)
     trained = [g["task_id"] for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
     assert sorted(trained) == sorted(sessions)
     steps = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in steps] == [1]
+    assert [r["step"] for r in steps] == [1, 2]
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{base}/v1/models", timeout=5)
+
+
+def new_session(base: str) -> str:
+    """A session id from ``POST /rl/sessions`` (group size 2)."""
+    reply = httpx.post(f"{base}/rl/sessions", json={"group_size": 2}, timeout=30)
+    return str(reply.json()["session_id"])
 
 
 def test_concurrent_turns_with_equal_replies_continue_different_conversations(

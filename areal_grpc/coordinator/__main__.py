@@ -35,6 +35,7 @@ from arealgrpc.v1 import coordinator_pb2
 from areal_grpc import tracing
 from areal_grpc.cli import run_channel_options, run_server_options
 from areal_grpc.config import RunConfig, load_config, to_yaml
+from areal_grpc.coordinator.gateway_process import GatewayProcess
 from areal_grpc.coordinator.launcher import fleet_launcher, new_mesh, start_mesh
 from areal_grpc.coordinator.loop import (
     Coordinator,
@@ -45,18 +46,10 @@ from areal_grpc.coordinator.loop import (
 )
 from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
 from areal_grpc.errors import FieldError, PreconditionError
-from areal_grpc.launch import (
-    Child,
-    LaunchError,
-    child_env,
-    python_module_argv,
-    start_child,
-    stop_children,
-)
+from areal_grpc.launch import Child, LaunchError
 from areal_grpc.model import resolve_source
 from areal_grpc.paths import check_replaceable
 from areal_grpc.server import set_default_channel_options, start_server
-from areal_grpc.server_config import config_argv
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -165,7 +158,7 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
     coordinator: Coordinator | None = None
     servicer: CoordinatorServicer | None = None
     server = None
-    gateway: Child | None = None
+    gateway: GatewayProcess | None = None
     # Every channel this process opens (health probes, rollout and trainer clients, the fleet
     # update) speaks the run's TLS and token; restored at the end for in-process callers.
     previous_channels = set_default_channel_options(run_channel_options(cfg.security))
@@ -272,7 +265,13 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
         servicer.start()
         print(f"COORDINATOR {server.address}", flush=True)
         if cfg.gateway.enabled:
-            gateway = await asyncio.to_thread(start_gateway, cfg, server.address, log_dir)
+            # mesh.json lists the gateway's current process with the others.
+            def gateway_started(child: Child) -> None:
+                mesh.gateway = child
+                mesh.write(out_dir / "mesh.json")
+
+            gateway = GatewayProcess(cfg, server.address, log_dir, gateway_started)
+            await gateway.start()
         progress = Progress(cfg.output.progress_bar and sys.stdout.isatty())
         result = await coordinator.run(resume=resume, progress=progress)
         print(
@@ -290,7 +289,7 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
         return 0
     finally:
         if gateway is not None:
-            await asyncio.to_thread(stop_children, [gateway])
+            await gateway.stop()
         if servicer is not None:
             await servicer.stop()
         if server is not None:
@@ -305,15 +304,6 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             bad = {k: v for k, v in codes.items() if v != 0}
             print("mesh stopped" + (f" (exit codes {bad})" if bad else " cleanly"), flush=True)
         set_default_channel_options(previous_channels)
-
-
-def start_gateway(cfg: RunConfig, coordinator: str, log_dir: Path) -> Child:
-    """Starts ``areal-gateway`` against this coordinator; prints its GATEWAY line."""
-    argv = python_module_argv("areal_clients.gateway", "--coordinator", coordinator)
-    child = start_child("gateway", [*argv, *config_argv(cfg)], log_dir=log_dir, env=child_env())
-    scheme = "https" if cfg.security.tls_cert and cfg.security.tls_key else "http"
-    print(f"GATEWAY {scheme}://{child.address}/v1", flush=True)
-    return child
 
 
 def check_launch(cfg: RunConfig) -> None:

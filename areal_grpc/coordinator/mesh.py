@@ -133,14 +133,17 @@ class Mesh:
     trainer_addresses: list[str]
     children: list[Child] = field(default_factory=list)
     log_dir: Path | None = None
+    # The run's gateway process (gateway.enabled), stopped by its own supervisor.
+    gateway: Child | None = None
 
     def describe(self) -> dict[str, object]:
         """Addresses and pids, for ``mesh.json`` (lets tools find and stop the children)."""
+        children = [*self.children, *([self.gateway] if self.gateway else [])]
         return {
             "rollout": self.rollout_addresses,
             "trainer": self.trainer_addresses,
             "children": [
-                {"name": c.name, "address": c.address, "pid": c.process.pid} for c in self.children
+                {"name": c.name, "address": c.address, "pid": c.process.pid} for c in children
             ],
         }
 
