@@ -44,6 +44,18 @@ class AbortedError(RuntimeError):
     """Work interrupted by a concurrent event (e.g. a step stopped by a recovery): ABORTED."""
 
 
+class DataLossError(RuntimeError):
+    """Bytes that arrived corrupt or incomplete (a checksum mismatch, a cut connection)."""
+
+
+class DeniedError(RuntimeError):
+    """A caller that presented a wrong or used credential: PERMISSION_DENIED."""
+
+
+class DeadlineError(RuntimeError):
+    """Something awaited did not arrive in time: DEADLINE_EXCEEDED."""
+
+
 def _status(code: grpc.StatusCode, message: str, details: Iterable[object] = ()) -> grpc.Status:
     packed = []
     for detail in details:
@@ -101,6 +113,12 @@ def status_for_exception(exc: BaseException) -> grpc.Status:
         return status(grpc.StatusCode.UNAVAILABLE, str(exc))
     if isinstance(exc, AbortedError):
         return status(grpc.StatusCode.ABORTED, str(exc))
+    if isinstance(exc, DataLossError):
+        return status(grpc.StatusCode.DATA_LOSS, str(exc))
+    if isinstance(exc, DeniedError):
+        return status(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+    if isinstance(exc, DeadlineError):
+        return status(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
     if isinstance(exc, ValueError):
         return status(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, FileNotFoundError):
@@ -210,6 +228,9 @@ def retry_delay_s(error: grpc.RpcError) -> float | None:
 __all__ = [
     "REFUSALS",
     "AbortedError",
+    "DataLossError",
+    "DeadlineError",
+    "DeniedError",
     "FieldError",
     "PreconditionError",
     "UnavailableError",

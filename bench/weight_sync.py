@@ -16,7 +16,7 @@ What runs (all on this machine, loopback):
 
 Baselines, measured in the same run on the same bytes (the state dict the trainer publishes):
 
-* stream: a raw TCP copy between two processes (``sendall`` from tensor memory,
+* socket and stream: a raw TCP copy between two processes (``sendall`` from tensor memory,
   ``recv_into`` preallocated buffers, one ack at the end).
 * disk: ``safetensors.torch.save_file`` then ``load_file`` of the state dict (``load_file``
   maps the file, as our receiver does: neither copies the bytes again).
@@ -56,7 +56,7 @@ from areal_grpc.model import resolve_source, save_pretrained
 from areal_grpc.server import sync_channel
 
 TARGET = 1.3
-METHODS = ("stream", "disk", "distributed")
+METHODS = ("socket", "stream", "disk", "distributed")
 ACK = b"k"
 
 
@@ -115,7 +115,9 @@ def serve_rollout(model: str, disk_root: str) -> None:
         rollout = RolloutServicer(engine, load_tokenizer(model))
         services = [
             service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
-            build_weight_sync_service(engine, WeightSyncConfig(disk_root=disk_root)),
+            build_weight_sync_service(
+                engine, WeightSyncConfig(disk_root=disk_root, socket_host="127.0.0.1")
+            ),
         ]
         running = await start_server(services, ServerOptions(port=0))
         print(f"LISTENING {running.address}", flush=True)
@@ -333,6 +335,7 @@ def main() -> int:
 
             print("trainer: 1 rank (FSDP2 over gloo)")
             baselines = {
+                "socket": ("raw TCP copy", lambda: tcp_baseline(sd)),
                 "stream": ("raw TCP copy", lambda: tcp_baseline(sd)),
                 "disk": ("safetensors save+load", lambda: disk_baseline(sd, base)),
                 "distributed": ("bare gloo broadcast", lambda: broadcast_baseline(model_dir)),

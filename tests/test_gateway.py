@@ -20,13 +20,20 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 import uvicorn
 from areal_clients.gateway import GatewayConfig, create_app
-from areal_clients.gateway.chat import ChatRenderer, Conversation
+from areal_clients.gateway.chat import ChatRenderer, Conversation, normalize_messages
+from areal_clients.gateway.tools import (
+    ToolSettings,
+    assistant_message,
+    parse_tool_calls,
+    tool_settings,
+)
 from arealgrpc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, rollout_pb2
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -35,6 +42,7 @@ from areal_grpc import tracing
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
+from areal_grpc.errors import FieldError
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import BackgroundServer, ServerOptions, sync_channel
@@ -246,6 +254,140 @@ def test_a_multi_turn_session_trains_exactly_the_sampled_tokens(gateway: Gateway
     assert list(first.token_ids[len(opening) : len(opening) + len(sampled[0])]) == sampled[0]
 
 
+CHECK_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "check",
+        "description": "Checks an answer.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+    },
+}
+
+
+def test_a_seed_repeats_a_sampled_reply(gateway: Gateway) -> None:
+    c = client(gateway)
+
+    def ask(seed: int) -> list[str]:
+        reply = c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "2+2="}],
+            max_tokens=8,
+            temperature=1.0,
+            n=2,
+            seed=seed,
+        )
+        return [str(ch.message.content) for ch in reply.choices]
+
+    first = ask(11)
+    assert ask(11) == first and ask(12) != first
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            seed="x",  # type: ignore[arg-type]
+        )
+    assert err.value.body["param"] == "seed"  # type: ignore[index]
+
+
+def test_tools_reach_the_prompt_and_a_tool_call_history_is_accepted(gateway: Gateway) -> None:
+    c = client(gateway)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "2+2="}]
+    reply = c.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[CHECK_TOOL],
+        max_tokens=4,  # type: ignore[list-item]
+    )
+    renderer = ChatRenderer(load_tokenizer(MODEL))
+    with_tools = renderer.encode(renderer.text(messages, tools=[CHECK_TOOL]))
+    assert (
+        reply.usage.prompt_tokens == len(with_tools) > len(renderer.encode(renderer.text(messages)))
+    )
+    # A history with an assistant's tool call and the tool's result renders and generates.
+    history = [
+        *messages,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "check", "arguments": '{"x": 4}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "correct"},
+    ]
+    again = c.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        tools=[CHECK_TOOL],
+        max_tokens=4,  # type: ignore[arg-type, list-item]
+    )
+    rendered = renderer.text(normalize_messages(history), tools=[CHECK_TOOL])
+    assert '<tool_call>{"name": "check", "arguments": {"x": 4}}</tool_call>' in rendered
+    assert again.usage.prompt_tokens == len(renderer.encode(rendered))
+
+
+def test_a_tool_call_reply_is_parsed_and_its_next_turn_keeps_the_sampled_ids() -> None:
+    """A reply holding a <tool_call> block comes back as tool_calls; when the client sends
+    that message back with the tool's result, the conversation continues from the ids the
+    model sampled, not from the template's rendering of the call."""
+    renderer = ChatRenderer(load_tokenizer(MODEL))
+    tools = [CHECK_TOOL]
+    messages = normalize_messages([{"role": "user", "content": "2+2="}])
+    conv = Conversation.start(messages, renderer, tools)
+    assert conv.text.startswith("<|tools|>\n") and '"name": "check"' in conv.text
+    # Spacing the template would not write: re-rendering the call would change the ids.
+    text = 'sure <tool_call>{"name":"check",  "arguments":{"x":4}}</tool_call>'
+    sampled = [b + 3 for b in text.encode()]  # the byte tokenizer's ids
+    completion = rollout_pb2.Completion(
+        output_ids=sampled,
+        output_logprobs=[-0.1] * len(sampled),
+        output_versions=[2] * len(sampled),
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+    )
+    message, kept = assistant_message(text, "chatcmpl-1", ToolSettings(tools, parse=True))
+    assert message["content"] == "sure"
+    assert message["tool_calls"] == [
+        {
+            "id": "call_chatcmpl-1_0",
+            "type": "function",
+            "function": {"name": "check", "arguments": '{"x": 4}'},
+        }
+    ]
+    conv.add_reply("chatcmpl-1", completion, text, kept)
+    # What the openai package sends back: the message as it parsed it, extra fields and all.
+    returned = {**message, "refusal": None, "function_call": None, "annotations": []}
+    result = {"role": "tool", "tool_call_id": "call_chatcmpl-1_0", "content": "correct"}
+    nxt = normalize_messages([*messages, returned, result])
+    assert conv.continued_by(nxt, renderer, None) is None  # other tools: another conversation
+    found = conv.continued_by(nxt, renderer, tools)
+    assert found is not None
+    ids, full = found
+    conv.extend_prompt(nxt, ids, full)
+    traj = conv.trajectory(1.0, "t", "g")
+    trained = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
+    assert trained == sampled
+    assert full.endswith("<|tool|>\ncorrect\n<|assistant|>\n")
+    # tool_choice none leaves the block in the content; a malformed block is content too.
+    plain, _ = assistant_message(text, "c", ToolSettings(tools, parse=False))
+    assert plain == {"role": "assistant", "content": text}
+    assert parse_tool_calls("<tool_call>{oops}</tool_call>") == (
+        "<tool_call>{oops}</tool_call>",
+        [],
+    )
+
+
+def test_tools_need_a_template_that_renders_them() -> None:
+    tokenizer = load_tokenizer(MODEL)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(FieldError) as err:
+        tool_settings({"tools": [CHECK_TOOL]}, ChatRenderer(tokenizer))
+    assert err.value.field == "tools"
+
+
 def test_sampled_ids_that_do_not_round_trip_stay_exact_in_the_next_turn() -> None:
     """A reply whose ids do not survive decode -> encode (a lone UTF-8 lead byte in the byte
     tokenizer) is continued with the sampled ids, not with a re-encoding of its text."""
@@ -266,9 +408,11 @@ def test_sampled_ids_that_do_not_round_trip_stay_exact_in_the_next_turn() -> Non
     # History the client changed (another reply in its place) does not continue it.
     changed = [*messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "ok"}]
     assert conv.continued_by(changed, renderer) is None
-    new_ids = conv.continued_by(nxt, renderer)
-    assert new_ids is not None
-    conv.extend_prompt(nxt, new_ids, renderer.text(nxt))
+    found = conv.continued_by(nxt, renderer)
+    assert found is not None
+    new_ids, new_text = found
+    assert new_text.startswith(conv.text)
+    conv.extend_prompt(nxt, new_ids, new_text)
     traj = conv.trajectory(1.0, "t", "g")
     trained = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
     assert trained == sampled
@@ -287,6 +431,34 @@ def test_bad_requests_are_400_naming_the_field(gateway: Gateway) -> None:
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "stop": ["two words"]}, "stop[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {}}]},
+            "tools[0].function.name",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [CHECK_TOOL],
+                "tool_choice": "required",
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "a", "type": "function", "function": {"name": "check"}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "a", "content": "y"},
+                ],
+                "tools": [{**CHECK_TOOL, "function": {"name": "c", "parameters": "nope"}}],
+            },
+            "tools[0].function.parameters",
+        ),
     ]
     for body, param in cases:
         with pytest.raises(openai.BadRequestError) as err:

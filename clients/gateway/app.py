@@ -31,6 +31,7 @@ from ..coordinator import CoordinatorClient
 from ..rollout import RolloutClient
 from .chat import ChatRenderer, Conversation, normalize_messages
 from .sessions import Session, SessionGone, SessionStore
+from .tools import ToolSettings, assistant_message, tool_settings
 
 SESSION_HEADER = "x-session-id"
 # Most completions one request may ask for.
@@ -193,7 +194,7 @@ class Gateway:
 
     def sampling(self, body: Mapping[str, Any], n: int) -> common_pb2.SamplingParams:
         """The request's sampling settings as the contract's SamplingParams."""
-        for key in ("seed", "tools", "functions", "response_format"):
+        for key in ("functions", "response_format"):
             if body.get(key) not in (None, [], {}):
                 raise FieldError(key, "is not supported by this gateway yet")
         if body.get("top_logprobs"):
@@ -208,6 +209,9 @@ class Gateway:
         params = common_pb2.SamplingParams(
             max_new_tokens=limit, n_samples=n, stop_token_ids=self.stop_ids(body.get("stop"))
         )
+        if body.get("seed") is not None:
+            # OpenAI's seed is a signed 64-bit integer; the contract's an unsigned one.
+            params.seed = _int(body, "seed", 0, -(2**63), 2**63 - 1) % 2**64
         temperature = _float(body, "temperature", 0.0, 2.0)
         if temperature is not None:
             params.temperature = temperature
@@ -272,16 +276,23 @@ class Call:
     rid: str
     address: str
     model: str
+    tools: ToolSettings
     branches: list[Conversation] = field(init=False)
 
-    def record(self, i: int, completion: rollout_pb2.Completion, text: str) -> str:
-        """Adds choice ``i``'s reply to its conversation (and the session); its id."""
+    def record(
+        self, i: int, completion: rollout_pb2.Completion, text: str
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Adds choice ``i``'s reply to its conversation (and the session); its id and, for
+        chat, the assistant message (with any tool calls parsed out of ``text``)."""
         conv = self.base if i == 0 else self.branches[i - 1]
         cid = self.rid if self.n == 1 else f"{self.rid}:{i}"
-        conv.add_reply(cid, completion, text)
+        message, kept = None, None
+        if self.kind == "chat":
+            message, kept = assistant_message(text, cid, self.tools)
+        conv.add_reply(cid, completion, text, kept)
         if self.session is not None:
             self.session.add(conv, self.parent if i == 0 else None)
-        return cid
+        return cid, message
 
     def __post_init__(self) -> None:
         # Every choice continues the same prompt: the first takes the conversation
@@ -432,6 +443,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         base: Conversation,
         kind: str,
         parent: Conversation | None = None,
+        tools: ToolSettings | None = None,
     ) -> Call:
         """Checks the request's fields and picks the rollout server (nothing generated yet).
 
@@ -444,18 +456,36 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         session = gateway().session(session_id) if session_id else None
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         address = session.lease.rollout_address if session else await gateway().any_rollout()
-        return Call(body, kind, base, parent, session, n, params, rid, address, cfg.model)
+        return Call(
+            body,
+            kind,
+            base,
+            parent,
+            session,
+            n,
+            params,
+            rid,
+            address,
+            cfg.model,
+            tools or ToolSettings(None, False),
+        )
 
     def choice(
-        call: Call, i: int, completion: rollout_pb2.Completion, text: str, cid: str
+        call: Call,
+        i: int,
+        completion: rollout_pb2.Completion,
+        text: str,
+        cid: str,
+        message: dict[str, Any] | None,
     ) -> dict[str, Any]:
+        finish = _FINISH.get(completion.finish_reason, "stop")
         out: dict[str, Any] = {
             "index": i,
-            "finish_reason": _FINISH.get(completion.finish_reason, "stop"),
+            "finish_reason": "tool_calls" if message and "tool_calls" in message else finish,
             "completion_id": cid,
         }
         if call.kind == "chat":
-            out["message"] = {"role": "assistant", "content": text}
+            out["message"] = message
             logprobs = call.body.get("logprobs")
             out["logprobs"] = _choice_logprobs(gateway(), completion) if logprobs else None
         else:
@@ -482,9 +512,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         for i, completion in enumerate(reply.completions):
             stopped = completion.finish_reason == common_pb2.FINISH_REASON_STOP
             text = gateway().renderer.reply_text(completion.output_ids, stopped)
-            cid = call.record(i, completion, text)
+            cid, message = call.record(i, completion, text)
             completion_tokens += len(completion.output_ids)
-            choices.append(choice(call, i, completion, text, cid))
+            choices.append(choice(call, i, completion, text, cid, message))
         obj = "chat.completion" if call.kind == "chat" else "text_completion"
         return call.envelope(obj) | {
             "system_fingerprint": f"policy-v{reply.policy_version}",
@@ -501,11 +531,18 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         one.n_samples = 1
         usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
 
-        def chunk(i: int, delta: str | None, finish: str | None = None) -> str:
+        def chunk(
+            i: int,
+            delta: str | None,
+            finish: str | None = None,
+            calls: list[dict[str, Any]] | None = None,
+        ) -> str:
             if call.kind == "chat":
                 part: dict[str, Any] = {"index": i, "delta": {}, "finish_reason": finish}
                 if delta is not None:
                     part["delta"] = {"content": delta}
+                if calls:
+                    part["delta"]["tool_calls"] = [{"index": j} | c for j, c in enumerate(calls)]
             else:
                 part = {"index": i, "text": delta or "", "finish_reason": finish}
             return _sse(call.envelope(obj) | {"choices": [part]})
@@ -544,6 +581,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                     }
                     yield _sse(opening)
             queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+            renderer = gateway().renderer
             tasks = [asyncio.create_task(pump(i, queue)) for i in range(call.n)]
             replies = [_Streamed() for _ in range(call.n)]
             try:
@@ -556,15 +594,20 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                         return
                     if msg is not None:
                         reply.take(msg)
-                        delta = reply.delta(gateway().renderer, final=False)
+                        # With tools parsed, nothing is shown until the reply is complete:
+                        # only then is it known to be content or tool calls.
+                        delta = "" if call.tools.parse else reply.delta(renderer, final=False)
                         if delta:
                             yield chunk(i, delta)
                         continue
                     left -= 1
-                    delta = reply.delta(gateway().renderer, final=True)
+                    delta = reply.delta(renderer, final=True)
                     finish = _FINISH.get(reply.finish, "stop")
-                    call.record(i, reply.completion(), reply.shown)
-                    yield chunk(i, delta or None, finish)
+                    _, message = call.record(i, reply.completion(), reply.shown)
+                    if message and "tool_calls" in message:
+                        yield chunk(i, message["content"], "tool_calls", message["tool_calls"])
+                    else:
+                        yield chunk(i, delta or None, finish)
                 if usage:
                     tokens = sum(len(r.ids) for r in replies)
                     yield _sse(
@@ -590,6 +633,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Any:
         body = await json_body(request)
         messages = normalize_messages(body.get("messages"))
+        tools = tool_settings(body, gateway().renderer)
         session_id = request.headers.get(SESSION_HEADER)
         if session_id:
             # No lock: matching and recording do not await. A conversation being continued
@@ -597,15 +641,15 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             # messages (two choices with equal replies) continue different conversations,
             # and one more than there are becomes a conversation of its own.
             session = gateway().session(session_id)
-            conv, parent = session.conversation_for(messages, gateway().renderer)
+            conv, parent = session.conversation_for(messages, gateway().renderer, tools.tools)
             try:
-                call = await prepare(request, body, conv, "chat", parent)
+                call = await prepare(request, body, conv, "chat", parent, tools)
             except BaseException:
                 session.release(parent)
                 raise
             return await answer(call)
-        fresh = Conversation.start(messages, gateway().renderer)
-        return await answer(await prepare(request, body, fresh, "chat"))
+        fresh = Conversation.start(messages, gateway().renderer, tools.tools)
+        return await answer(await prepare(request, body, fresh, "chat", None, tools))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

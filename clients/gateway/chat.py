@@ -7,10 +7,15 @@ conversation, the exact ids it generated from and the ids it sampled, and when a
 request continues that conversation (its messages are the earlier ones plus the reply as the
 gateway returned it, plus new turns) it appends only the ids of the new turns: the sampled
 ids are never re-encoded.
+
+Tool calls follow the same rule: a reply the gateway parsed into ``tool_calls`` is rendered,
+when the conversation continues, as the text the model sampled, not as the template would
+write the calls.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,10 +26,17 @@ from transformers import PreTrainedTokenizerBase
 from areal_grpc.errors import FieldError
 
 # For models without a chat template of their own (the built-in ones): one line per turn,
-# role-tagged, the reply opened by "<|assistant|>\n". Documented in the README.
+# role-tagged, the reply opened by "<|assistant|>\n"; tools, when given, as one JSON line
+# first, and an assistant's tool calls as "<tool_call>{json}</tool_call>" after its content.
+# Documented in the README.
 DEFAULT_CHAT_TEMPLATE = (
+    "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}"
+    "<tool_call>{{ call['function'] | tojson }}</tool_call>"
+    # An expression: a newline right after a block tag would be trimmed (trim_blocks).
+    "{% endfor %}{{ '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -49,8 +61,33 @@ def message_text(content: Any, where: str) -> str:
     )
 
 
-def normalize_messages(raw: Any, where: str = "messages") -> list[dict[str, str]]:
-    """``raw`` checked and reduced to ``[{"role", "content"}]`` (what the template reads)."""
+def normalize_tool_call(call: Any, where: str) -> dict[str, Any]:
+    """An OpenAI tool call as chat templates read it: arguments as an object, not a string."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        raise FieldError(where, "must be an object with a function")
+    if call.get("type", "function") != "function":
+        raise FieldError(f"{where}.type", f"must be function, got {call.get('type')!r}")
+    fn = call["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise FieldError(f"{where}.function.name", "must be a non-empty string")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise FieldError(f"{where}.function.arguments", "is not valid JSON") from None
+    if not isinstance(args, Mapping):
+        raise FieldError(f"{where}.function.arguments", "must be a JSON object")
+    out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+    if call.get("id"):
+        out["id"] = str(call["id"])
+    return out
+
+
+def normalize_messages(raw: Any, where: str = "messages") -> list[dict[str, Any]]:
+    """``raw`` checked and reduced to what the template reads: role, content, and an
+    assistant's ``tool_calls`` or a tool result's ``tool_call_id``."""
     if not isinstance(raw, list) or not raw:
         raise FieldError(where, "must be a non-empty list of messages")
     out = []
@@ -61,9 +98,20 @@ def normalize_messages(raw: Any, where: str = "messages") -> list[dict[str, str]
         role = m.get("role")
         if role not in ROLES:
             raise FieldError(f"{here}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-        out.append(
-            {"role": str(role), "content": message_text(m.get("content"), f"{here}.content")}
-        )
+        msg: dict[str, Any] = {
+            "role": str(role),
+            "content": message_text(m.get("content"), f"{here}.content"),
+        }
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls:
+            if not isinstance(calls, list):
+                raise FieldError(f"{here}.tool_calls", "must be a list")
+            msg["tool_calls"] = [
+                normalize_tool_call(c, f"{here}.tool_calls[{j}]") for j, c in enumerate(calls)
+            ]
+        if role == "tool" and m.get("tool_call_id"):
+            msg["tool_call_id"] = str(m["tool_call_id"])
+        out.append(msg)
     return out
 
 
@@ -74,11 +122,22 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
 
-    def text(self, messages: Sequence[Mapping[str, str]], generation_prompt: bool = True) -> str:
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders a ``tools`` list (else tools cannot reach the model)."""
+        return "tools" in self.template
+
+    def text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         """The templated conversation, opening the assistant's reply by default."""
         return str(
             self.tokenizer.apply_chat_template(
                 list(messages),
+                tools=list(tools) if tools else None,
                 chat_template=self.template,
                 tokenize=False,
                 add_generation_prompt=generation_prompt,
@@ -104,7 +163,7 @@ class Conversation:
     """One trajectory in the making: every token so far, and which of them were sampled."""
 
     # The messages as the client will send them back (the replies as the gateway gave them).
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     # The templated text those messages stand for, up to the end of the last reply's text.
     text: str
     token_ids: list[int]
@@ -117,27 +176,49 @@ class Conversation:
     # The last turn ended with a stop token (kept in token_ids, not in text).
     stopped: bool = False
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    # The tools the template renders (the same in every turn of one conversation).
+    tools: list[dict[str, Any]] | None = None
+    # Replies by message index, as sampled: rendered in place of the message the client got
+    # back (whose tool calls the template would write its own way).
+    sampled: dict[int, str] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, messages: list[dict[str, str]], renderer: ChatRenderer) -> Conversation:
+    def start(
+        cls,
+        messages: list[dict[str, Any]],
+        renderer: ChatRenderer,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Conversation:
         """A new conversation about to generate its first reply."""
-        text = renderer.text(messages)
+        text = renderer.text(messages, tools=tools)
         ids = renderer.encode(text)
         n = len(ids)
-        return cls(list(messages), text, ids, [0.0] * n, [-1] * n, [False] * n, n)
+        conv = cls(list(messages), text, ids, [0.0] * n, [-1] * n, [False] * n, n)
+        conv.tools = tools
+        return conv
 
     def continued_by(
-        self, messages: list[dict[str, str]], renderer: ChatRenderer
-    ) -> list[int] | None:
-        """The ids to append when ``messages`` continues this conversation, else None.
+        self,
+        messages: list[dict[str, Any]],
+        renderer: ChatRenderer,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[list[int], str] | None:
+        """(the ids to append, the new text) when ``messages`` continues this conversation.
 
-        It continues it when its first messages are this conversation's and the templated
-        text of all of them extends this one's text: the new ids are then those of that
-        extension only (less a stop token the last reply already ended with).
+        It continues it when the tools are the same, its first messages are this
+        conversation's and the templated text of all of them (each reply as sampled) extends
+        this one's text: the new ids are then those of that extension only (less a stop token
+        the last reply already ended with).
         """
-        if len(messages) <= len(self.messages) or messages[: len(self.messages)] != self.messages:
+        if tools != self.tools or len(messages) <= len(self.messages):
             return None
-        full = renderer.text(messages)
+        if messages[: len(self.messages)] != self.messages:
+            return None
+        as_sampled = [
+            {"role": "assistant", "content": self.sampled[i]} if i in self.sampled else m
+            for i, m in enumerate(messages)
+        ]
+        full = renderer.text(as_sampled, tools=tools)
         if not full.startswith(self.text):
             return None
         tail = full[len(self.text) :]
@@ -145,9 +226,9 @@ class Conversation:
             stop = renderer.stop_text(self.token_ids[-1])
             if stop and tail.startswith(stop):
                 tail = tail[len(stop) :]
-        return renderer.encode(tail)
+        return renderer.encode(tail), full
 
-    def extend_prompt(self, messages: list[dict[str, str]], ids: list[int], text: str) -> None:
+    def extend_prompt(self, messages: list[dict[str, Any]], ids: list[int], text: str) -> None:
         """Appends the ids of new turns (not trained on) and takes ``messages`` as its own."""
         n = len(ids)
         self.token_ids += ids
@@ -157,14 +238,22 @@ class Conversation:
         self.messages = list(messages)
         self.text = text
 
-    def add_reply(self, completion_id: str, completion: rollout_pb2.Completion, reply: str) -> None:
-        """Appends a sampled reply (trained on) and the assistant message the client sees."""
+    def add_reply(
+        self,
+        completion_id: str,
+        completion: rollout_pb2.Completion,
+        reply: str,
+        message: dict[str, Any] | None = None,
+    ) -> None:
+        """Appends a sampled reply (trained on; ``reply`` its text) and the assistant message
+        the client got (``message``, normalized; default: ``reply`` as its content)."""
         ids = list(completion.output_ids)
         self.token_ids += ids
         self.logprobs += list(completion.output_logprobs)
         self.versions += list(completion.output_versions)
         self.loss_mask += [True] * len(ids)
-        self.messages.append({"role": "assistant", "content": reply})
+        self.sampled[len(self.messages)] = reply
+        self.messages.append(message or {"role": "assistant", "content": reply})
         self.text += reply
         self.completion_ids.append(completion_id)
         self.finish_reason = int(completion.finish_reason)
@@ -183,6 +272,8 @@ class Conversation:
             list(self.completion_ids),
             self.stopped,
             self.finish_reason,
+            self.tools,
+            dict(self.sampled),
         )
 
     def trajectory(self, reward: float, task_id: str, group_id: str) -> common_pb2.Trajectory:

@@ -51,7 +51,10 @@ class Session:
         return time.time() >= self.expires_at
 
     def conversation_for(
-        self, messages: list[dict[str, str]], renderer: ChatRenderer
+        self,
+        messages: list[dict[str, Any]],
+        renderer: ChatRenderer,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[Conversation, Conversation | None]:
         """(the conversation to generate from, the session's conversation it continues).
 
@@ -62,15 +65,16 @@ class Session:
         for conv in reversed(self.conversations):
             if id(conv) in self.claimed:
                 continue
-            ids = conv.continued_by(messages, renderer)
-            if ids is not None:
+            found = conv.continued_by(messages, renderer, tools)
+            if found is not None:
+                ids, text = found
                 longer = conv.branch()
-                longer.extend_prompt(messages, ids, renderer.text(messages))
+                longer.extend_prompt(messages, ids, text)
                 # Claimed until its request ends (:meth:`release`): a concurrent request with
                 # the same messages (two choices with equal replies) continues the other one.
                 self.claimed.add(id(conv))
                 return longer, conv
-        return Conversation.start(messages, renderer), None
+        return Conversation.start(messages, renderer, tools), None
 
     def release(self, parent: Conversation | None) -> None:
         """Ends the claim :meth:`conversation_for` put on ``parent``."""

@@ -87,17 +87,24 @@ def create_rollout_servicer(run: RunConfig, engine: InferenceEngine) -> RolloutS
     return RolloutServicer(engine, load_tokenizer(run.model.source), config)
 
 
-async def rollout_services(run: RunConfig, engine: InferenceEngine) -> list[Service]:
-    """RolloutService and WeightSyncService over ``engine`` (started first if it must be)."""
+async def rollout_services(
+    run: RunConfig, engine: InferenceEngine, host: str = "127.0.0.1"
+) -> list[Service]:
+    """RolloutService and WeightSyncService over ``engine`` (started first if it must be);
+    ``host``: the interface the server binds, where SOCKET listeners bind too."""
     rollout = create_rollout_servicer(run, engine)
     # The sglang engine launches or attaches to its server and waits until it is healthy.
     await engine.start()
+    tls = bool(run.security.tls_cert and run.security.tls_key)
+    ws = WeightSyncConfig(
+        disk_root=weights_root(run),
+        methods=tuple(run.weight_sync.methods),
+        # The side channel is plaintext: under TLS it is not offered.
+        socket_host=None if tls else host,
+    )
     return [
         service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
-        build_weight_sync_service(
-            engine,
-            WeightSyncConfig(disk_root=weights_root(run), methods=tuple(run.weight_sync.methods)),
-        ),
+        build_weight_sync_service(engine, ws),
     ]
 
 
@@ -105,7 +112,7 @@ async def build(args: argparse.Namespace) -> Sequence[Service]:
     """The services of a rollout server."""
     run = run_config_from_args(args, ROLLOUT_SECTIONS)
     torch.set_num_threads(run.rollout.torch_threads)
-    return await rollout_services(run, create_engine(run, args.sglang_url))
+    return await rollout_services(run, create_engine(run, args.sglang_url), args.host)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -51,6 +51,8 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     n_samples: int = 1
     ignore_eos: bool = False
+    # Seed of this request's sampling (None: the engine's own stream); see SamplingParams.
+    seed: int | None = None
 
     def validate(self, where: str = "sampling") -> None:
         """Raises :class:`FieldError` naming the first bad field."""
@@ -95,6 +97,7 @@ class SamplingConfig:
             stop_token_ids=tuple(msg.stop_token_ids),
             n_samples=msg.n_samples or 1,
             ignore_eos=msg.ignore_eos,
+            seed=msg.seed if msg.HasField("seed") else None,
         )
         cfg.validate(where)
         return cfg
@@ -109,6 +112,7 @@ class SamplingConfig:
             stop_token_ids=list(self.stop_token_ids),
             n_samples=self.n_samples,
             ignore_eos=self.ignore_eos,
+            seed=self.seed,
         )
 
     def with_updates(self, **changes: object) -> SamplingConfig:
@@ -206,10 +210,19 @@ class InferenceEngine(abc.ABC):
     async def generate_n(
         self, input_ids: Sequence[int], params: SamplingConfig
     ) -> list[GenerationResult]:
-        """``params.n_samples`` independent samples, decoded concurrently."""
-        one = params.with_updates(n_samples=1)
+        """``params.n_samples`` independent samples, decoded concurrently (a seeded request's
+        sample i uses seed + i)."""
+        seeds = [
+            None if params.seed is None else (params.seed + i) % 2**64
+            for i in range(params.n_samples)
+        ]
         return list(
-            await asyncio.gather(*(self.generate(input_ids, one) for _ in range(params.n_samples)))
+            await asyncio.gather(
+                *(
+                    self.generate(input_ids, params.with_updates(n_samples=1, seed=seed))
+                    for seed in seeds
+                )
+            )
         )
 
     @abc.abstractmethod

@@ -80,6 +80,8 @@ class _Request:
     queue: asyncio.Queue[TokenEvent | BaseException]
     stop_ids: frozenset[int]
     generated: int = 0
+    # The request's own sampling stream (a seeded request), else None: the engine's.
+    generator: torch.Generator | None = None
     # Sampled but not yet fed through the model.
     pending_token: int = -1
     cancelled: bool = False
@@ -240,6 +242,9 @@ class HFEngine(InferenceEngine):
             queue=asyncio.Queue(),
             stop_ids=frozenset(stops),
         )
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(params.seed)
         with self._cond:
             if self._failure is not None:
                 raise EngineFailedError(f"hf engine decode loop failed: {self._failure!r}")
@@ -658,6 +663,10 @@ class HFEngine(InferenceEngine):
                 log.warning("hf engine: non-finite logits at version %d; using argmax", version)
             probs[broken] = F.one_hot(greedy[broken], probs.shape[-1]).to(probs.dtype)
         sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                # A seeded request draws from its own stream, whatever else is in the batch.
+                sampled[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
         is_greedy = torch.tensor([r.params.temperature == 0 for r in reqs], device=logits.device)
         tokens = torch.where(is_greedy, greedy, sampled)
         token_logp = logp.gather(1, tokens[:, None]).squeeze(1)

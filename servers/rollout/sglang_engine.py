@@ -188,6 +188,8 @@ def generate_payload(
         "return_logprob": True,
         "stream": False,
     }
+    if params.seed is not None:
+        payload["sampling_params"]["sampling_seed"] = params.seed
     if lora_path:
         payload["lora_path"] = lora_path
     return payload

@@ -1,6 +1,6 @@
 """``WeightSyncService``: a rollout server receives new policy weights.
 
-Three data planes, agreed per sender with ``Negotiate``, each a receiver in its own module
+Four data planes, agreed per sender with ``Negotiate``, each a receiver in its own module
 (:mod:`areal_servers.rollout.receive`):
 
 * STREAM (``PushWeights``, ``receive.stream``): CRC-32C-checked chunks reassembled into a staged
@@ -9,13 +9,15 @@ Three data planes, agreed per sender with ``Negotiate``, each a receiver in its 
   inside this server's own configured root.
 * DISTRIBUTED (``UpdateFromDistributed``, ``receive.distributed``): broadcasts over a private
   process group with the sender (or SGLang's own group for the ``sglang`` engine).
+* SOCKET (``UpdateFromSocket``, ``receive.socket``): CRC-32C-checked frames over a plain TCP
+  connection the plan names, read straight into the receive buffers; gRPC keeps the control.
 
 Every update names the new policy version; one that is not newer than the served version is
 FAILED_PRECONDITION and changes nothing. Updates run one at a time.
 
 Received tensors are handed to the engine without a copy, and the weights they replace become
 the next update's receive buffers (``reuse_buffers``): STREAM chunks and DISTRIBUTED
-broadcasts land in memory already faulted in rather than in fresh pages.
+broadcasts and SOCKET frames land in memory already faulted in rather than in fresh pages.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from areal_servers.rollout.engine import InferenceEngine
 from areal_servers.rollout.receive.base import Plan, Receiver, ReceiverState, WeightSyncConfig
 from areal_servers.rollout.receive.disk import DiskReceiver
 from areal_servers.rollout.receive.distributed import DistributedReceiver
+from areal_servers.rollout.receive.socket import SocketReceiver
 from areal_servers.rollout.receive.stream import StreamReceiver
 from arealgrpc.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 
@@ -59,6 +62,7 @@ METHOD_NAMES = {
     "distributed": pb.TRANSFER_METHOD_DISTRIBUTED,
     "stream": pb.TRANSFER_METHOD_STREAM,
     "disk": pb.TRANSFER_METHOD_DISK,
+    "socket": pb.TRANSFER_METHOD_SOCKET,
 }
 
 
@@ -85,8 +89,9 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         self.stream = StreamReceiver(self.state)
         self.disk = DiskReceiver(self.state)
         self.distributed = DistributedReceiver(self.state)
+        self.socket = SocketReceiver(self.state)
         self.receivers: dict[int, Receiver] = {
-            r.method: r for r in (self.stream, self.disk, self.distributed)
+            r.method: r for r in (self.stream, self.disk, self.distributed, self.socket)
         }
         self.counters = _Counters()
         if "stream" in self.config.methods:
@@ -212,8 +217,19 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         self._count("distributed", ok=True)
         return reply
 
+    async def UpdateFromSocket(
+        self, request: pb.UpdateFromSocketRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateFromSocketResponse:
+        """Receives the tensors over the plan's side channel, then swaps them in."""
+        try:
+            reply = await self.socket.update(request, context.time_remaining())
+        except Exception as exc:
+            await self._fail(context, exc)
+        self._count("socket", ok=True)
+        return reply
+
     async def close(self) -> None:
-        """Leaves the weight group, if any."""
+        """Leaves the weight group and closes unused side-channel listeners."""
         for r in self.receivers.values():
             await r.close()
 
@@ -247,6 +263,11 @@ def build_weight_sync_service(
             servicer.UpdateFromDistributed,
             request_deserializer=pb.UpdateFromDistributedRequest.FromString,
             response_serializer=pb.UpdateFromDistributedResponse.SerializeToString,
+        ),
+        "UpdateFromSocket": grpc.unary_unary_rpc_method_handler(
+            servicer.UpdateFromSocket,
+            request_deserializer=pb.UpdateFromSocketRequest.FromString,
+            response_serializer=pb.UpdateFromSocketResponse.SerializeToString,
         ),
     }
 

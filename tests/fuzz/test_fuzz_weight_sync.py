@@ -117,7 +117,10 @@ class Receiver:
 def start_receiver(root: Path) -> Receiver:
     engine = HFEngine(HFEngineConfig(model=MODEL, seed=0, device="cpu"))
     rollout = RolloutServicer(engine, load_tokenizer(MODEL), RolloutServiceConfig())
-    ws = build_weight_sync_service(engine, WeightSyncConfig(disk_root=str(root), group_timeout_s=5))
+    ws = build_weight_sync_service(
+        engine,
+        WeightSyncConfig(disk_root=str(root), group_timeout_s=5, socket_host="127.0.0.1"),
+    )
     server = BackgroundServer(
         [service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2), ws]
     )
@@ -186,9 +189,9 @@ def negotiate(r: Receiver, method: int) -> str:
 # -------------------------------------------------------------------------------- Negotiate
 
 methods = st.one_of(
-    st.sampled_from([1, 2, 3]),
-    st.sampled_from([0, 4, 99]),
-    st.integers(4, 2**31 - 1),
+    st.sampled_from([1, 2, 3, 4]),
+    st.sampled_from([0, 5, 99]),
+    st.integers(5, 2**31 - 1),
     st.integers(-(2**31), -1),
 )
 
@@ -201,10 +204,9 @@ def mostly(valid: st.SearchStrategy, invalid: st.SearchStrategy) -> st.SearchStr
 @st.composite
 def offers(draw: st.DrawFn) -> pb.TransferOption:
     option = pb.TransferOption(method=draw(methods))
-    matching = {1: "distributed", 2: "stream", 3: "disk"}.get(option.method, "none")
-    which = draw(
-        mostly(st.just(matching), st.sampled_from(["none", "distributed", "stream", "disk"]))
-    )
+    matching = {1: "distributed", 2: "stream", 3: "disk", 4: "socket"}.get(option.method, "none")
+    kinds = ["none", "distributed", "stream", "disk", "socket"]
+    which = draw(mostly(st.just(matching), st.sampled_from(kinds)))
     if which == "distributed":
         world = draw(mostly(st.integers(2, 8), I32))
         option.distributed.CopyFrom(
@@ -230,6 +232,15 @@ def offers(draw: st.DrawFn) -> pb.TransferOption:
         )
     elif which == "disk":
         option.disk.CopyFrom(pb.DiskParams(root=draw(st.text(max_size=30))))
+    elif which == "socket":
+        option.socket.CopyFrom(
+            pb.SocketParams(
+                host=draw(st.text(max_size=10)),
+                port=draw(I32),
+                token=draw(st.binary(max_size=40)),
+                max_frame_bytes=draw(mostly(st.integers(0, 2**27), I64)),
+            )
+        )
     return option
 
 
@@ -251,6 +262,10 @@ def test_negotiate_random_offers(receiver: Receiver, tally: Tally, offered, send
             assert 0 < plan.stream.max_chunk_bytes <= tc.MiB
         elif plan.method == pb.TRANSFER_METHOD_DISK:
             assert Path(plan.disk.root) == receiver.root.resolve()
+        elif plan.method == pb.TRANSFER_METHOD_SOCKET:
+            s = plan.socket
+            assert 0 < s.port < 65536 and len(s.token) == 32 and s.host == "127.0.0.1"
+            assert 0 < s.max_frame_bytes <= 64 << 20
         else:
             assert plan.method == pb.TRANSFER_METHOD_DISTRIBUTED
             d = plan.distributed

@@ -129,6 +129,20 @@ async def test_n_samples_differ_and_are_reproducible_by_seed():
     assert len({tuple(x) for x in a}) > 1
 
 
+async def test_a_seeded_request_repeats_on_one_engine_whatever_else_it_sampled(engine):
+    """A request's seed fixes its own sampling stream: the same seed on the same engine gives
+    the same tokens even after other (unseeded) requests drew from the engine's stream;
+    sample i of a seeded n gets seed + i."""
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=7)
+    first = (await engine.generate([5, 6, 7], cfg)).output_ids
+    await engine.generate([1, 2], SamplingConfig(max_new_tokens=5, ignore_eos=True))
+    again = (await engine.generate([5, 6, 7], cfg)).output_ids
+    other = (await engine.generate([5, 6, 7], cfg.with_updates(seed=8))).output_ids
+    assert first == again and first != other
+    group = await engine.generate_n([5, 6, 7], cfg.with_updates(n_samples=2))
+    assert [g.output_ids for g in group] == [first, other]
+
+
 async def test_pause_interrupts_and_resume_continues_with_both_versions(engine):
     """Pause mid-generation, load version 1, resume: each sequence finishes its full budget,
     holding version-0 tokens then version-1 tokens; the resumed logprobs are the new model's."""

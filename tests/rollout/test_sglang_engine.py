@@ -22,6 +22,7 @@ from areal_servers.rollout.sglang_engine import (
     SGLangEngine,
     SGLangEngineConfig,
     SGLangError,
+    generate_payload,
 )
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -197,6 +198,15 @@ async def test_sglang_protocol_fake_server_abort_before_prefill_and_greedy(fake)
     assert first["input_ids"] == second["input_ids"] == [3]
     assert first["sampling_params"]["temperature"] == 0.0
     assert first["sampling_params"]["top_k"] == 5
+
+
+def test_sglang_protocol_fake_server_seed_is_sampling_seed():
+    """A seeded request carries SGLang's ``sampling_params.sampling_seed``; an unseeded one
+    keeps the exact documented keys."""
+    seeded = generate_payload([1], SamplingConfig(seed=42))
+    assert seeded["sampling_params"]["sampling_seed"] == 42
+    assert set(seeded["sampling_params"]) == SAMPLING_KEYS | {"sampling_seed"}
+    assert set(generate_payload([1], SamplingConfig())["sampling_params"]) == SAMPLING_KEYS
 
 
 async def test_sglang_protocol_fake_server_retries_transient_errors_only(fake):

@@ -286,6 +286,7 @@ def make_rollout() -> Iterator[MakeRollout]:
             )
         rollout = RolloutServicer(engine, load_tokenizer(MODEL))
         kw.setdefault("group_timeout_s", 60)
+        kw.setdefault("socket_host", "127.0.0.1")
         ws = build_weight_sync_service(
             engine,
             WeightSyncConfig(

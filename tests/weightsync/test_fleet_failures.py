@@ -89,8 +89,11 @@ def test_failed_servers_are_reported_and_left_out_while_the_rest_update(
     assert stale.version() == 10_000 and stale.digests() == stale_digests and paused(stale)
 
 
-def _rollout_process() -> tuple[subprocess.Popen[str], str, threading.Event]:
-    """An ``areal-rollout`` process; the event is set when it was killed on joining a group."""
+def _rollout_process(
+    kill_on: str = "joining weight group",
+) -> tuple[subprocess.Popen[str], str, threading.Event]:
+    """An ``areal-rollout`` process; the event is set when it was killed on logging
+    ``kill_on`` (by default: on joining a group)."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -113,9 +116,9 @@ def _rollout_process() -> tuple[subprocess.Popen[str], str, threading.Event]:
     def watch() -> None:
         assert proc.stderr is not None
         for text in proc.stderr:
-            # Killed the moment it starts joining the weight group: the other members are
-            # then in the rendezvous or the broadcasts, waiting for it.
-            if "joining weight group" in text and not killed.is_set():
+            # Killed the moment it starts joining the weight group (or receiving): the other
+            # members are then in the rendezvous or the broadcasts, waiting for it.
+            if kill_on in text and not killed.is_set():
                 proc.send_signal(signal.SIGKILL)
                 killed.set()
 
@@ -164,6 +167,36 @@ def test_a_receiver_killed_mid_update_fails_alone_and_the_survivor_is_updated(
     )
     assert result.updated_servers == [survivor.address], [s.error for s in result.servers]
     assert survivor.version() == version
+
+
+@pytest.mark.timeout(90)
+def test_a_receiver_killed_while_its_socket_transfer_starts_fails_alone(
+    trainers: Trainers, make_rollout: MakeRollout
+) -> None:
+    """SOCKET: a receiver killed as its transfer begins fails with the lost connection's
+    error; the other server's transfer completes and it serves the version."""
+    survivor = make_rollout()
+    proc, dead, killed = _rollout_process(kill_on="socket update to version")
+    try:
+        version = trainers.train_step()
+        result = asyncio.run(
+            update_fleet_weights(
+                trainers.addresses,
+                [survivor.address, dead],
+                methods=("socket",),
+                timeout_s=120,
+                control_timeout_s=5,
+            )
+        )
+        assert killed.is_set() and proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    assert result.failed_servers == [dead]
+    assert result.updated_servers == [survivor.address]
+    assert [s.method for s in result.servers] == ["socket", "socket"]
+    assert survivor.version() == version and not paused(survivor)
 
 
 @pytest.mark.timeout(90)

@@ -5,18 +5,19 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from areal_servers.rollout.engine import InferenceEngine
-from arealgrpc.v1 import weight_sync_pb2
+from arealgrpc.v1 import tensor_pb2, weight_sync_pb2
 
 from areal_grpc import tensor_codec as tc
 from areal_grpc.errors import FieldError, PreconditionError
-from areal_grpc.weight_transfer import MAX_CHUNK_BYTES, GroupParams
+from areal_grpc.weight_transfer import MAX_CHUNK_BYTES, GroupParams, spec_nbytes
 
-__all__ = ["Plan", "Receiver", "ReceiverState", "WeightSyncConfig"]
+__all__ = ["Plan", "Receiver", "ReceiverState", "WeightSyncConfig", "check_specs"]
 
 pb = weight_sync_pb2
 
@@ -27,8 +28,8 @@ class WeightSyncConfig:
 
     # Directory under which UpdateFromDisk paths must lie; None disables DISK.
     disk_root: str | None = None
-    # Methods this server accepts ("distributed", "stream", "disk").
-    methods: tuple[str, ...] = ("distributed", "stream", "disk")
+    # Methods this server accepts ("distributed", "stream", "disk", "socket").
+    methods: tuple[str, ...] = ("distributed", "stream", "disk", "socket")
     # Largest PushWeights chunk accepted (the contract caps it at 1 MiB).
     max_chunk_bytes: int = MAX_CHUNK_BYTES
     # Largest state dict accepted by any method (bounds what a sender can make us allocate).
@@ -40,6 +41,14 @@ class WeightSyncConfig:
     group_timeout_s: float = 300.0
     # Plans remembered (oldest forgotten first; a sender renegotiates per update anyway).
     max_plans: int = 256
+    # SOCKET: the interface its per-plan listeners bind (None: SOCKET is not offered, as
+    # under TLS: the side channel is plaintext). A wildcard address is announced as "" (the
+    # sender connects to the host it reached this server at).
+    socket_host: str | None = None
+    # SOCKET: the largest frame accepted.
+    max_frame_bytes: int = 64 << 20
+    # SOCKET: listeners of plans not yet used, at most (the oldest is closed first).
+    max_socket_listeners: int = 8
     # Keep the weights an update replaces as the next update's receive buffers (STREAM and
     # DISTRIBUTED): no fresh memory to allocate and fault in per update, at the price of a
     # second copy of the weights held between updates (engines that take received tensors
@@ -55,6 +64,33 @@ class Plan:
     option: weight_sync_pb2.TransferOption
     sender_id: str = ""
     group: GroupParams | None = None
+
+
+def check_specs(tensors: Sequence[tensor_pb2.TensorSpec], max_total_bytes: int) -> list[int]:
+    """The byte size of each announced tensor; FieldError naming the first bad one."""
+    if not tensors:
+        raise FieldError("tensors", "must list at least one tensor")
+    seen: set[str] = set()
+    sizes = []
+    total = 0
+    for i, spec in enumerate(tensors):
+        if not spec.name:
+            raise FieldError(f"tensors[{i}].name", "must not be empty")
+        if spec.name in seen:
+            raise FieldError(f"tensors[{i}].name", f"duplicate tensor {spec.name!r}")
+        seen.add(spec.name)
+        for k, d in enumerate(spec.shape):
+            if d < 0:
+                raise FieldError(f"tensors[{i}].shape[{k}]", f"is negative ({d})")
+        try:
+            n = spec_nbytes(spec)
+        except FieldError:
+            raise FieldError(f"tensors[{i}].dtype", f"unknown dtype {spec.dtype}") from None
+        total += n
+        if total > max_total_bytes:
+            raise FieldError("tensors", f"exceed this server's {max_total_bytes} B")
+        sizes.append(n)
+    return sizes
 
 
 def is_sglang(engine: InferenceEngine) -> bool:

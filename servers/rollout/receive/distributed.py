@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 
 import torch
-from areal_servers.rollout.receive.base import Plan, Receiver, ReceiverState
+from areal_servers.rollout.receive.base import Plan, Receiver, ReceiverState, check_specs
 from arealgrpc.v1 import weight_sync_pb2
 
 from areal_grpc import tensor_codec as tc
@@ -27,7 +27,6 @@ from areal_grpc.weight_transfer import (
     cuda_uuid,
     plan_buckets,
     run_in_thread,
-    spec_nbytes,
 )
 
 __all__ = ["BACKEND_NAMES", "DistributedReceiver"]
@@ -137,32 +136,9 @@ class DistributedReceiver(Receiver):
         )
 
     def _check_specs(self, request: pb.UpdateFromDistributedRequest) -> list[int]:
-        if not request.tensors:
-            raise FieldError("tensors", "must list at least one tensor")
         if request.bucket_bytes < 0:
             raise FieldError("bucket_bytes", f"is negative ({request.bucket_bytes})")
-        limit = self.state.config.max_total_bytes
-        seen: set[str] = set()
-        sizes = []
-        total = 0
-        for i, spec in enumerate(request.tensors):
-            if not spec.name:
-                raise FieldError(f"tensors[{i}].name", "must not be empty")
-            if spec.name in seen:
-                raise FieldError(f"tensors[{i}].name", f"duplicate tensor {spec.name!r}")
-            seen.add(spec.name)
-            for k, d in enumerate(spec.shape):
-                if d < 0:
-                    raise FieldError(f"tensors[{i}].shape[{k}]", f"is negative ({d})")
-            try:
-                n = spec_nbytes(spec)
-            except FieldError:
-                raise FieldError(f"tensors[{i}].dtype", f"unknown dtype {spec.dtype}") from None
-            total += n
-            if total > limit:
-                raise FieldError("tensors", f"exceed this server's {limit} B")
-            sizes.append(n)
-        return sizes
+        return check_specs(request.tensors, self.state.config.max_total_bytes)
 
     async def update(
         self, request: pb.UpdateFromDistributedRequest

@@ -25,43 +25,49 @@ _sym_db = _symbol_database.Default()
 from arealgrpc.v1 import tensor_pb2 as arealgrpc_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61realgrpc/v1/weight_sync.proto\x12\x0c\x61realgrpc.v1\x1a\x19\x61realgrpc/v1/tensor.proto\"\xea\x01\n\x11\x44istributedParams\x12\x30\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1f.arealgrpc.v1.CollectiveBackend\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0brank_offset\x18\x05 \x01(\x05\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x03\x12\x0e\n\x06joined\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"\'\n\x0cStreamParams\x12\x17\n\x0fmax_chunk_bytes\x18\x01 \x01(\x03\"\x1a\n\nDiskParams\x12\x0c\n\x04root\x18\x01 \x01(\t\"\xd8\x01\n\x0eTransferOption\x12,\n\x06method\x18\x01 \x01(\x0e\x32\x1c.arealgrpc.v1.TransferMethod\x12\x36\n\x0b\x64istributed\x18\x02 \x01(\x0b\x32\x1f.arealgrpc.v1.DistributedParamsH\x00\x12,\n\x06stream\x18\x03 \x01(\x0b\x32\x1a.arealgrpc.v1.StreamParamsH\x00\x12(\n\x04\x64isk\x18\x04 \x01(\x0b\x32\x18.arealgrpc.v1.DiskParamsH\x00\x42\x08\n\x06params\"S\n\x10NegotiateRequest\x12,\n\x06offers\x18\x01 \x03(\x0b\x32\x1c.arealgrpc.v1.TransferOption\x12\x11\n\tsender_id\x18\x02 \x01(\t\"h\n\x11NegotiateResponse\x12*\n\x04plan\x18\x01 \x01(\x0b\x32\x1c.arealgrpc.v1.TransferOption\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07plan_id\x18\x03 \x01(\t\"{\n\x12PushWeightsRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.arealgrpc.v1.PushWeightsHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.arealgrpc.v1.TensorChunkH\x00\x42\x06\n\x04kind\"g\n\x11PushWeightsHeader\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\"[\n\x13PushWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"N\n\x15UpdateFromDiskRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\"F\n\x16UpdateFromDiskResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\"\x88\x01\n\x1cUpdateFromDistributedRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.arealgrpc.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x03\"M\n\x1dUpdateFromDistributedResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r*\x88\x01\n\x0eTransferMethod\x12\x1f\n\x1bTRANSFER_METHOD_UNSPECIFIED\x10\x00\x12\x1f\n\x1bTRANSFER_METHOD_DISTRIBUTED\x10\x01\x12\x1a\n\x16TRANSFER_METHOD_STREAM\x10\x02\x12\x18\n\x14TRANSFER_METHOD_DISK\x10\x03*q\n\x11\x43ollectiveBackend\x12\"\n\x1e\x43OLLECTIVE_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_GLOO\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_NCCL\x10\x02\x32\x86\x03\n\x11WeightSyncService\x12L\n\tNegotiate\x12\x1e.arealgrpc.v1.NegotiateRequest\x1a\x1f.arealgrpc.v1.NegotiateResponse\x12T\n\x0bPushWeights\x12 .arealgrpc.v1.PushWeightsRequest\x1a!.arealgrpc.v1.PushWeightsResponse(\x01\x12[\n\x0eUpdateFromDisk\x12#.arealgrpc.v1.UpdateFromDiskRequest\x1a$.arealgrpc.v1.UpdateFromDiskResponse\x12p\n\x15UpdateFromDistributed\x12*.arealgrpc.v1.UpdateFromDistributedRequest\x1a+.arealgrpc.v1.UpdateFromDistributedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61realgrpc/v1/weight_sync.proto\x12\x0c\x61realgrpc.v1\x1a\x19\x61realgrpc/v1/tensor.proto\"\xea\x01\n\x11\x44istributedParams\x12\x30\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1f.arealgrpc.v1.CollectiveBackend\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0brank_offset\x18\x05 \x01(\x05\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x03\x12\x0e\n\x06joined\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"\'\n\x0cStreamParams\x12\x17\n\x0fmax_chunk_bytes\x18\x01 \x01(\x03\"R\n\x0cSocketParams\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x17\n\x0fmax_frame_bytes\x18\x04 \x01(\x03\"\x1a\n\nDiskParams\x12\x0c\n\x04root\x18\x01 \x01(\t\"\x86\x02\n\x0eTransferOption\x12,\n\x06method\x18\x01 \x01(\x0e\x32\x1c.arealgrpc.v1.TransferMethod\x12\x36\n\x0b\x64istributed\x18\x02 \x01(\x0b\x32\x1f.arealgrpc.v1.DistributedParamsH\x00\x12,\n\x06stream\x18\x03 \x01(\x0b\x32\x1a.arealgrpc.v1.StreamParamsH\x00\x12(\n\x04\x64isk\x18\x04 \x01(\x0b\x32\x18.arealgrpc.v1.DiskParamsH\x00\x12,\n\x06socket\x18\x05 \x01(\x0b\x32\x1a.arealgrpc.v1.SocketParamsH\x00\x42\x08\n\x06params\"S\n\x10NegotiateRequest\x12,\n\x06offers\x18\x01 \x03(\x0b\x32\x1c.arealgrpc.v1.TransferOption\x12\x11\n\tsender_id\x18\x02 \x01(\t\"h\n\x11NegotiateResponse\x12*\n\x04plan\x18\x01 \x01(\x0b\x32\x1c.arealgrpc.v1.TransferOption\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07plan_id\x18\x03 \x01(\t\"{\n\x12PushWeightsRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.arealgrpc.v1.PushWeightsHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.arealgrpc.v1.TensorChunkH\x00\x42\x06\n\x04kind\"g\n\x11PushWeightsHeader\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\"[\n\x13PushWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"N\n\x15UpdateFromDiskRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\"F\n\x16UpdateFromDiskResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\"\x88\x01\n\x1cUpdateFromDistributedRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.arealgrpc.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x03\"M\n\x1dUpdateFromDistributedResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\"m\n\x17UpdateFromSocketRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.arealgrpc.v1.TensorSpec\"`\n\x18UpdateFromSocketResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04*\xa4\x01\n\x0eTransferMethod\x12\x1f\n\x1bTRANSFER_METHOD_UNSPECIFIED\x10\x00\x12\x1f\n\x1bTRANSFER_METHOD_DISTRIBUTED\x10\x01\x12\x1a\n\x16TRANSFER_METHOD_STREAM\x10\x02\x12\x18\n\x14TRANSFER_METHOD_DISK\x10\x03\x12\x1a\n\x16TRANSFER_METHOD_SOCKET\x10\x04*q\n\x11\x43ollectiveBackend\x12\"\n\x1e\x43OLLECTIVE_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_GLOO\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_NCCL\x10\x02\x32\xe9\x03\n\x11WeightSyncService\x12L\n\tNegotiate\x12\x1e.arealgrpc.v1.NegotiateRequest\x1a\x1f.arealgrpc.v1.NegotiateResponse\x12T\n\x0bPushWeights\x12 .arealgrpc.v1.PushWeightsRequest\x1a!.arealgrpc.v1.PushWeightsResponse(\x01\x12[\n\x0eUpdateFromDisk\x12#.arealgrpc.v1.UpdateFromDiskRequest\x1a$.arealgrpc.v1.UpdateFromDiskResponse\x12p\n\x15UpdateFromDistributed\x12*.arealgrpc.v1.UpdateFromDistributedRequest\x1a+.arealgrpc.v1.UpdateFromDistributedResponse\x12\x61\n\x10UpdateFromSocket\x12%.arealgrpc.v1.UpdateFromSocketRequest\x1a&.arealgrpc.v1.UpdateFromSocketResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'arealgrpc.v1.weight_sync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERMETHOD']._serialized_start=1485
-  _globals['_TRANSFERMETHOD']._serialized_end=1621
-  _globals['_COLLECTIVEBACKEND']._serialized_start=1623
-  _globals['_COLLECTIVEBACKEND']._serialized_end=1736
+  _globals['_TRANSFERMETHOD']._serialized_start=1824
+  _globals['_TRANSFERMETHOD']._serialized_end=1988
+  _globals['_COLLECTIVEBACKEND']._serialized_start=1990
+  _globals['_COLLECTIVEBACKEND']._serialized_end=2103
   _globals['_DISTRIBUTEDPARAMS']._serialized_start=76
   _globals['_DISTRIBUTEDPARAMS']._serialized_end=310
   _globals['_STREAMPARAMS']._serialized_start=312
   _globals['_STREAMPARAMS']._serialized_end=351
-  _globals['_DISKPARAMS']._serialized_start=353
-  _globals['_DISKPARAMS']._serialized_end=379
-  _globals['_TRANSFEROPTION']._serialized_start=382
-  _globals['_TRANSFEROPTION']._serialized_end=598
-  _globals['_NEGOTIATEREQUEST']._serialized_start=600
-  _globals['_NEGOTIATEREQUEST']._serialized_end=683
-  _globals['_NEGOTIATERESPONSE']._serialized_start=685
-  _globals['_NEGOTIATERESPONSE']._serialized_end=789
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=791
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=914
-  _globals['_PUSHWEIGHTSHEADER']._serialized_start=916
-  _globals['_PUSHWEIGHTSHEADER']._serialized_end=1019
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1021
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1112
-  _globals['_UPDATEFROMDISKREQUEST']._serialized_start=1114
-  _globals['_UPDATEFROMDISKREQUEST']._serialized_end=1192
-  _globals['_UPDATEFROMDISKRESPONSE']._serialized_start=1194
-  _globals['_UPDATEFROMDISKRESPONSE']._serialized_end=1264
-  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_start=1267
-  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_end=1403
-  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_start=1405
-  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_end=1482
-  _globals['_WEIGHTSYNCSERVICE']._serialized_start=1739
-  _globals['_WEIGHTSYNCSERVICE']._serialized_end=2129
+  _globals['_SOCKETPARAMS']._serialized_start=353
+  _globals['_SOCKETPARAMS']._serialized_end=435
+  _globals['_DISKPARAMS']._serialized_start=437
+  _globals['_DISKPARAMS']._serialized_end=463
+  _globals['_TRANSFEROPTION']._serialized_start=466
+  _globals['_TRANSFEROPTION']._serialized_end=728
+  _globals['_NEGOTIATEREQUEST']._serialized_start=730
+  _globals['_NEGOTIATEREQUEST']._serialized_end=813
+  _globals['_NEGOTIATERESPONSE']._serialized_start=815
+  _globals['_NEGOTIATERESPONSE']._serialized_end=919
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=921
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1044
+  _globals['_PUSHWEIGHTSHEADER']._serialized_start=1046
+  _globals['_PUSHWEIGHTSHEADER']._serialized_end=1149
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1151
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1242
+  _globals['_UPDATEFROMDISKREQUEST']._serialized_start=1244
+  _globals['_UPDATEFROMDISKREQUEST']._serialized_end=1322
+  _globals['_UPDATEFROMDISKRESPONSE']._serialized_start=1324
+  _globals['_UPDATEFROMDISKRESPONSE']._serialized_end=1394
+  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_start=1397
+  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_end=1533
+  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_start=1535
+  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_end=1612
+  _globals['_UPDATEFROMSOCKETREQUEST']._serialized_start=1614
+  _globals['_UPDATEFROMSOCKETREQUEST']._serialized_end=1723
+  _globals['_UPDATEFROMSOCKETRESPONSE']._serialized_start=1725
+  _globals['_UPDATEFROMSOCKETRESPONSE']._serialized_end=1821
+  _globals['_WEIGHTSYNCSERVICE']._serialized_start=2106
+  _globals['_WEIGHTSYNCSERVICE']._serialized_end=2595
 # @@protoc_insertion_point(module_scope)

@@ -14,6 +14,7 @@ class TransferMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_METHOD_DISTRIBUTED: _ClassVar[TransferMethod]
     TRANSFER_METHOD_STREAM: _ClassVar[TransferMethod]
     TRANSFER_METHOD_DISK: _ClassVar[TransferMethod]
+    TRANSFER_METHOD_SOCKET: _ClassVar[TransferMethod]
 
 class CollectiveBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ TRANSFER_METHOD_UNSPECIFIED: TransferMethod
 TRANSFER_METHOD_DISTRIBUTED: TransferMethod
 TRANSFER_METHOD_STREAM: TransferMethod
 TRANSFER_METHOD_DISK: TransferMethod
+TRANSFER_METHOD_SOCKET: TransferMethod
 COLLECTIVE_BACKEND_UNSPECIFIED: CollectiveBackend
 COLLECTIVE_BACKEND_GLOO: CollectiveBackend
 COLLECTIVE_BACKEND_NCCL: CollectiveBackend
@@ -56,6 +58,18 @@ class StreamParams(_message.Message):
     max_chunk_bytes: int
     def __init__(self, max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
+class SocketParams(_message.Message):
+    __slots__ = ("host", "port", "token", "max_frame_bytes")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    token: bytes
+    max_frame_bytes: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+
 class DiskParams(_message.Message):
     __slots__ = ("root",)
     ROOT_FIELD_NUMBER: _ClassVar[int]
@@ -63,16 +77,18 @@ class DiskParams(_message.Message):
     def __init__(self, root: _Optional[str] = ...) -> None: ...
 
 class TransferOption(_message.Message):
-    __slots__ = ("method", "distributed", "stream", "disk")
+    __slots__ = ("method", "distributed", "stream", "disk", "socket")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
     method: TransferMethod
     distributed: DistributedParams
     stream: StreamParams
     disk: DiskParams
-    def __init__(self, method: _Optional[_Union[TransferMethod, str]] = ..., distributed: _Optional[_Union[DistributedParams, _Mapping]] = ..., stream: _Optional[_Union[StreamParams, _Mapping]] = ..., disk: _Optional[_Union[DiskParams, _Mapping]] = ...) -> None: ...
+    socket: SocketParams
+    def __init__(self, method: _Optional[_Union[TransferMethod, str]] = ..., distributed: _Optional[_Union[DistributedParams, _Mapping]] = ..., stream: _Optional[_Union[StreamParams, _Mapping]] = ..., disk: _Optional[_Union[DiskParams, _Mapping]] = ..., socket: _Optional[_Union[SocketParams, _Mapping]] = ...) -> None: ...
 
 class NegotiateRequest(_message.Message):
     __slots__ = ("offers", "sender_id")
@@ -159,3 +175,23 @@ class UpdateFromDistributedResponse(_message.Message):
     policy_version: int
     tensor_count: int
     def __init__(self, policy_version: _Optional[int] = ..., tensor_count: _Optional[int] = ...) -> None: ...
+
+class UpdateFromSocketRequest(_message.Message):
+    __slots__ = ("plan_id", "policy_version", "tensors")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    policy_version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
+    def __init__(self, plan_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class UpdateFromSocketResponse(_message.Message):
+    __slots__ = ("policy_version", "tensor_count", "received_bytes")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    tensor_count: int
+    received_bytes: int
+    def __init__(self, policy_version: _Optional[int] = ..., tensor_count: _Optional[int] = ..., received_bytes: _Optional[int] = ...) -> None: ...

@@ -57,6 +57,11 @@ class WeightSyncServiceStub:
                 request_serializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromDistributedRequest.SerializeToString,
                 response_deserializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromDistributedResponse.FromString,
                 _registered_method=True)
+        self.UpdateFromSocket = channel.unary_unary(
+                '/arealgrpc.v1.WeightSyncService/UpdateFromSocket',
+                request_serializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketRequest.SerializeToString,
+                response_deserializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketResponse.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServiceServicer:
@@ -108,6 +113,19 @@ class WeightSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateFromSocket(self, request, context):
+        """Receives weights over the plain TCP connection the plan names (the bytes bypass gRPC;
+        this call carries the version, the tensor list and the commit). The sender connects
+        while this call is open and presents the plan's one-time token and the version before
+        any byte is written. Errors as for PushWeights; DATA_LOSS when a frame's CRC-32C does
+        not match, the connection ends early or sends another tensor or offset than expected;
+        PERMISSION_DENIED when the connection presents a wrong or used token;
+        DEADLINE_EXCEEDED when no connection arrives in time. The old weights keep serving.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +148,11 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
                     servicer.UpdateFromDistributed,
                     request_deserializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromDistributedRequest.FromString,
                     response_serializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromDistributedResponse.SerializeToString,
+            ),
+            'UpdateFromSocket': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateFromSocket,
+                    request_deserializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketRequest.FromString,
+                    response_serializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -243,6 +266,33 @@ class WeightSyncService:
             '/arealgrpc.v1.WeightSyncService/UpdateFromDistributed',
             arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromDistributedRequest.SerializeToString,
             arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromDistributedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateFromSocket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/arealgrpc.v1.WeightSyncService/UpdateFromSocket',
+            arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketRequest.SerializeToString,
+            arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -111,6 +111,12 @@ export interface SamplingParams {
   nSamples: number;
   /** Keep generating past EOS until another stop condition holds. */
   ignoreEos: boolean;
+  /**
+   * Seed of this request's sampling (sample i of n_samples uses seed + i). Best effort: the
+   * same seed, prompt, parameters and weights give the same tokens when the request decodes
+   * alone; batched with others, float rounding may differ. Unset: the engine's own stream.
+   */
+  seed?: number | undefined;
 }
 
 /**
@@ -253,6 +259,7 @@ function createBaseSamplingParams(): SamplingParams {
     stopTokenIds: [],
     nSamples: 0,
     ignoreEos: false,
+    seed: undefined,
   };
 }
 
@@ -282,6 +289,9 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     }
     if (message.ignoreEos !== false) {
       writer.uint32(56).bool(message.ignoreEos);
+    }
+    if (message.seed !== undefined) {
+      writer.uint32(64).uint64(message.seed);
     }
     return writer;
   },
@@ -365,6 +375,14 @@ export const SamplingParams: MessageFns<SamplingParams> = {
             message.ignoreEos = reader.bool();
             continue;
           }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.seed = longToNumber(reader.uint64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -410,6 +428,7 @@ export const SamplingParams: MessageFns<SamplingParams> = {
         : isSet(object.ignore_eos)
         ? globalThis.Boolean(object.ignore_eos)
         : false,
+      seed: isSet(object.seed) ? globalThis.Number(object.seed) : undefined,
     };
   },
 
@@ -436,6 +455,9 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     if (message.ignoreEos !== false) {
       obj.ignoreEos = message.ignoreEos;
     }
+    if (message.seed !== undefined) {
+      obj.seed = Math.round(message.seed);
+    }
     return obj;
   },
 
@@ -451,6 +473,7 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     message.stopTokenIds = object.stopTokenIds?.map((e) => e) || [];
     message.nSamples = object.nSamples ?? 0;
     message.ignoreEos = object.ignoreEos ?? false;
+    message.seed = object.seed ?? undefined;
     return message;
   },
 };

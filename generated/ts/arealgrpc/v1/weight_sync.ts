@@ -36,6 +36,8 @@ export enum TransferMethod {
   TRANSFER_METHOD_STREAM = 2,
   /** TRANSFER_METHOD_DISK - A safetensors directory on a shared file system (UpdateFromDisk). */
   TRANSFER_METHOD_DISK = 3,
+  /** TRANSFER_METHOD_SOCKET - Raw frames over a TCP connection to the receiver, negotiated here (UpdateFromSocket). */
+  TRANSFER_METHOD_SOCKET = 4,
   UNRECOGNIZED = -1,
 }
 
@@ -53,6 +55,9 @@ export function transferMethodFromJSON(object: any): TransferMethod {
     case 3:
     case "TRANSFER_METHOD_DISK":
       return TransferMethod.TRANSFER_METHOD_DISK;
+    case 4:
+    case "TRANSFER_METHOD_SOCKET":
+      return TransferMethod.TRANSFER_METHOD_SOCKET;
     case -1:
     case "UNRECOGNIZED":
     default:
@@ -70,6 +75,8 @@ export function transferMethodToJSON(object: TransferMethod): string {
       return "TRANSFER_METHOD_STREAM";
     case TransferMethod.TRANSFER_METHOD_DISK:
       return "TRANSFER_METHOD_DISK";
+    case TransferMethod.TRANSFER_METHOD_SOCKET:
+      return "TRANSFER_METHOD_SOCKET";
     case TransferMethod.UNRECOGNIZED:
     default:
       return "UNRECOGNIZED";
@@ -154,6 +161,21 @@ export interface StreamParams {
   maxChunkBytes: number;
 }
 
+/** Parameters of a socket transfer. */
+export interface SocketParams {
+  /** In a plan: the host the receiver listens on for this transfer. */
+  host: string;
+  /** In a plan: the port the receiver listens on. */
+  port: number;
+  /** In a plan: the one-time token the sender presents first on the connection (32 bytes). */
+  token: Buffer;
+  /**
+   * Largest frame payload in bytes: the sender's wish in an offer, the receiver's cap in a
+   * plan (0: the other side's choice).
+   */
+  maxFrameBytes: number;
+}
+
 /** Parameters of a disk transfer. */
 export interface DiskParams {
   /**
@@ -176,7 +198,11 @@ export interface TransferOption {
     | StreamParams
     | undefined;
   /** For TRANSFER_METHOD_DISK. */
-  disk?: DiskParams | undefined;
+  disk?:
+    | DiskParams
+    | undefined;
+  /** For TRANSFER_METHOD_SOCKET. */
+  socket?: SocketParams | undefined;
 }
 
 /** The sender's offer. */
@@ -267,6 +293,34 @@ export interface UpdateFromDistributedResponse {
   policyVersion: number;
   /** Tensors received. */
   tensorCount: number;
+}
+
+/**
+ * Announces a socket transfer; the sender then connects and sends the frames.
+ *
+ * On the connection (all integers little-endian): the 8 bytes "AREALSK1", the plan's
+ * 32-byte token, the policy version (int64); then one frame per piece of a tensor, tensors
+ * and pieces in order: tensor index (uint32), byte offset in the tensor (uint64), length
+ * (uint32), CRC-32C of the payload (uint32), the payload; then a frame with tensor index
+ * 0xFFFFFFFF and length 0 ends the transfer.
+ */
+export interface UpdateFromSocketRequest {
+  /** The plan from Negotiate. */
+  planId: string;
+  /** Policy version of the weights being sent; must be newer than the served one. */
+  policyVersion: number;
+  /** Tensors in the order their frames arrive. */
+  tensors: TensorSpec[];
+}
+
+/** Result of a socket transfer. */
+export interface UpdateFromSocketResponse {
+  /** Policy version now served. */
+  policyVersion: number;
+  /** Tensors applied. */
+  tensorCount: number;
+  /** Bytes of tensor data received. */
+  receivedBytes: number;
 }
 
 function createBaseDistributedParams(): DistributedParams {
@@ -577,6 +631,127 @@ export const StreamParams: MessageFns<StreamParams> = {
   },
 };
 
+function createBaseSocketParams(): SocketParams {
+  return { host: "", port: 0, token: Buffer.alloc(0), maxFrameBytes: 0 };
+}
+
+export const SocketParams: MessageFns<SocketParams> = {
+  encode(message: SocketParams, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.host !== "") {
+      writer.uint32(10).string(message.host);
+    }
+    if (message.port !== 0) {
+      writer.uint32(16).int32(message.port);
+    }
+    if (message.token.length !== 0) {
+      writer.uint32(26).bytes(message.token);
+    }
+    if (message.maxFrameBytes !== 0) {
+      writer.uint32(32).int64(message.maxFrameBytes);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SocketParams {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSocketParams();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.host = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.port = reader.int32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.token = Buffer.from(reader.bytes());
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.maxFrameBytes = longToNumber(reader.int64());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): SocketParams {
+    return {
+      host: isSet(object.host) ? globalThis.String(object.host) : "",
+      port: isSet(object.port) ? globalThis.Number(object.port) : 0,
+      token: isSet(object.token) ? Buffer.from(bytesFromBase64(object.token)) : Buffer.alloc(0),
+      maxFrameBytes: isSet(object.maxFrameBytes)
+        ? globalThis.Number(object.maxFrameBytes)
+        : isSet(object.max_frame_bytes)
+        ? globalThis.Number(object.max_frame_bytes)
+        : 0,
+    };
+  },
+
+  toJSON(message: SocketParams): unknown {
+    const obj: any = {};
+    if (message.host !== "") {
+      obj.host = message.host;
+    }
+    if (message.port !== 0) {
+      obj.port = Math.round(message.port);
+    }
+    if (message.token.length !== 0) {
+      obj.token = base64FromBytes(message.token);
+    }
+    if (message.maxFrameBytes !== 0) {
+      obj.maxFrameBytes = Math.round(message.maxFrameBytes);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<SocketParams>, I>>(base?: I): SocketParams {
+    return SocketParams.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<SocketParams>, I>>(object: I): SocketParams {
+    const message = createBaseSocketParams();
+    message.host = object.host ?? "";
+    message.port = object.port ?? 0;
+    message.token = object.token ?? Buffer.alloc(0);
+    message.maxFrameBytes = object.maxFrameBytes ?? 0;
+    return message;
+  },
+};
+
 function createBaseDiskParams(): DiskParams {
   return { root: "" };
 }
@@ -645,7 +820,7 @@ export const DiskParams: MessageFns<DiskParams> = {
 };
 
 function createBaseTransferOption(): TransferOption {
-  return { method: 0, distributed: undefined, stream: undefined, disk: undefined };
+  return { method: 0, distributed: undefined, stream: undefined, disk: undefined, socket: undefined };
 }
 
 export const TransferOption: MessageFns<TransferOption> = {
@@ -661,6 +836,9 @@ export const TransferOption: MessageFns<TransferOption> = {
     }
     if (message.disk !== undefined) {
       DiskParams.encode(message.disk, writer.uint32(34).fork()).join();
+    }
+    if (message.socket !== undefined) {
+      SocketParams.encode(message.socket, writer.uint32(42).fork()).join();
     }
     return writer;
   },
@@ -710,6 +888,14 @@ export const TransferOption: MessageFns<TransferOption> = {
             message.disk = DiskParams.decode(reader, reader.uint32());
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.socket = SocketParams.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -728,6 +914,7 @@ export const TransferOption: MessageFns<TransferOption> = {
       distributed: isSet(object.distributed) ? DistributedParams.fromJSON(object.distributed) : undefined,
       stream: isSet(object.stream) ? StreamParams.fromJSON(object.stream) : undefined,
       disk: isSet(object.disk) ? DiskParams.fromJSON(object.disk) : undefined,
+      socket: isSet(object.socket) ? SocketParams.fromJSON(object.socket) : undefined,
     };
   },
 
@@ -744,6 +931,9 @@ export const TransferOption: MessageFns<TransferOption> = {
     }
     if (message.disk !== undefined) {
       obj.disk = DiskParams.toJSON(message.disk);
+    }
+    if (message.socket !== undefined) {
+      obj.socket = SocketParams.toJSON(message.socket);
     }
     return obj;
   },
@@ -762,6 +952,9 @@ export const TransferOption: MessageFns<TransferOption> = {
       : undefined;
     message.disk = (object.disk !== undefined && object.disk !== null)
       ? DiskParams.fromPartial(object.disk)
+      : undefined;
+    message.socket = (object.socket !== undefined && object.socket !== null)
+      ? SocketParams.fromPartial(object.socket)
       : undefined;
     return message;
   },
@@ -1728,6 +1921,228 @@ export const UpdateFromDistributedResponse: MessageFns<UpdateFromDistributedResp
   },
 };
 
+function createBaseUpdateFromSocketRequest(): UpdateFromSocketRequest {
+  return { planId: "", policyVersion: 0, tensors: [] };
+}
+
+export const UpdateFromSocketRequest: MessageFns<UpdateFromSocketRequest> = {
+  encode(message: UpdateFromSocketRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.planId !== "") {
+      writer.uint32(10).string(message.planId);
+    }
+    if (message.policyVersion !== 0) {
+      writer.uint32(16).int64(message.policyVersion);
+    }
+    for (const v of message.tensors) {
+      TensorSpec.encode(v!, writer.uint32(26).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): UpdateFromSocketRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseUpdateFromSocketRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.planId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.policyVersion = longToNumber(reader.int64());
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.tensors.push(TensorSpec.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): UpdateFromSocketRequest {
+    return {
+      planId: isSet(object.planId)
+        ? globalThis.String(object.planId)
+        : isSet(object.plan_id)
+        ? globalThis.String(object.plan_id)
+        : "",
+      policyVersion: isSet(object.policyVersion)
+        ? globalThis.Number(object.policyVersion)
+        : isSet(object.policy_version)
+        ? globalThis.Number(object.policy_version)
+        : 0,
+      tensors: globalThis.Array.isArray(object?.tensors) ? object.tensors.map((e: any) => TensorSpec.fromJSON(e)) : [],
+    };
+  },
+
+  toJSON(message: UpdateFromSocketRequest): unknown {
+    const obj: any = {};
+    if (message.planId !== "") {
+      obj.planId = message.planId;
+    }
+    if (message.policyVersion !== 0) {
+      obj.policyVersion = Math.round(message.policyVersion);
+    }
+    if (message.tensors?.length) {
+      obj.tensors = message.tensors.map((e) => TensorSpec.toJSON(e));
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<UpdateFromSocketRequest>, I>>(base?: I): UpdateFromSocketRequest {
+    return UpdateFromSocketRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<UpdateFromSocketRequest>, I>>(object: I): UpdateFromSocketRequest {
+    const message = createBaseUpdateFromSocketRequest();
+    message.planId = object.planId ?? "";
+    message.policyVersion = object.policyVersion ?? 0;
+    message.tensors = object.tensors?.map((e) => TensorSpec.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseUpdateFromSocketResponse(): UpdateFromSocketResponse {
+  return { policyVersion: 0, tensorCount: 0, receivedBytes: 0 };
+}
+
+export const UpdateFromSocketResponse: MessageFns<UpdateFromSocketResponse> = {
+  encode(message: UpdateFromSocketResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.policyVersion !== 0) {
+      writer.uint32(8).int64(message.policyVersion);
+    }
+    if (message.tensorCount !== 0) {
+      writer.uint32(16).uint32(message.tensorCount);
+    }
+    if (message.receivedBytes !== 0) {
+      writer.uint32(24).uint64(message.receivedBytes);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): UpdateFromSocketResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseUpdateFromSocketResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.policyVersion = longToNumber(reader.int64());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.tensorCount = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.receivedBytes = longToNumber(reader.uint64());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): UpdateFromSocketResponse {
+    return {
+      policyVersion: isSet(object.policyVersion)
+        ? globalThis.Number(object.policyVersion)
+        : isSet(object.policy_version)
+        ? globalThis.Number(object.policy_version)
+        : 0,
+      tensorCount: isSet(object.tensorCount)
+        ? globalThis.Number(object.tensorCount)
+        : isSet(object.tensor_count)
+        ? globalThis.Number(object.tensor_count)
+        : 0,
+      receivedBytes: isSet(object.receivedBytes)
+        ? globalThis.Number(object.receivedBytes)
+        : isSet(object.received_bytes)
+        ? globalThis.Number(object.received_bytes)
+        : 0,
+    };
+  },
+
+  toJSON(message: UpdateFromSocketResponse): unknown {
+    const obj: any = {};
+    if (message.policyVersion !== 0) {
+      obj.policyVersion = Math.round(message.policyVersion);
+    }
+    if (message.tensorCount !== 0) {
+      obj.tensorCount = Math.round(message.tensorCount);
+    }
+    if (message.receivedBytes !== 0) {
+      obj.receivedBytes = Math.round(message.receivedBytes);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<UpdateFromSocketResponse>, I>>(base?: I): UpdateFromSocketResponse {
+    return UpdateFromSocketResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<UpdateFromSocketResponse>, I>>(object: I): UpdateFromSocketResponse {
+    const message = createBaseUpdateFromSocketResponse();
+    message.policyVersion = object.policyVersion ?? 0;
+    message.tensorCount = object.tensorCount ?? 0;
+    message.receivedBytes = object.receivedBytes ?? 0;
+    return message;
+  },
+};
+
 /**
  * Receives new policy weights. Served by every rollout server; called by trainer rank 0 or
  * the coordinator. Every update names the new policy version, and a receiver refuses a
@@ -1802,6 +2217,26 @@ export const WeightSyncServiceService = {
       Buffer.from(UpdateFromDistributedResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): UpdateFromDistributedResponse => UpdateFromDistributedResponse.decode(value),
   },
+  /**
+   * Receives weights over the plain TCP connection the plan names (the bytes bypass gRPC;
+   * this call carries the version, the tensor list and the commit). The sender connects
+   * while this call is open and presents the plan's one-time token and the version before
+   * any byte is written. Errors as for PushWeights; DATA_LOSS when a frame's CRC-32C does
+   * not match, the connection ends early or sends another tensor or offset than expected;
+   * PERMISSION_DENIED when the connection presents a wrong or used token;
+   * DEADLINE_EXCEEDED when no connection arrives in time. The old weights keep serving.
+   */
+  updateFromSocket: {
+    path: "/arealgrpc.v1.WeightSyncService/UpdateFromSocket" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: UpdateFromSocketRequest): Buffer =>
+      Buffer.from(UpdateFromSocketRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): UpdateFromSocketRequest => UpdateFromSocketRequest.decode(value),
+    responseSerialize: (value: UpdateFromSocketResponse): Buffer =>
+      Buffer.from(UpdateFromSocketResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): UpdateFromSocketResponse => UpdateFromSocketResponse.decode(value),
+  },
 } as const;
 
 export interface WeightSyncServiceServer extends UntypedServiceImplementation {
@@ -1836,6 +2271,16 @@ export interface WeightSyncServiceServer extends UntypedServiceImplementation {
    * (CANCELLED) and negotiates a new group for the next update.
    */
   updateFromDistributed: handleUnaryCall<UpdateFromDistributedRequest, UpdateFromDistributedResponse>;
+  /**
+   * Receives weights over the plain TCP connection the plan names (the bytes bypass gRPC;
+   * this call carries the version, the tensor list and the commit). The sender connects
+   * while this call is open and presents the plan's one-time token and the version before
+   * any byte is written. Errors as for PushWeights; DATA_LOSS when a frame's CRC-32C does
+   * not match, the connection ends early or sends another tensor or offset than expected;
+   * PERMISSION_DENIED when the connection presents a wrong or used token;
+   * DEADLINE_EXCEEDED when no connection arrives in time. The old weights keep serving.
+   */
+  updateFromSocket: handleUnaryCall<UpdateFromSocketRequest, UpdateFromSocketResponse>;
 }
 
 export interface WeightSyncServiceClient extends Client {
@@ -1927,6 +2372,30 @@ export interface WeightSyncServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: UpdateFromDistributedResponse) => void,
   ): ClientUnaryCall;
+  /**
+   * Receives weights over the plain TCP connection the plan names (the bytes bypass gRPC;
+   * this call carries the version, the tensor list and the commit). The sender connects
+   * while this call is open and presents the plan's one-time token and the version before
+   * any byte is written. Errors as for PushWeights; DATA_LOSS when a frame's CRC-32C does
+   * not match, the connection ends early or sends another tensor or offset than expected;
+   * PERMISSION_DENIED when the connection presents a wrong or used token;
+   * DEADLINE_EXCEEDED when no connection arrives in time. The old weights keep serving.
+   */
+  updateFromSocket(
+    request: UpdateFromSocketRequest,
+    callback: (error: ServiceError | null, response: UpdateFromSocketResponse) => void,
+  ): ClientUnaryCall;
+  updateFromSocket(
+    request: UpdateFromSocketRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: UpdateFromSocketResponse) => void,
+  ): ClientUnaryCall;
+  updateFromSocket(
+    request: UpdateFromSocketRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: UpdateFromSocketResponse) => void,
+  ): ClientUnaryCall;
 }
 
 export const WeightSyncServiceClient = makeGenericClientConstructor(
@@ -1937,6 +2406,14 @@ export const WeightSyncServiceClient = makeGenericClientConstructor(
   service: typeof WeightSyncServiceService;
   serviceName: string;
 };
+
+function bytesFromBase64(b64: string): Uint8Array {
+  return Uint8Array.from(globalThis.Buffer.from(b64, "base64"));
+}
+
+function base64FromBytes(arr: Uint8Array): string {
+  return globalThis.Buffer.from(arr).toString("base64");
+}
 
 type Builtin = Date | Function | Uint8Array | string | number | boolean | undefined;
 

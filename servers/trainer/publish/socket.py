@@ -1,0 +1,144 @@
+"""SOCKET: per server an ``UpdateFromSocket`` call (the control) and one TCP connection to
+the listener its plan names (the bytes); each bucket's frames are checksummed once and
+written to every connection from the tensors' own memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import grpc
+import torch
+from areal_servers.trainer.publish.base import PublishContext, Target, Transport
+from arealgrpc.v1 import weight_sync_pb2
+
+from areal_grpc import side_channel
+from areal_grpc.errors import status_proto_of
+
+__all__ = ["SocketTransport"]
+
+pb = weight_sync_pb2
+# How long a failed connection waits for its call's status (the receiver's reason) before
+# reporting the connection's own error.
+_STATUS_WAIT_S = 5.0
+
+
+def _host(address: str) -> str:
+    """The host part of ``host:port`` (IPv6 brackets removed)."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+class SocketTransport(Transport):
+    """Raw frames over TCP, control and commit over gRPC."""
+
+    method = pb.TRANSFER_METHOD_SOCKET
+
+    def __init__(self, ctx: PublishContext) -> None:
+        super().__init__(ctx)
+        # Each target's connection, by id(target), while it is in the transfer.
+        self._socks: dict[int, socket.socket] = {}
+
+    def offer(self, rank: int, world: int) -> pb.TransferOption | None:
+        return pb.TransferOption(
+            method=self.method,
+            socket=pb.SocketParams(max_frame_bytes=side_channel.DEFAULT_FRAME_BYTES),
+        )
+
+    async def open(self, targets: list[Target]) -> None:
+        self.targets = targets
+        request = pb.UpdateFromSocketRequest(
+            policy_version=self.ctx.version, tensors=[m.spec() for m in self.ctx.metas]
+        )
+        await asyncio.gather(*(self._open(t, request) for t in targets))
+
+    async def _open(self, t: Target, request: pb.UpdateFromSocketRequest) -> None:
+        assert t.plan is not None
+        params = t.plan.plan.socket
+        mine = pb.UpdateFromSocketRequest()
+        mine.CopyFrom(request)
+        mine.plan_id = t.plan.plan_id
+        t.task = asyncio.create_task(self._call(t, mine))
+        host = params.host or _host(t.result.address)
+
+        def connect() -> socket.socket:
+            sock = socket.create_connection((host, params.port), timeout=self.ctx.left())
+            side_channel.tune(sock)
+            side_channel.send_preamble(sock, params.token, self.ctx.version)
+            return sock
+
+        try:
+            self._socks[id(t)] = await asyncio.to_thread(connect)
+        except OSError as exc:
+            await self._lost(t, exc)
+
+    async def _call(self, t: Target, request: pb.UpdateFromSocketRequest) -> None:
+        try:
+            reply = await t.stub.UpdateFromSocket(request, timeout=self.ctx.left())
+        except Exception as exc:
+            t.result.fail_with(status_proto_of(exc))
+            return
+        t.result.policy_version = reply.policy_version
+        t.result.ok = True
+
+    async def _lost(self, t: Target, exc: BaseException) -> None:
+        """A connection failed: the call's status (the receiver's reason) if it comes soon,
+        else the connection's error."""
+        sock = self._socks.pop(id(t), None)
+        if sock is not None:
+            sock.close()
+        if t.task is not None:
+            await asyncio.wait([t.task], timeout=_STATUS_WAIT_S)
+            if not t.task.done():
+                t.task.cancel()
+        if not t.result.error:
+            t.result.fail(grpc.StatusCode.UNAVAILABLE, f"socket: {type(exc).__name__}: {exc}")
+
+    async def send(self, bucket: dict[str, torch.Tensor], index: int) -> None:
+        live = [t for t in self.live() if id(t) in self._socks]
+        if not live:
+            return
+        frame_bytes = min(
+            t.plan.plan.socket.max_frame_bytes or side_channel.DEFAULT_FRAME_BYTES
+            for t in live
+            if t.plan is not None
+        )
+
+        def frames() -> list[side_channel.Frame]:
+            out: list[side_channel.Frame] = []
+            for k, tensor in enumerate(bucket.values()):
+                out += side_channel.frames_of(index + k, tensor, frame_bytes)
+            return out
+
+        # Checksummed once, written to every connection at once (each in its own thread).
+        framed = await asyncio.to_thread(frames)
+
+        async def write(t: Target) -> None:
+            try:
+                sent = await asyncio.to_thread(side_channel.send_frames, self._socks[id(t)], framed)
+            except OSError as exc:
+                await self._lost(t, exc)
+                return
+            t.result.sent_bytes += sent
+
+        await asyncio.gather(*(write(t) for t in live))
+
+    async def close(self) -> None:
+        async def finish(t: Target) -> None:
+            sock = self._socks.pop(id(t), None)
+            if sock is not None and not t.result.error:
+                try:
+                    await asyncio.to_thread(side_channel.send_end, sock)
+                except OSError as exc:
+                    self._socks[id(t)] = sock
+                    await self._lost(t, exc)
+                    return
+            if t.task is not None:
+                if t.result.error and not t.task.done():
+                    t.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t.task
+            if sock is not None:
+                sock.close()
+
+        await asyncio.gather(*(finish(t) for t in self.targets))
