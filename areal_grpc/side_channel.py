@@ -14,8 +14,11 @@ from __future__ import annotations
 import hmac
 import socket
 import struct
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -29,6 +32,7 @@ __all__ = [
     "MAGIC",
     "TOKEN_BYTES",
     "Frame",
+    "FrameFeed",
     "accept",
     "frames_of",
     "receive_tensors",
@@ -71,24 +75,71 @@ def send_preamble(sock: socket.socket, token: bytes, version: int) -> None:
 Frame = tuple[bytes, memoryview]
 
 
-def frames_of(index: int, tensor: torch.Tensor, frame_bytes: int) -> list[Frame]:
-    """One tensor as (header, payload) frames of at most ``frame_bytes``, CRCs computed once
-    (the payloads are views of the tensor's memory: keep it alive while they are sent)."""
+def _iter_frames(index: int, tensor: torch.Tensor, frame_bytes: int) -> Iterator[Frame]:
     data = tc.byte_view(tensor)
     view = memoryview(data.numpy())  # type: ignore[arg-type]
     base = data.data_ptr()
     n = len(view)
     if n == 0:
-        return [(_FRAME.pack(index, 0, 0, 0), view)]
-    out = []
+        yield _FRAME.pack(index, 0, 0, 0), view
+        return
     for offset in range(0, n, frame_bytes):
         size = min(frame_bytes, n - offset)
         header = _FRAME.pack(index, offset, size, crc32c_at(base + offset, size))
-        out.append((header, view[offset : offset + size]))
-    return out
+        yield header, view[offset : offset + size]
 
 
-def send_frames(sock: socket.socket, frames: Sequence[Frame]) -> int:
+def frames_of(index: int, tensor: torch.Tensor, frame_bytes: int) -> list[Frame]:
+    """One tensor as (header, payload) frames of at most ``frame_bytes``, CRCs computed once
+    (the payloads are views of the tensor's memory: keep it alive while they are sent)."""
+    return list(_iter_frames(index, tensor, frame_bytes))
+
+
+class FrameFeed:
+    """The frames of some tensors, checksummed by a thread of its own while any number of
+    senders iterate over them: a frame's CRC overlaps with sending the frames before it."""
+
+    def __init__(self, tensors: Sequence[tuple[int, torch.Tensor]], frame_bytes: int) -> None:
+        self._frames: list[Frame] = []
+        self._done = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        # The payloads are views of these tensors' memory.
+        self._tensors = list(tensors)
+        threading.Thread(
+            target=self._run, args=(frame_bytes,), name="frame-crc", daemon=True
+        ).start()
+
+    def _run(self, frame_bytes: int) -> None:
+        try:
+            for index, tensor in self._tensors:
+                for frame in _iter_frames(index, tensor, frame_bytes):
+                    with self._cond:
+                        self._frames.append(frame)
+                        self._cond.notify_all()
+        except BaseException as exc:  # handed to the senders
+            self._error = exc
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def __iter__(self) -> Iterator[Frame]:
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._frames) and not self._done:
+                    self._cond.wait()
+                if i >= len(self._frames):
+                    if self._error is not None:
+                        raise self._error
+                    return
+                frame = self._frames[i]
+            yield frame
+            i += 1
+
+
+def send_frames(sock: socket.socket, frames: Iterable[Frame]) -> int:
     """Sends frames; the payload bytes sent."""
     sent = 0
     for header, payload in frames:
@@ -167,6 +218,36 @@ def receive_tensors(
     views = [_view(t) for t in dests]
     total = 0
     frames = _frames(conn, deadline)
+    # Each frame's CRC is checked by a thread of its own while the next frame arrives; a
+    # mismatch found late still fails the transfer before anything is installed.
+    with ThreadPoolExecutor(1, thread_name_prefix="frame-crc") as checker:
+        checks: deque[tuple[Future[int], int, int, int]] = deque()
+        total = _read_frames(conn, frames, views, dests, max_frame_bytes, deadline, checker, checks)
+        while checks:
+            _check(checks.popleft())
+    end_index, _, size, _ = next(frames)
+    if end_index != END_INDEX or size:
+        raise DataLossError("the side channel sent more frames than the tensors announced")
+    return total
+
+
+def _check(item: tuple[Future[int], int, int, int]) -> None:
+    future, crc, index, offset = item
+    if future.result() != crc:
+        raise DataLossError(f"tensor {index}: CRC-32C mismatch in the frame at {offset}")
+
+
+def _read_frames(
+    conn: socket.socket,
+    frames: Iterator[tuple[int, int, int, int]],
+    views: list[memoryview],
+    dests: Sequence[torch.Tensor],
+    max_frame_bytes: int,
+    deadline: float,
+    checker: ThreadPoolExecutor,
+    checks: deque[tuple[Future[int], int, int, int]],
+) -> int:
+    total = 0
     for index, view in enumerate(views):
         expected = 0
         while True:
@@ -184,13 +265,11 @@ def receive_tensors(
             part = view[offset : offset + size]
             _recv_into(conn, part, deadline)
             address = dests[index].data_ptr() + offset
-            if crc32c_at(address, size) != crc:
-                raise DataLossError(f"tensor {index}: CRC-32C mismatch in the frame at {offset}")
+            checks.append((checker.submit(crc32c_at, address, size), crc, index, offset))
+            while checks and checks[0][0].done():
+                _check(checks.popleft())
             expected += size
             total += size
             if expected == len(view):
                 break
-    end_index, _, size, _ = next(frames)
-    if end_index != END_INDEX or size:
-        raise DataLossError("the side channel sent more frames than the tensors announced")
     return total

@@ -625,7 +625,7 @@ def main() -> int:
                 [str(BENCH / "weight_sync.py"), f"--model={model_dir}", f"--reps={args.repeats}"],
                 {
                     f"weight_sync_{m}": f"real_model_sync_{m}"
-                    for m in ("stream", "disk", "distributed")
+                    for m in ("socket", "stream", "disk", "distributed")
                 },
             )
     return 0

@@ -104,14 +104,11 @@ class SocketTransport(Transport):
             if t.plan is not None
         )
 
-        def frames() -> list[side_channel.Frame]:
-            out: list[side_channel.Frame] = []
-            for k, tensor in enumerate(bucket.values()):
-                out += side_channel.frames_of(index + k, tensor, frame_bytes)
-            return out
-
-        # Checksummed once, written to every connection at once (each in its own thread).
-        framed = await asyncio.to_thread(frames)
+        # Checksummed once (by the feed's thread, ahead of the senders), written to every
+        # connection at once (each in its own thread).
+        framed = side_channel.FrameFeed(
+            [(index + k, t) for k, t in enumerate(bucket.values())], frame_bytes
+        )
 
         async def write(t: Target) -> None:
             try:
