@@ -504,6 +504,42 @@ def test_rewards_per_completion_and_a_released_session(gateway: Gateway, mesh: M
     assert httpx.delete(f"{gateway.url}/rl/sessions/{other}", timeout=10).status_code == 404
 
 
+def test_a_rollout_server_killed_mid_stream_ends_it_with_an_error_and_later_calls_are_503(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of the rollout server while a reply streams: the stream ends with an error
+    event naming the server (the openai client raises), the next completion is 503 in
+    OpenAI's error shape, and the gateway itself keeps serving."""
+    argv = python_module_argv("areal_servers.rollout", "--port", "0", f"model.source={MODEL}")
+    doomed = start_child("rollout-doomed", argv, log_dir=tmp_path)
+    m = start_mesh(doomed.address)
+    gw = serve_gateway(GatewayConfig(coordinator=m.address, model=MODEL, default_max_tokens=8))
+    try:
+        c = client(gw)
+        messages = [{"role": "user", "content": "a="}]
+        # Greedy on the built-in model runs to max_tokens (about 0.5 s for 400 tokens).
+        stream = c.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=400, temperature=0.0, stream=True
+        )  # type: ignore[call-overload]
+        chunks = iter(stream)
+        next(chunks)  # the opening chunk: the reply is being generated
+        doomed.process.kill()
+        doomed.process.wait(timeout=30)
+        with pytest.raises(openai.APIError) as err:
+            for _ in chunks:
+                pass
+        assert "rollout server" in str(err.value)
+        with pytest.raises(openai.APIStatusError) as later:
+            c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+        assert later.value.status_code == 503
+        assert "rollout server" in later.value.body["message"]  # type: ignore[index]
+        assert [x.id for x in c.models.list().data] == [MODEL]
+    finally:
+        stop_gateway(gw)
+        m.stop()
+        stop_children([doomed])
+
+
 def test_a_full_staleness_budget_is_429_with_retry_after(tmp_path: Path) -> None:
     """No rollout server and no capacity left: sessions get 429 + Retry-After, sessionless
     completions 503."""

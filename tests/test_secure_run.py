@@ -9,9 +9,11 @@ certificate, or without the token, gets nothing from any of them.
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import trustme
 from arealgrpc.v1 import (
@@ -239,3 +241,54 @@ def test_an_empty_token_file_names_the_key(tmp_path: Path):
     with pytest.raises(FieldError) as info:
         load_config(None, [f"security.auth_token_file={empty}"])
     assert info.value.field == "security.auth_token_file"
+
+
+def test_the_gateway_of_a_secured_run_serves_https_to_the_run_token_only(
+    pki, tmp_path, coordinator_command
+):
+    """``gateway.enabled`` under the run's security: the gateway serves HTTPS with the run's
+    certificate, takes the run's token as its bearer key (401 without, 403 wrong), reaches the
+    rollout server over mutual TLS with the token, and refuses plaintext."""
+    proc = coordinator_command.start(
+        tmp_path / "run",
+        "total_steps=1000",
+        *SMALL_RUN,
+        *security_overrides(pki),
+        "gateway.enabled=true",
+        unset_env=["AREAL_AUTH_TOKEN", "AREAL_GATEWAY_API_KEY"],
+    )
+    try:
+        coordinator_command.address(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        while line and not line.startswith("GATEWAY"):
+            line = proc.stdout.readline()
+        assert line.startswith("GATEWAY https://127.0.0.1:"), line
+        base = line.split()[1]
+        with httpx.Client(verify=pki["ca"], timeout=60) as https:
+            assert https.get(f"{base}/models").status_code == 401
+            wrong = https.get(f"{base}/models", headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 403
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            assert https.get(f"{base}/models", headers=auth).json()["data"]
+            reply = https.post(
+                f"{base}/chat/completions",
+                headers=auth,
+                json={
+                    "model": "m",
+                    "messages": [{"role": "user", "content": "a="}],
+                    "max_tokens": 3,
+                },
+            )
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+        # Plaintext to the HTTPS port gets no answer.
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(base.replace("https://", "http://") + "/models", timeout=10)
+        # An unknown CA: the certificate is not trusted.
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{base}/models", verify=pki["stranger_cert"], timeout=10)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        coordinator_command.finish(proc, timeout=120)
+    assert proc.returncode == 130
