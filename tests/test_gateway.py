@@ -264,6 +264,75 @@ CHECK_TOOL = {
 }
 
 
+def test_a_stop_string_of_several_tokens_cuts_the_reply_and_keeps_the_sampled_ids(
+    gateway: Gateway, mesh: Mesh
+) -> None:
+    """A stop sequence longer than one token is watched for in the decoded text: the reply
+    ends before it (finish_reason stop), streamed or not; the trajectory keeps the ids up to
+    the token that completed it, and the next turn continues the conversation."""
+    c = client(gateway)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    # Seeded: the same reply every time; a stop string taken from its middle.
+    same = {"max_tokens": 40, "temperature": 1.0, "seed": 5}
+    full = c.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        extra_body={"return_token_ids": True},
+        **same,  # type: ignore[arg-type]
+    )
+    text = str(full.choices[0].message.content)
+    sampled = full.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    k = next(
+        i
+        for i in range(3, len(text) - 2)
+        if "\ufffd" not in text[i : i + 2] and text[i : i + 2].strip()
+    )
+    stop = text[k : k + 2]
+    at = text.index(stop)
+    renderer = ChatRenderer(load_tokenizer(MODEL))
+    keep = next(
+        n
+        for n in range(1, len(sampled) + 1)
+        if len(renderer.reply_text(sampled[:n], False)) >= at + 2
+    )
+    sid = session(gateway)
+    c_sid = client(gateway, default_headers={"X-Session-Id": sid})
+    cut = c_sid.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        stop=[stop, "zzzz"],
+        **same,  # type: ignore[arg-type]
+    )
+    assert cut.choices[0].message.content == text[:at]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = c.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        stop=stop,
+        stream=True,
+        **same,  # type: ignore[arg-type]
+    )
+    pieces = [ch.choices[0].delta.content or "" for ch in streamed if ch.choices]
+    assert "".join(pieces) == text[:at]
+    # The next turn continues the conversation: one trajectory, trained ids = sampled ids.
+    nxt = [
+        *messages,
+        {"role": "assistant", "content": text[:at]},
+        {"role": "user", "content": "ok"},
+    ]
+    c_sid.chat.completions.create(model=MODEL, messages=nxt, max_tokens=3)  # type: ignore[arg-type]
+    reply = httpx.post(f"{gateway.url}/rl/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30)
+    assert reply.json()["accepted"] is True, reply.text
+    (group,) = [g for task, g in mesh.buffered() if task == sid]
+    (traj,) = group.trajectories
+    p = len(renderer.encode(renderer.text(messages)))
+    assert list(traj.token_ids[p : p + keep]) == sampled[:keep]
+    assert all(traj.loss_mask[p : p + keep]) and not traj.loss_mask[p + keep]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=MODEL, messages=messages, stop=["a", "b", "c", "d", "e"])  # type: ignore[arg-type]
+    assert err.value.body["param"] == "stop"  # type: ignore[index]
+
+
 def test_a_seed_repeats_a_sampled_reply(gateway: Gateway) -> None:
     c = client(gateway)
 
@@ -429,7 +498,7 @@ def test_bad_requests_are_400_naming_the_field(gateway: Gateway) -> None:
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
-        ({"messages": [{"role": "user", "content": "x"}], "stop": ["two words"]}, "stop[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", ""]}, "stop[1]"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {}}]},

@@ -14,7 +14,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,8 @@ from .tools import ToolSettings, assistant_message, tool_settings
 SESSION_HEADER = "x-session-id"
 # Most completions one request may ask for.
 MAX_N = 64
+# OpenAI accepts up to 4 stop sequences.
+MAX_STOPS = 4
 # How long the list of serving rollout servers is reused for requests without a session.
 _FLEET_TTL_S = 2.0
 _HTTP_OF_GRPC = {
@@ -206,8 +208,9 @@ class Gateway:
             else "max_tokens"
         )
         limit = _int(body, key, self.cfg.default_max_tokens, 1, 1 << 20)
+        stop_ids, _ = self.stops(body.get("stop"))
         params = common_pb2.SamplingParams(
-            max_new_tokens=limit, n_samples=n, stop_token_ids=self.stop_ids(body.get("stop"))
+            max_new_tokens=limit, n_samples=n, stop_token_ids=stop_ids
         )
         if body.get("seed") is not None:
             # OpenAI's seed is a signed 64-bit integer; the contract's an unsigned one.
@@ -222,24 +225,26 @@ class Gateway:
             params.top_p = top_p
         return params
 
-    def stop_ids(self, stop: Any) -> list[int]:
-        """Stop strings as stop token ids: each must be one token of the vocabulary."""
+    def stops(self, stop: Any) -> tuple[list[int], list[str]]:
+        """(stop token ids, stop strings): a stop that is one token of the vocabulary ends
+        generation in the engine; a longer one is watched for here, in the decoded text."""
         if stop is None:
-            return []
+            return [], []
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
             raise FieldError("stop", "must be a string or a list of strings")
-        ids = []
+        if len(items) > MAX_STOPS:
+            raise FieldError("stop", f"at most {MAX_STOPS} stop sequences, got {len(items)}")
+        ids, strings = [], []
         for i, s in enumerate(items):
+            if not s:
+                raise FieldError(f"stop[{i}]", "must not be empty")
             encoded = self.renderer.encode(s)
-            if len(encoded) != 1:
-                raise FieldError(
-                    f"stop[{i}]",
-                    f"{s!r} is {len(encoded)} tokens; only single-token stops are supported "
-                    "(the sampled tokens must stay exactly as generated)",
-                )
-            ids.append(encoded[0])
-        return ids
+            if len(encoded) == 1:
+                ids.append(encoded[0])
+            else:
+                strings.append(s)
+        return ids, strings
 
     async def generate(
         self,
@@ -277,19 +282,33 @@ class Call:
     address: str
     model: str
     tools: ToolSettings
+    # Stop sequences of several tokens, watched for in the decoded text.
+    stop_strings: list[str] = field(default_factory=list)
     branches: list[Conversation] = field(init=False)
 
     def record(
-        self, i: int, completion: rollout_pb2.Completion, text: str
+        self,
+        i: int,
+        completion: rollout_pb2.Completion,
+        text: str,
+        sampled: str | None = None,
     ) -> tuple[str, dict[str, Any] | None]:
         """Adds choice ``i``'s reply to its conversation (and the session); its id and, for
-        chat, the assistant message (with any tool calls parsed out of ``text``)."""
+        chat, the assistant message (with any tool calls parsed out of ``text``).
+
+        ``sampled``: the text of the sampled ids when the client is shown less (a reply cut
+        at a stop string); the conversation renders that text when it continues.
+        """
         conv = self.base if i == 0 else self.branches[i - 1]
         cid = self.rid if self.n == 1 else f"{self.rid}:{i}"
         message, kept = None, None
         if self.kind == "chat":
             message, kept = assistant_message(text, cid, self.tools)
-        conv.add_reply(cid, completion, text, kept)
+        if sampled is None:
+            conv.add_reply(cid, completion, text, kept)
+        else:
+            # Stopped by a string, not a stop token: no stop token text to skip later.
+            conv.add_reply(cid, completion, sampled, kept, stop_token=False)
         if self.session is not None:
             self.session.add(conv, self.parent if i == 0 else None)
         return cid, message
@@ -339,27 +358,57 @@ def _sse(obj: Mapping[str, Any]) -> str:
 class _Streamed:
     """One completion arriving token by token, and the text shown of it so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, stops: Sequence[str] = ()) -> None:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.finish = common_pb2.FINISH_REASON_UNSPECIFIED
         self.shown = ""
+        self.stops = list(stops)
+        # Set when a stop string ended the reply: the text before it (what the client gets)
+        # and the text of the ids kept (up to the token that completed the stop string).
+        self.cut: str | None = None
+        self.sampled: str | None = None
 
-    def take(self, msg: rollout_pb2.GenerateStreamResponse) -> None:
+    def take(self, msg: rollout_pb2.GenerateStreamResponse, renderer: ChatRenderer) -> bool:
+        """Adds a message's tokens; True when the reply is complete (by the engine, or by a
+        stop string: the ids after the token that completed it are dropped)."""
         self.ids += msg.output_ids
         self.logprobs += msg.output_logprobs
         self.versions += msg.output_versions
         if msg.finish_reason:
             self.finish = msg.finish_reason
+        if self.stops and self.cut is None:
+            self._find_stop(renderer)
+        return self.cut is not None or bool(msg.finish_reason)
+
+    def _find_stop(self, renderer: ChatRenderer) -> None:
+        text = renderer.reply_text(self.ids, False)
+        hits = [(text.find(s), s) for s in self.stops if s in text]
+        if not hits:
+            return
+        at, stop = min(hits)
+        # The fewest ids whose text holds the whole stop string.
+        keep = len(self.ids)
+        while keep > 1 and len(renderer.reply_text(self.ids[: keep - 1], False)) >= at + len(stop):
+            keep -= 1
+        del self.ids[keep:], self.logprobs[keep:], self.versions[keep:]
+        self.cut = text[:at]
+        self.sampled = renderer.reply_text(self.ids, False)
+        self.finish = common_pb2.FINISH_REASON_STOP
 
     def delta(self, renderer: ChatRenderer, final: bool) -> str:
         """The text not shown yet. Until the end the newest token is held back (it may be
-        the stop token) and so is a trailing partial character."""
-        if final:
+        the stop token) and so is a trailing partial character, and so is as much text as
+        could be the start of a stop string."""
+        if final and self.cut is not None:
+            text = self.cut
+        elif final:
             text = renderer.reply_text(self.ids, self.finish == common_pb2.FINISH_REASON_STOP)
         else:
             text = renderer.reply_text(self.ids[:-1], False).rstrip("\ufffd")
+            longest = max((len(s) for s in self.stops), default=1)
+            text = text[: max(0, len(text) - (longest - 1))]
         if not text.startswith(self.shown):
             return ""  # what was shown stays what the conversation records
         out, self.shown = text[len(self.shown) :], text
@@ -456,6 +505,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         session = gateway().session(session_id) if session_id else None
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         address = session.lease.rollout_address if session else await gateway().any_rollout()
+        _, stop_strings = gateway().stops(body.get("stop"))
         return Call(
             body,
             kind,
@@ -468,6 +518,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             address,
             cfg.model,
             tools or ToolSettings(None, False),
+            stop_strings,
         )
 
     def choice(
@@ -522,14 +573,92 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             "usage": _usage(len(prompt), completion_tokens),
         }
 
-    def stream(call: Call) -> StreamingResponse:
-        """The replies as server-sent events in OpenAI's chunk format, one stream each."""
-        obj = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
+    async def updates(call: Call) -> AsyncIterator[tuple[int, _Streamed, bool]]:
+        """(choice, its reply so far, whether it is complete) as tokens arrive, over one
+        ``GenerateStream`` per choice; a choice cut at a stop string has its stream
+        cancelled. Raises HTTPError when a stream fails."""
         prompt = list(call.base.token_ids)
         one = common_pb2.SamplingParams()
         one.CopyFrom(call.params)
         one.n_samples = 1
+        # Choice i gets seed + i, as the engine gives sample i of a seeded request.
+        seeds = [(one.seed + i) % 2**64 for i in range(call.n)]
+        renderer = gateway().renderer
+
+        async def pump(i: int, queue: asyncio.Queue[tuple[int, Any]]) -> None:
+            rid = call.rid if call.n == 1 else f"{call.rid}:{i}"
+            params = common_pb2.SamplingParams()
+            params.CopyFrom(one)
+            if params.HasField("seed"):
+                params.seed = seeds[i]
+            try:
+                with call.traced(i) as trace_context:
+                    async for msg in (
+                        gateway()
+                        .rollout(call.address)
+                        .generate_stream(
+                            prompt,
+                            params,
+                            gateway().cfg.generate_timeout_s,
+                            request_id=rid,
+                            trace_context=trace_context,
+                        )
+                    ):
+                        await queue.put((i, msg))
+                await queue.put((i, None))
+            except grpc.RpcError as exc:
+                await queue.put((i, _from_rpc(exc, f"rollout server {call.address}")))
+
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        tasks = [asyncio.create_task(pump(i, queue)) for i in range(call.n)]
+        replies = [_Streamed(call.stop_strings) for _ in range(call.n)]
+        finished: set[int] = set()
+        try:
+            while len(finished) < call.n:
+                i, msg = await queue.get()
+                if i in finished:
+                    continue  # the end of a stream cut short, or of one already complete
+                if isinstance(msg, HTTPError):
+                    raise msg
+                reply = replies[i]
+                if msg is not None and not reply.take(msg, renderer):
+                    yield i, reply, False
+                    continue
+                finished.add(i)
+                if reply.cut is not None:
+                    tasks[i].cancel()  # a stop string ended it: nothing more is wanted
+                yield i, reply, True
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def complete_streamed(call: Call) -> dict[str, Any]:
+        """Like :func:`complete`, over streams: the replies watched for stop strings."""
+        done: dict[int, _Streamed] = {}
+        async for i, reply, final in updates(call):
+            if final:
+                done[i] = reply
+        renderer = gateway().renderer
+        choices, completion_tokens = [], 0
+        for i in range(call.n):
+            reply = done[i]
+            reply.delta(renderer, final=True)
+            completion = reply.completion()
+            cid, message = call.record(i, completion, reply.shown, reply.sampled)
+            completion_tokens += len(reply.ids)
+            choices.append(choice(call, i, completion, reply.shown, cid, message))
+        obj = "chat.completion" if call.kind == "chat" else "text_completion"
+        return call.envelope(obj) | {
+            "choices": choices,
+            "usage": _usage(len(call.base.token_ids), completion_tokens),
+        }
+
+    def stream(call: Call) -> StreamingResponse:
+        """The replies as server-sent events in OpenAI's chunk format, one stream each."""
+        obj = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
+        prompt = list(call.base.token_ids)
         usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
+        renderer = gateway().renderer
 
         def chunk(
             i: int,
@@ -547,26 +676,6 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 part = {"index": i, "text": delta or "", "finish_reason": finish}
             return _sse(call.envelope(obj) | {"choices": [part]})
 
-        async def pump(i: int, queue: asyncio.Queue[tuple[int, Any]]) -> None:
-            rid = call.rid if call.n == 1 else f"{call.rid}:{i}"
-            try:
-                with call.traced(i) as trace_context:
-                    async for msg in (
-                        gateway()
-                        .rollout(call.address)
-                        .generate_stream(
-                            prompt,
-                            one,
-                            gateway().cfg.generate_timeout_s,
-                            request_id=rid,
-                            trace_context=trace_context,
-                        )
-                    ):
-                        await queue.put((i, msg))
-                await queue.put((i, None))
-            except grpc.RpcError as exc:
-                await queue.put((i, _from_rpc(exc, f"rollout server {call.address}")))
-
         async def events() -> AsyncIterator[str]:
             if call.kind == "chat":
                 for i in range(call.n):
@@ -580,43 +689,32 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                         ]
                     }
                     yield _sse(opening)
-            queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-            renderer = gateway().renderer
-            tasks = [asyncio.create_task(pump(i, queue)) for i in range(call.n)]
-            replies = [_Streamed() for _ in range(call.n)]
+            tokens = 0
             try:
-                left = call.n
-                while left:
-                    i, msg = await queue.get()
-                    reply = replies[i]
-                    if isinstance(msg, HTTPError):
-                        yield _sse({"error": msg.body()})
-                        return
-                    if msg is not None:
-                        reply.take(msg)
+                async for i, reply, final in updates(call):
+                    if not final:
                         # With tools parsed, nothing is shown until the reply is complete:
                         # only then is it known to be content or tool calls.
                         delta = "" if call.tools.parse else reply.delta(renderer, final=False)
                         if delta:
                             yield chunk(i, delta)
                         continue
-                    left -= 1
                     delta = reply.delta(renderer, final=True)
                     finish = _FINISH.get(reply.finish, "stop")
-                    _, message = call.record(i, reply.completion(), reply.shown)
+                    tokens += len(reply.ids)
+                    _, message = call.record(i, reply.completion(), reply.shown, reply.sampled)
                     if message and "tool_calls" in message:
                         yield chunk(i, message["content"], "tool_calls", message["tool_calls"])
                     else:
                         yield chunk(i, delta or None, finish)
                 if usage:
-                    tokens = sum(len(r.ids) for r in replies)
                     yield _sse(
                         call.envelope(obj) | {"choices": [], "usage": _usage(len(prompt), tokens)}
                     )
                 yield "data: [DONE]\n\n"
+            except HTTPError as exc:
+                yield _sse({"error": exc.body()})
             finally:
-                for t in tasks:
-                    t.cancel()
                 call.release()
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -625,6 +723,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         if call.body.get("stream"):
             return stream(call)  # releases its claim when the stream ends
         try:
+            if call.stop_strings:
+                return await complete_streamed(call)
             return await complete(call)
         finally:
             call.release()

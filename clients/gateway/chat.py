@@ -244,9 +244,11 @@ class Conversation:
         completion: rollout_pb2.Completion,
         reply: str,
         message: dict[str, Any] | None = None,
+        stop_token: bool | None = None,
     ) -> None:
         """Appends a sampled reply (trained on; ``reply`` its text) and the assistant message
-        the client got (``message``, normalized; default: ``reply`` as its content)."""
+        the client got (``message``, normalized; default: ``reply`` as its content).
+        ``stop_token``: whether the last id is a stop token (default: a STOP finish)."""
         ids = list(completion.output_ids)
         self.token_ids += ids
         self.logprobs += list(completion.output_logprobs)
@@ -257,7 +259,11 @@ class Conversation:
         self.text += reply
         self.completion_ids.append(completion_id)
         self.finish_reason = int(completion.finish_reason)
-        self.stopped = completion.finish_reason == common_pb2.FINISH_REASON_STOP
+        self.stopped = (
+            completion.finish_reason == common_pb2.FINISH_REASON_STOP
+            if stop_token is None
+            else stop_token
+        )
 
     def branch(self) -> Conversation:
         """A copy that can take another reply to the same prompt (``n`` > 1)."""
