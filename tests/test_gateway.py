@@ -333,6 +333,22 @@ def test_a_stop_string_of_several_tokens_cuts_the_reply_and_keeps_the_sampled_id
     assert err.value.body["param"] == "stop"  # type: ignore[index]
 
 
+def test_top_logprobs_list_the_alternatives_of_each_token(gateway: Gateway) -> None:
+    reply = client(gateway).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "2+2="}],
+        max_tokens=5,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    tokens = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert tokens and all(len(t.top_logprobs) == 2 for t in tokens)
+    for t in tokens:  # greedy: the sampled token is the most likely one
+        assert t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+
+
 def test_a_seed_repeats_a_sampled_reply(gateway: Gateway) -> None:
     c = client(gateway)
 

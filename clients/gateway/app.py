@@ -199,8 +199,6 @@ class Gateway:
         for key in ("functions", "response_format"):
             if body.get(key) not in (None, [], {}):
                 raise FieldError(key, "is not supported by this gateway yet")
-        if body.get("top_logprobs"):
-            raise FieldError("top_logprobs", "only the sampled token's log-prob is available")
         # The newer name wins; a null one falls back to max_tokens.
         key = (
             "max_completion_tokens"
@@ -212,6 +210,10 @@ class Gateway:
         params = common_pb2.SamplingParams(
             max_new_tokens=limit, n_samples=n, stop_token_ids=stop_ids
         )
+        top = _int(body, "top_logprobs", 0, 0, 20)
+        if top and not body.get("logprobs"):
+            raise FieldError("top_logprobs", "needs logprobs: true")
+        params.top_logprobs = top
         if body.get("seed") is not None:
             # OpenAI's seed is a signed 64-bit integer; the contract's an unsigned one.
             params.seed = _int(body, "seed", 0, -(2**63), 2**63 - 1) % 2**64
@@ -362,6 +364,7 @@ class _Streamed:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.top: list[rollout_pb2.TopLogprobs] = []
         self.finish = common_pb2.FINISH_REASON_UNSPECIFIED
         self.shown = ""
         self.stops = list(stops)
@@ -376,6 +379,7 @@ class _Streamed:
         self.ids += msg.output_ids
         self.logprobs += msg.output_logprobs
         self.versions += msg.output_versions
+        self.top += msg.output_top_logprobs
         if msg.finish_reason:
             self.finish = msg.finish_reason
         if self.stops and self.cut is None:
@@ -392,7 +396,7 @@ class _Streamed:
         keep = len(self.ids)
         while keep > 1 and len(renderer.reply_text(self.ids[: keep - 1], False)) >= at + len(stop):
             keep -= 1
-        del self.ids[keep:], self.logprobs[keep:], self.versions[keep:]
+        del self.ids[keep:], self.logprobs[keep:], self.versions[keep:], self.top[keep:]
         self.cut = text[:at]
         self.sampled = renderer.reply_text(self.ids, False)
         self.finish = common_pb2.FINISH_REASON_STOP
@@ -420,16 +424,25 @@ class _Streamed:
             output_logprobs=self.logprobs,
             output_versions=self.versions,
             finish_reason=self.finish,  # type: ignore[arg-type]
+            output_top_logprobs=self.top,
         )
 
 
 def _choice_logprobs(gw: Gateway, completion: rollout_pb2.Completion) -> dict[str, Any]:
-    content = []
-    for tid, lp in zip(completion.output_ids, completion.output_logprobs, strict=True):
+    def entry(tid: int, lp: float) -> dict[str, Any]:
         token = gw.tokenizer.decode([tid], skip_special_tokens=False)
-        content.append(
-            {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []}
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    content = []
+    tops = list(completion.output_top_logprobs)
+    for j, (tid, lp) in enumerate(
+        zip(completion.output_ids, completion.output_logprobs, strict=True)
+    ):
+        top = tops[j] if j < len(tops) else None
+        alternatives = (
+            [entry(t, p) for t, p in zip(top.token_ids, top.logprobs, strict=True)] if top else []
         )
+        content.append(entry(tid, lp) | {"top_logprobs": alternatives})
     return {"content": content}
 
 

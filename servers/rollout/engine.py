@@ -36,6 +36,16 @@ class FinishReason(enum.IntEnum):
 
 # Smallest positive sampling temperature accepted (0 means greedy).
 MIN_TEMPERATURE = 1e-3
+# Most alternatives a request may ask for per token (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+# The most likely tokens at one position: (ids, log-probs), most likely first.
+TopLogprobs = tuple[list[int], list[float]]
+
+
+def top_logprobs_proto(top: Sequence[TopLogprobs]) -> list[rollout_pb2.TopLogprobs]:
+    """As ``arealgrpc.v1.TopLogprobs`` messages."""
+    return [rollout_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in top]
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class SamplingConfig:
     ignore_eos: bool = False
     # Seed of this request's sampling (None: the engine's own stream); see SamplingParams.
     seed: int | None = None
+    # Most likely alternatives reported per generated token (0: none).
+    top_logprobs: int = 0
 
     def validate(self, where: str = "sampling") -> None:
         """Raises :class:`FieldError` naming the first bad field."""
@@ -75,6 +87,11 @@ class SamplingConfig:
         for i, tok in enumerate(self.stop_token_ids):
             if tok < 0:
                 raise FieldError(f"{where}.stop_token_ids[{i}]", f"negative token id {tok}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise FieldError(
+                f"{where}.top_logprobs",
+                f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
+            )
 
     @classmethod
     def from_proto(
@@ -98,6 +115,7 @@ class SamplingConfig:
             n_samples=msg.n_samples or 1,
             ignore_eos=msg.ignore_eos,
             seed=msg.seed if msg.HasField("seed") else None,
+            top_logprobs=msg.top_logprobs,
         )
         cfg.validate(where)
         return cfg
@@ -113,6 +131,7 @@ class SamplingConfig:
             n_samples=self.n_samples,
             ignore_eos=self.ignore_eos,
             seed=self.seed,
+            top_logprobs=self.top_logprobs,
         )
 
     def with_updates(self, **changes: object) -> SamplingConfig:
@@ -128,6 +147,8 @@ class TokenEvent:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
+    # Per token, the most likely (ids, log-probs) when the request asked for them.
+    top: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -138,12 +159,14 @@ class GenerationResult:
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason = FinishReason.UNSPECIFIED
+    output_top: list[TopLogprobs] = field(default_factory=list)
 
     def extend(self, event: TokenEvent) -> None:
         """Appends an event's tokens (and its finish reason, when it has one)."""
         self.output_ids += event.token_ids
         self.output_logprobs += event.logprobs
         self.output_versions += event.versions
+        self.output_top += event.top
         if event.finish is not None:
             self.finish_reason = event.finish
 
@@ -154,6 +177,7 @@ class GenerationResult:
             output_logprobs=self.output_logprobs,
             output_versions=self.output_versions,
             finish_reason=int(self.finish_reason),
+            output_top_logprobs=top_logprobs_proto(self.output_top),
         )
 
 
@@ -325,7 +349,14 @@ async def generate_resumable(
             prompt + result.output_ids,
             params.with_updates(max_new_tokens=budget - len(result.output_ids)),
         )
-        result.extend(TokenEvent(chunk.output_ids, chunk.output_logprobs, chunk.output_versions))
+        result.extend(
+            TokenEvent(
+                chunk.output_ids,
+                chunk.output_logprobs,
+                chunk.output_versions,
+                top=chunk.output_top,
+            )
+        )
         if chunk.finish_reason != FinishReason.INTERRUPTED:
             result.finish_reason = chunk.finish_reason
             return result

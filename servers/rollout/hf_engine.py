@@ -33,6 +33,7 @@ from areal_servers.rollout.engine import (
     InferenceEngine,
     SamplingConfig,
     TokenEvent,
+    TopLogprobs,
 )
 from transformers import DynamicCache, PreTrainedModel
 
@@ -671,15 +672,25 @@ class HFEngine(InferenceEngine):
         tokens = torch.where(is_greedy, greedy, sampled)
         token_logp = logp.gather(1, tokens[:, None]).squeeze(1)
         tokens_l, logp_l = tokens.tolist(), token_logp.tolist()
+        # The most likely alternatives, for the requests that asked (one topk for the batch).
+        k = max(r.params.top_logprobs for r in reqs)
+        tops: list[list[TopLogprobs]] = [[] for _ in reqs]
+        if k:
+            top_lp, top_ids = logp.topk(k, dim=-1)
+            ids_l, lps_l = top_ids.tolist(), top_lp.tolist()
+            for i, r in enumerate(reqs):
+                n = r.params.top_logprobs
+                if n:
+                    tops[i] = [(ids_l[i][:n], lps_l[i][:n])]
         produced = 0
         with self._cond:
-            for r, tok, lp in zip(reqs, tokens_l, logp_l, strict=True):
+            for r, tok, lp, top in zip(reqs, tokens_l, logp_l, tops, strict=True):
                 if r.cancelled or r.done:
                     continue
                 r.generated += 1
                 r.pending_token = tok
                 produced += 1
-                self._emit(r, TokenEvent([tok], [lp], [version]))
+                self._emit(r, TokenEvent([tok], [lp], [version], top=top))
                 if tok in r.stop_ids:
                     self._finish(r, FinishReason.STOP)
                 elif r.generated >= r.params.max_new_tokens or (

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from areal_servers.rollout.engine import InferenceEngine, SamplingConfig
+from areal_servers.rollout.engine import InferenceEngine, SamplingConfig, top_logprobs_proto
 from areal_servers.rollout.workflows import (
     AcceptFn,
     EpisodeContext,
@@ -358,6 +358,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                         output_logprobs=event.logprobs,
                         output_versions=event.versions,
                         finish_reason=int(event.finish or 0),  # type: ignore[arg-type]
+                        output_top_logprobs=top_logprobs_proto(event.top),
                     )
             finally:
                 span.set_attribute(tracing.TOKENS, len(request.input_ids) + generated)

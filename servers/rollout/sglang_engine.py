@@ -48,6 +48,7 @@ from areal_servers.rollout.engine import (
     InferenceEngine,
     SamplingConfig,
     TokenEvent,
+    TopLogprobs,
 )
 from safetensors.torch import save_file
 from tenacity import (
@@ -190,6 +191,8 @@ def generate_payload(
     }
     if params.seed is not None:
         payload["sampling_params"]["sampling_seed"] = params.seed
+    if params.top_logprobs:
+        payload["top_logprobs_num"] = params.top_logprobs
     if lora_path:
         payload["lora_path"] = lora_path
     return payload
@@ -211,6 +214,15 @@ def parse_generate_response(body: Any) -> tuple[list[int], list[float], str]:
     tokens = [int(t[1]) for t in triples]
     logprobs = [float(t[0]) for t in triples]
     return tokens, logprobs, kind
+
+
+def parse_top_logprobs(body: Mapping[str, Any], n: int) -> list[TopLogprobs]:
+    """Per output token, (ids, log-probs) from ``meta_info.output_top_logprobs`` (a list per
+    token of ``[logprob, token_id, text]`` entries); SGLangError if it does not match."""
+    rows = body["meta_info"].get("output_top_logprobs") or []
+    if len(rows) != n:
+        raise SGLangError(f"/generate gave top log-probs for {len(rows)} of {n} tokens")
+    return [([int(e[1]) for e in row], [float(e[0]) for e in row]) for row in rows]
 
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
@@ -369,10 +381,11 @@ class SGLangEngine(InferenceEngine):
             self._adapter_users[adapter] -= 1
             self._unload_idle()
         tokens, logprobs, kind = parse_generate_response(body)
+        top = parse_top_logprobs(body, len(tokens)) if params.top_logprobs else []
         version = sent_version if self.adapters_only else self._version
         self._generated_tokens += len(tokens)
         if tokens:
-            yield TokenEvent(tokens, logprobs, [version] * len(tokens))
+            yield TokenEvent(tokens, logprobs, [version] * len(tokens), top=top)
         if kind == "abort":
             finish = FinishReason.INTERRUPTED
         elif kind in _FINISH:

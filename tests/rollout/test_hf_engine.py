@@ -143,6 +143,29 @@ async def test_a_seeded_request_repeats_on_one_engine_whatever_else_it_sampled(e
     assert [g.output_ids for g in group] == [first, other]
 
 
+async def test_top_logprobs_rank_the_alternatives_of_each_token(engine):
+    """top_logprobs=k: per generated token, the k most likely tokens of the sampling
+    distribution, most likely first; greedy, the sampled token is the first of them."""
+    greedy = await engine.generate(
+        [5, 6, 7], SamplingConfig(temperature=0, max_new_tokens=6, top_logprobs=3)
+    )
+    assert len(greedy.output_top) == len(greedy.output_ids) == 6
+    for tok, lp, (ids, lps) in zip(
+        greedy.output_ids, greedy.output_logprobs, greedy.output_top, strict=True
+    ):
+        assert len(ids) == 3 and lps == sorted(lps, reverse=True)
+        assert ids[0] == tok and lps[0] == pytest.approx(lp)
+    sampled = await engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=6, top_logprobs=2))
+    assert all(
+        lp <= lps[0] + 1e-6
+        for lp, (_, lps) in zip(sampled.output_logprobs, sampled.output_top, strict=True)
+    )
+    plain = await engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=2))
+    assert plain.output_top == []
+    with pytest.raises(FieldError, match="top_logprobs"):
+        SamplingConfig(top_logprobs=21).validate()
+
+
 async def test_pause_interrupts_and_resume_continues_with_both_versions(engine):
     """Pause mid-generation, load version 1, resume: each sequence finishes its full budget,
     holding version-0 tokens then version-1 tokens; the resumed logprobs are the new model's."""

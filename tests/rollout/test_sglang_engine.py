@@ -200,6 +200,29 @@ async def test_sglang_protocol_fake_server_abort_before_prefill_and_greedy(fake)
     assert first["sampling_params"]["top_k"] == 5
 
 
+async def test_sglang_protocol_fake_server_top_logprobs(fake):
+    """top_logprobs asks SGLang for ``top_logprobs_num`` and reads
+    ``meta_info.output_top_logprobs`` ([logprob, token_id, text] per alternative)."""
+
+    def with_top(body):
+        status, answer_body = answer([4, 5], "length")
+        answer_body["meta_info"]["output_top_logprobs"] = [
+            [[-0.1, 4, "a"], [-2.0, 9, "b"]],
+            [[-0.2, 5, "c"], [-1.5, 8, "d"]],
+        ]
+        return status, answer_body
+
+    fake.script = [with_top, lambda body: answer([4], "length")]
+    engine = make_engine(fake)
+    result = await engine.generate([3], SamplingConfig(max_new_tokens=2, top_logprobs=2))
+    assert fake.posts("/generate")[0]["top_logprobs_num"] == 2
+    assert result.output_top == [([4, 9], [-0.1, -2.0]), ([5, 8], [-0.2, -1.5])]
+    # Alternatives for fewer tokens than were generated: a malformed answer.
+    with pytest.raises(SGLangError, match="top log-probs"):
+        await engine.generate([3], SamplingConfig(max_new_tokens=1, top_logprobs=2))
+    await engine.close()
+
+
 def test_sglang_protocol_fake_server_seed_is_sampling_seed():
     """A seeded request carries SGLang's ``sampling_params.sampling_seed``; an unseeded one
     keeps the exact documented keys."""

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61realgrpc/v1/common.proto\x12\x0c\x61realgrpc.v1\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"\xda\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x11\n\tn_samples\x18\x06 \x01(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x86\x02\n\nTrajectory\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\x12\x11\n\tloss_mask\x18\x04 \x03(\x08\x12\x0e\n\x06reward\x18\x05 \x01(\x02\x12\x15\n\rprompt_length\x18\x06 \x01(\x05\x12\x0f\n\x07task_id\x18\x07 \x01(\t\x12\x10\n\x08group_id\x18\x08 \x01(\t\x12\x31\n\rtrace_context\x18\t \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\x12\x31\n\rfinish_reason\x18\n \x01(\x0e\x32\x1a.arealgrpc.v1.FinishReason\"d\n\x0fTrajectoryGroup\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12.\n\x0ctrajectories\x18\x03 \x03(\x0b\x32\x18.arealgrpc.v1.Trajectory*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_INTERRUPTED\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61realgrpc/v1/common.proto\x12\x0c\x61realgrpc.v1\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"\xf0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x11\n\tn_samples\x18\x06 \x01(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x86\x02\n\nTrajectory\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\x12\x11\n\tloss_mask\x18\x04 \x03(\x08\x12\x0e\n\x06reward\x18\x05 \x01(\x02\x12\x15\n\rprompt_length\x18\x06 \x01(\x05\x12\x0f\n\x07task_id\x18\x07 \x01(\t\x12\x10\n\x08group_id\x18\x08 \x01(\t\x12\x31\n\rtrace_context\x18\t \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\x12\x31\n\rfinish_reason\x18\n \x01(\x0e\x32\x1a.arealgrpc.v1.FinishReason\"d\n\x0fTrajectoryGroup\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12.\n\x0ctrajectories\x18\x03 \x03(\x0b\x32\x18.arealgrpc.v1.Trajectory*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_INTERRUPTED\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'arealgrpc.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=689
-  _globals['_FINISHREASON']._serialized_end=844
+  _globals['_FINISHREASON']._serialized_start=711
+  _globals['_FINISHREASON']._serialized_end=866
   _globals['_TRACECONTEXT']._serialized_start=43
   _globals['_TRACECONTEXT']._serialized_end=98
   _globals['_SAMPLINGPARAMS']._serialized_start=101
-  _globals['_SAMPLINGPARAMS']._serialized_end=319
-  _globals['_TRAJECTORY']._serialized_start=322
-  _globals['_TRAJECTORY']._serialized_end=584
-  _globals['_TRAJECTORYGROUP']._serialized_start=586
-  _globals['_TRAJECTORYGROUP']._serialized_end=686
+  _globals['_SAMPLINGPARAMS']._serialized_end=341
+  _globals['_TRAJECTORY']._serialized_start=344
+  _globals['_TRAJECTORY']._serialized_end=606
+  _globals['_TRAJECTORYGROUP']._serialized_start=608
+  _globals['_TRAJECTORYGROUP']._serialized_end=708
 # @@protoc_insertion_point(module_scope)

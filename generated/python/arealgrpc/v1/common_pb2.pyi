@@ -29,7 +29,7 @@ class TraceContext(_message.Message):
     def __init__(self, traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n_samples", "ignore_eos", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n_samples", "ignore_eos", "seed", "top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class SamplingParams(_message.Message):
     N_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -46,7 +47,8 @@ class SamplingParams(_message.Message):
     n_samples: int
     ignore_eos: bool
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n_samples: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n_samples: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
     __slots__ = ("token_ids", "logprobs", "versions", "loss_mask", "reward", "prompt_length", "task_id", "group_id", "trace_context", "finish_reason")

@@ -27,7 +27,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61realgrpc/v1/rollout.proto\x12\x0c\x61realgrpc.v1\x1a\x19\x61realgrpc/v1/common.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\"v\n\x12RunEpisodesRequest\x12)\n\x04task\x18\x01 \x01(\x0b\x32\x19.arealgrpc.v1.EpisodeTaskH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.arealgrpc.v1.CancelEpisodeH\x00\x42\x06\n\x04kind\"\x8e\x02\n\x0b\x45pisodeTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12%\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08workflow\x18\x03 \x01(\t\x12\x30\n\x0fworkflow_params\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x0c\n\x04\x65val\x18\x07 \x01(\x08\x12\x31\n\rtrace_context\x18\x08 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\" \n\rCancelEpisode\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"\xd6\x01\n\x13RunEpisodesResponse\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12-\n\x07outcome\x18\x02 \x01(\x0e\x32\x1c.arealgrpc.v1.EpisodeOutcome\x12,\n\x05group\x18\x03 \x01(\x0b\x32\x1d.arealgrpc.v1.TrajectoryGroup\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x15\n\rstart_version\x18\x05 \x01(\x03\x12*\n\x07\x65lapsed\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x9b\x01\n\x0fGenerateRequest\x12\x11\n\tinput_ids\x18\x01 \x03(\x05\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x31\n\rtrace_context\x18\x04 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\"\x85\x01\n\nCompletion\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x02 \x03(\x02\x12\x17\n\x0foutput_versions\x18\x03 \x03(\x03\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.arealgrpc.v1.FinishReason\"Y\n\x10GenerateResponse\x12-\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x18.arealgrpc.v1.Completion\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\xa1\x01\n\x15GenerateStreamRequest\x12\x11\n\tinput_ids\x18\x01 \x03(\x05\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x31\n\rtrace_context\x18\x04 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\"\x91\x01\n\x16GenerateStreamResponse\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x02 \x03(\x02\x12\x17\n\x0foutput_versions\x18\x03 \x03(\x03\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.arealgrpc.v1.FinishReason\"\x18\n\x16PauseGenerationRequest\"O\n\x17PauseGenerationResponse\x12\x1c\n\x14interrupted_requests\x18\x01 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x19\n\x17ResumeGenerationRequest\"2\n\x18ResumeGenerationResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x19\n\x17GetRolloutStatusRequest\"\xf9\x01\n\x18GetRolloutStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x18\n\x10running_requests\x18\x02 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\x05\x12\x18\n\x10running_episodes\x18\x04 \x01(\x05\x12\x0e\n\x06paused\x18\x05 \x01(\x08\x12+\n\x06\x65ngine\x18\x06 \x01(\x0e\x32\x1b.arealgrpc.v1.RolloutEngine\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x18\n\x10generated_tokens\x18\t \x01(\x03*\xa8\x01\n\x0e\x45pisodeOutcome\x12\x1f\n\x1b\x45PISODE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45PISODE_OUTCOME_ACCEPTED\x10\x01\x12\x1c\n\x18\x45PISODE_OUTCOME_REJECTED\x10\x02\x12\x1a\n\x16\x45PISODE_OUTCOME_FAILED\x10\x03\x12\x1d\n\x19\x45PISODE_OUTCOME_CANCELLED\x10\x04*a\n\rRolloutEngine\x12\x1e\n\x1aROLLOUT_ENGINE_UNSPECIFIED\x10\x00\x12\x15\n\x11ROLLOUT_ENGINE_HF\x10\x01\x12\x19\n\x15ROLLOUT_ENGINE_SGLANG\x10\x02\x32\xc7\x04\n\x0eRolloutService\x12V\n\x0bRunEpisodes\x12 .arealgrpc.v1.RunEpisodesRequest\x1a!.arealgrpc.v1.RunEpisodesResponse(\x01\x30\x01\x12I\n\x08Generate\x12\x1d.arealgrpc.v1.GenerateRequest\x1a\x1e.arealgrpc.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.arealgrpc.v1.GenerateStreamRequest\x1a$.arealgrpc.v1.GenerateStreamResponse0\x01\x12\x63\n\x0fPauseGeneration\x12$.arealgrpc.v1.PauseGenerationRequest\x1a%.arealgrpc.v1.PauseGenerationResponse\"\x03\x90\x02\x02\x12\x66\n\x10ResumeGeneration\x12%.arealgrpc.v1.ResumeGenerationRequest\x1a&.arealgrpc.v1.ResumeGenerationResponse\"\x03\x90\x02\x02\x12\x66\n\x10GetRolloutStatus\x12%.arealgrpc.v1.GetRolloutStatusRequest\x1a&.arealgrpc.v1.GetRolloutStatusResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61realgrpc/v1/rollout.proto\x12\x0c\x61realgrpc.v1\x1a\x19\x61realgrpc/v1/common.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\"v\n\x12RunEpisodesRequest\x12)\n\x04task\x18\x01 \x01(\x0b\x32\x19.arealgrpc.v1.EpisodeTaskH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.arealgrpc.v1.CancelEpisodeH\x00\x42\x06\n\x04kind\"\x8e\x02\n\x0b\x45pisodeTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12%\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08workflow\x18\x03 \x01(\t\x12\x30\n\x0fworkflow_params\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x0c\n\x04\x65val\x18\x07 \x01(\x08\x12\x31\n\rtrace_context\x18\x08 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\" \n\rCancelEpisode\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"\xd6\x01\n\x13RunEpisodesResponse\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12-\n\x07outcome\x18\x02 \x01(\x0e\x32\x1c.arealgrpc.v1.EpisodeOutcome\x12,\n\x05group\x18\x03 \x01(\x0b\x32\x1d.arealgrpc.v1.TrajectoryGroup\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x15\n\rstart_version\x18\x05 \x01(\x03\x12*\n\x07\x65lapsed\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x9b\x01\n\x0fGenerateRequest\x12\x11\n\tinput_ids\x18\x01 \x03(\x05\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x31\n\rtrace_context\x18\x04 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\"\xbd\x01\n\nCompletion\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x02 \x03(\x02\x12\x17\n\x0foutput_versions\x18\x03 \x03(\x03\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.arealgrpc.v1.FinishReason\x12\x36\n\x13output_top_logprobs\x18\x05 \x03(\x0b\x32\x19.arealgrpc.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"Y\n\x10GenerateResponse\x12-\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x18.arealgrpc.v1.Completion\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\xa1\x01\n\x15GenerateStreamRequest\x12\x11\n\tinput_ids\x18\x01 \x03(\x05\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x31\n\rtrace_context\x18\x04 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\"\xc9\x01\n\x16GenerateStreamResponse\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x02 \x03(\x02\x12\x17\n\x0foutput_versions\x18\x03 \x03(\x03\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.arealgrpc.v1.FinishReason\x12\x36\n\x13output_top_logprobs\x18\x05 \x03(\x0b\x32\x19.arealgrpc.v1.TopLogprobs\"\x18\n\x16PauseGenerationRequest\"O\n\x17PauseGenerationResponse\x12\x1c\n\x14interrupted_requests\x18\x01 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x19\n\x17ResumeGenerationRequest\"2\n\x18ResumeGenerationResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x19\n\x17GetRolloutStatusRequest\"\xf9\x01\n\x18GetRolloutStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x18\n\x10running_requests\x18\x02 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\x05\x12\x18\n\x10running_episodes\x18\x04 \x01(\x05\x12\x0e\n\x06paused\x18\x05 \x01(\x08\x12+\n\x06\x65ngine\x18\x06 \x01(\x0e\x32\x1b.arealgrpc.v1.RolloutEngine\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x18\n\x10generated_tokens\x18\t \x01(\x03*\xa8\x01\n\x0e\x45pisodeOutcome\x12\x1f\n\x1b\x45PISODE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45PISODE_OUTCOME_ACCEPTED\x10\x01\x12\x1c\n\x18\x45PISODE_OUTCOME_REJECTED\x10\x02\x12\x1a\n\x16\x45PISODE_OUTCOME_FAILED\x10\x03\x12\x1d\n\x19\x45PISODE_OUTCOME_CANCELLED\x10\x04*a\n\rRolloutEngine\x12\x1e\n\x1aROLLOUT_ENGINE_UNSPECIFIED\x10\x00\x12\x15\n\x11ROLLOUT_ENGINE_HF\x10\x01\x12\x19\n\x15ROLLOUT_ENGINE_SGLANG\x10\x02\x32\xc7\x04\n\x0eRolloutService\x12V\n\x0bRunEpisodes\x12 .arealgrpc.v1.RunEpisodesRequest\x1a!.arealgrpc.v1.RunEpisodesResponse(\x01\x30\x01\x12I\n\x08Generate\x12\x1d.arealgrpc.v1.GenerateRequest\x1a\x1e.arealgrpc.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.arealgrpc.v1.GenerateStreamRequest\x1a$.arealgrpc.v1.GenerateStreamResponse0\x01\x12\x63\n\x0fPauseGeneration\x12$.arealgrpc.v1.PauseGenerationRequest\x1a%.arealgrpc.v1.PauseGenerationResponse\"\x03\x90\x02\x02\x12\x66\n\x10ResumeGeneration\x12%.arealgrpc.v1.ResumeGenerationRequest\x1a&.arealgrpc.v1.ResumeGenerationResponse\"\x03\x90\x02\x02\x12\x66\n\x10GetRolloutStatus\x12%.arealgrpc.v1.GetRolloutStatusRequest\x1a&.arealgrpc.v1.GetRolloutStatusResponse\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,10 +40,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTSERVICE'].methods_by_name['ResumeGeneration']._serialized_options = b'\220\002\002'
   _globals['_ROLLOUTSERVICE'].methods_by_name['GetRolloutStatus']._loaded_options = None
   _globals['_ROLLOUTSERVICE'].methods_by_name['GetRolloutStatus']._serialized_options = b'\220\002\001'
-  _globals['_EPISODEOUTCOME']._serialized_start=1940
-  _globals['_EPISODEOUTCOME']._serialized_end=2108
-  _globals['_ROLLOUTENGINE']._serialized_start=2110
-  _globals['_ROLLOUTENGINE']._serialized_end=2207
+  _globals['_EPISODEOUTCOME']._serialized_start=2104
+  _globals['_EPISODEOUTCOME']._serialized_end=2272
+  _globals['_ROLLOUTENGINE']._serialized_start=2274
+  _globals['_ROLLOUTENGINE']._serialized_end=2371
   _globals['_RUNEPISODESREQUEST']._serialized_start=133
   _globals['_RUNEPISODESREQUEST']._serialized_end=251
   _globals['_EPISODETASK']._serialized_start=254
@@ -55,25 +55,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=778
   _globals['_GENERATEREQUEST']._serialized_end=933
   _globals['_COMPLETION']._serialized_start=936
-  _globals['_COMPLETION']._serialized_end=1069
-  _globals['_GENERATERESPONSE']._serialized_start=1071
-  _globals['_GENERATERESPONSE']._serialized_end=1160
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1163
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1324
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1327
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1472
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1474
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1498
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1500
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1579
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1581
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1606
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1608
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1658
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=1660
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=1685
-  _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_start=1688
-  _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_end=1937
-  _globals['_ROLLOUTSERVICE']._serialized_start=2210
-  _globals['_ROLLOUTSERVICE']._serialized_end=2793
+  _globals['_COMPLETION']._serialized_end=1125
+  _globals['_TOPLOGPROBS']._serialized_start=1127
+  _globals['_TOPLOGPROBS']._serialized_end=1177
+  _globals['_GENERATERESPONSE']._serialized_start=1179
+  _globals['_GENERATERESPONSE']._serialized_end=1268
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1271
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1432
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1435
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1636
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1638
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1662
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1664
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1743
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1745
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1770
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1772
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1822
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=1824
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=1849
+  _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_start=1852
+  _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_end=2101
+  _globals['_ROLLOUTSERVICE']._serialized_start=2374
+  _globals['_ROLLOUTSERVICE']._serialized_end=2957
 # @@protoc_insertion_point(module_scope)

@@ -97,16 +97,26 @@ class GenerateRequest(_message.Message):
     def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("output_ids", "output_logprobs", "output_versions", "finish_reason")
+    __slots__ = ("output_ids", "output_logprobs", "output_versions", "finish_reason", "output_top_logprobs")
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     output_logprobs: _containers.RepeatedScalarFieldContainer[float]
     output_versions: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    output_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., output_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("completions", "policy_version")
@@ -129,16 +139,18 @@ class GenerateStreamRequest(_message.Message):
     def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("output_ids", "output_logprobs", "output_versions", "finish_reason")
+    __slots__ = ("output_ids", "output_logprobs", "output_versions", "finish_reason", "output_top_logprobs")
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     output_logprobs: _containers.RepeatedScalarFieldContainer[float]
     output_versions: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    output_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., output_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PauseGenerationRequest(_message.Message):
     __slots__ = ()

@@ -116,7 +116,14 @@ export interface SamplingParams {
    * same seed, prompt, parameters and weights give the same tokens when the request decodes
    * alone; batched with others, float rounding may differ. Unset: the engine's own stream.
    */
-  seed?: number | undefined;
+  seed?:
+    | number
+    | undefined;
+  /**
+   * Alternatives to report for each generated token: the top_logprobs most likely tokens of
+   * the sampling distribution with their log-probabilities, 0 to 20 (0: none).
+   */
+  topLogprobs: number;
 }
 
 /**
@@ -260,6 +267,7 @@ function createBaseSamplingParams(): SamplingParams {
     nSamples: 0,
     ignoreEos: false,
     seed: undefined,
+    topLogprobs: 0,
   };
 }
 
@@ -292,6 +300,9 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     }
     if (message.seed !== undefined) {
       writer.uint32(64).uint64(message.seed);
+    }
+    if (message.topLogprobs !== 0) {
+      writer.uint32(72).int32(message.topLogprobs);
     }
     return writer;
   },
@@ -383,6 +394,14 @@ export const SamplingParams: MessageFns<SamplingParams> = {
             message.seed = longToNumber(reader.uint64());
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.topLogprobs = reader.int32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -429,6 +448,11 @@ export const SamplingParams: MessageFns<SamplingParams> = {
         ? globalThis.Boolean(object.ignore_eos)
         : false,
       seed: isSet(object.seed) ? globalThis.Number(object.seed) : undefined,
+      topLogprobs: isSet(object.topLogprobs)
+        ? globalThis.Number(object.topLogprobs)
+        : isSet(object.top_logprobs)
+        ? globalThis.Number(object.top_logprobs)
+        : 0,
     };
   },
 
@@ -458,6 +482,9 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     if (message.seed !== undefined) {
       obj.seed = Math.round(message.seed);
     }
+    if (message.topLogprobs !== 0) {
+      obj.topLogprobs = Math.round(message.topLogprobs);
+    }
     return obj;
   },
 
@@ -474,6 +501,7 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     message.nSamples = object.nSamples ?? 0;
     message.ignoreEos = object.ignoreEos ?? false;
     message.seed = object.seed ?? undefined;
+    message.topLogprobs = object.topLogprobs ?? 0;
     return message;
   },
 };

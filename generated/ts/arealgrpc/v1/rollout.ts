@@ -230,6 +230,19 @@ export interface Completion {
   outputVersions: number[];
   /** Why generation ended. */
   finishReason: FinishReason;
+  /**
+   * For each generated token, the most likely tokens at its position (when
+   * sampling.top_logprobs > 0; else empty).
+   */
+  outputTopLogprobs: TopLogprobs[];
+}
+
+/** The most likely tokens at one generated position. */
+export interface TopLogprobs {
+  /** Token ids, most likely first. */
+  tokenIds: number[];
+  /** Their log-probabilities, under the distribution of output_logprobs. */
+  logprobs: number[];
 }
 
 /** Completions for a GenerateRequest. */
@@ -264,6 +277,8 @@ export interface GenerateStreamResponse {
   outputVersions: number[];
   /** Set on the last message of the stream. */
   finishReason: FinishReason;
+  /** The most likely tokens at each position of output_ids (when sampling.top_logprobs > 0). */
+  outputTopLogprobs: TopLogprobs[];
 }
 
 /** Request to pause generation. */
@@ -995,7 +1010,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
 };
 
 function createBaseCompletion(): Completion {
-  return { outputIds: [], outputLogprobs: [], outputVersions: [], finishReason: 0 };
+  return { outputIds: [], outputLogprobs: [], outputVersions: [], finishReason: 0, outputTopLogprobs: [] };
 }
 
 export const Completion: MessageFns<Completion> = {
@@ -1023,6 +1038,9 @@ export const Completion: MessageFns<Completion> = {
     }
     if (message.finishReason !== 0) {
       writer.uint32(32).int32(message.finishReason);
+    }
+    for (const v of message.outputTopLogprobs) {
+      TopLogprobs.encode(v!, writer.uint32(42).fork()).join();
     }
     return writer;
   },
@@ -1102,6 +1120,14 @@ export const Completion: MessageFns<Completion> = {
             message.finishReason = reader.int32() as any;
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.outputTopLogprobs.push(TopLogprobs.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1136,6 +1162,11 @@ export const Completion: MessageFns<Completion> = {
         : isSet(object.finish_reason)
         ? finishReasonFromJSON(object.finish_reason)
         : 0,
+      outputTopLogprobs: globalThis.Array.isArray(object?.outputTopLogprobs)
+        ? object.outputTopLogprobs.map((e: any) => TopLogprobs.fromJSON(e))
+        : globalThis.Array.isArray(object?.output_top_logprobs)
+        ? object.output_top_logprobs.map((e: any) => TopLogprobs.fromJSON(e))
+        : [],
     };
   },
 
@@ -1153,6 +1184,9 @@ export const Completion: MessageFns<Completion> = {
     if (message.finishReason !== 0) {
       obj.finishReason = finishReasonToJSON(message.finishReason);
     }
+    if (message.outputTopLogprobs?.length) {
+      obj.outputTopLogprobs = message.outputTopLogprobs.map((e) => TopLogprobs.toJSON(e));
+    }
     return obj;
   },
 
@@ -1165,6 +1199,124 @@ export const Completion: MessageFns<Completion> = {
     message.outputLogprobs = object.outputLogprobs?.map((e) => e) || [];
     message.outputVersions = object.outputVersions?.map((e) => e) || [];
     message.finishReason = object.finishReason ?? 0;
+    message.outputTopLogprobs = object.outputTopLogprobs?.map((e) => TopLogprobs.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseTopLogprobs(): TopLogprobs {
+  return { tokenIds: [], logprobs: [] };
+}
+
+export const TopLogprobs: MessageFns<TopLogprobs> = {
+  encode(message: TopLogprobs, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.tokenIds.length !== 0) {
+      writer.uint32(10).fork();
+      for (const v of message.tokenIds) {
+        writer.int32(v);
+      }
+      writer.join();
+    }
+    if (message.logprobs.length !== 0) {
+      writer.uint32(18).fork();
+      for (const v of message.logprobs) {
+        writer.float(v);
+      }
+      writer.join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TopLogprobs {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTopLogprobs();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag === 8) {
+              message.tokenIds.push(reader.int32());
+
+              continue;
+            }
+
+            if (tag === 10) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.tokenIds.push(reader.int32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 2: {
+            if (tag === 21) {
+              message.logprobs.push(reader.float());
+
+              continue;
+            }
+
+            if (tag === 18) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.logprobs.push(reader.float());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): TopLogprobs {
+    return {
+      tokenIds: globalThis.Array.isArray(object?.tokenIds)
+        ? object.tokenIds.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.token_ids)
+        ? object.token_ids.map((e: any) => globalThis.Number(e))
+        : [],
+      logprobs: globalThis.Array.isArray(object?.logprobs) ? object.logprobs.map((e: any) => globalThis.Number(e)) : [],
+    };
+  },
+
+  toJSON(message: TopLogprobs): unknown {
+    const obj: any = {};
+    if (message.tokenIds?.length) {
+      obj.tokenIds = message.tokenIds.map((e) => Math.round(e));
+    }
+    if (message.logprobs?.length) {
+      obj.logprobs = message.logprobs.map((e) => floatToJson(e));
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<TopLogprobs>, I>>(base?: I): TopLogprobs {
+    return TopLogprobs.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<TopLogprobs>, I>>(object: I): TopLogprobs {
+    const message = createBaseTopLogprobs();
+    message.tokenIds = object.tokenIds?.map((e) => e) || [];
+    message.logprobs = object.logprobs?.map((e) => e) || [];
     return message;
   },
 };
@@ -1408,7 +1560,7 @@ export const GenerateStreamRequest: MessageFns<GenerateStreamRequest> = {
 };
 
 function createBaseGenerateStreamResponse(): GenerateStreamResponse {
-  return { outputIds: [], outputLogprobs: [], outputVersions: [], finishReason: 0 };
+  return { outputIds: [], outputLogprobs: [], outputVersions: [], finishReason: 0, outputTopLogprobs: [] };
 }
 
 export const GenerateStreamResponse: MessageFns<GenerateStreamResponse> = {
@@ -1436,6 +1588,9 @@ export const GenerateStreamResponse: MessageFns<GenerateStreamResponse> = {
     }
     if (message.finishReason !== 0) {
       writer.uint32(32).int32(message.finishReason);
+    }
+    for (const v of message.outputTopLogprobs) {
+      TopLogprobs.encode(v!, writer.uint32(42).fork()).join();
     }
     return writer;
   },
@@ -1515,6 +1670,14 @@ export const GenerateStreamResponse: MessageFns<GenerateStreamResponse> = {
             message.finishReason = reader.int32() as any;
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.outputTopLogprobs.push(TopLogprobs.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1549,6 +1712,11 @@ export const GenerateStreamResponse: MessageFns<GenerateStreamResponse> = {
         : isSet(object.finish_reason)
         ? finishReasonFromJSON(object.finish_reason)
         : 0,
+      outputTopLogprobs: globalThis.Array.isArray(object?.outputTopLogprobs)
+        ? object.outputTopLogprobs.map((e: any) => TopLogprobs.fromJSON(e))
+        : globalThis.Array.isArray(object?.output_top_logprobs)
+        ? object.output_top_logprobs.map((e: any) => TopLogprobs.fromJSON(e))
+        : [],
     };
   },
 
@@ -1566,6 +1734,9 @@ export const GenerateStreamResponse: MessageFns<GenerateStreamResponse> = {
     if (message.finishReason !== 0) {
       obj.finishReason = finishReasonToJSON(message.finishReason);
     }
+    if (message.outputTopLogprobs?.length) {
+      obj.outputTopLogprobs = message.outputTopLogprobs.map((e) => TopLogprobs.toJSON(e));
+    }
     return obj;
   },
 
@@ -1578,6 +1749,7 @@ export const GenerateStreamResponse: MessageFns<GenerateStreamResponse> = {
     message.outputLogprobs = object.outputLogprobs?.map((e) => e) || [];
     message.outputVersions = object.outputVersions?.map((e) => e) || [];
     message.finishReason = object.finishReason ?? 0;
+    message.outputTopLogprobs = object.outputTopLogprobs?.map((e) => TopLogprobs.fromPartial(e)) || [];
     return message;
   },
 };
