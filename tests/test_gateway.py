@@ -589,18 +589,30 @@ def test_rewards_per_completion_and_a_released_session(gateway: Gateway, mesh: M
     assert httpx.delete(f"{gateway.url}/rl/sessions/{other}", timeout=10).status_code == 404
 
 
-def test_a_rollout_server_killed_mid_stream_ends_it_with_an_error_and_later_calls_are_503(
+def test_a_rollout_server_killed_mid_stream_fails_that_request_and_the_session_retries(
     tmp_path: Path,
 ) -> None:
-    """SIGKILL of the rollout server while a reply streams: the stream ends with an error
-    event naming the server (the openai client raises), the next completion is 503 in
-    OpenAI's error shape, and the gateway itself keeps serving."""
+    """SIGKILL of a session's rollout server while its reply streams: the stream ends with an
+    error event naming the server (the openai client raises); the session's retry goes to
+    another serving server and its group is accepted; with no server left, completions are
+    503 in OpenAI's error shape, and the gateway itself keeps serving."""
     argv = python_module_argv("areal_servers.rollout", "--port", "0", f"model.source={MODEL}")
     doomed = start_child("rollout-doomed", argv, log_dir=tmp_path)
+    spare = start_child("rollout-spare", argv, log_dir=tmp_path)
     m = start_mesh(doomed.address)
     gw = serve_gateway(GatewayConfig(coordinator=m.address, model=MODEL, default_max_tokens=8))
     try:
-        c = client(gw)
+        sid = session(gw)  # leased while the doomed server is the only one
+        with sync_channel(m.address) as channel:
+            coordinator_pb2_grpc.CoordinatorServiceStub(channel).RegisterWorker(
+                coordinator_pb2.RegisterWorkerRequest(
+                    role=coordinator_pb2.WORKER_ROLE_ROLLOUT,
+                    address=spare.address,
+                    worker_id="rollout-1",
+                ),
+                timeout=10,
+            )
+        c = client(gw, default_headers={"X-Session-Id": sid})
         messages = [{"role": "user", "content": "a="}]
         # Greedy on the built-in model runs to max_tokens (about 0.5 s for 400 tokens).
         stream = c.chat.completions.create(
@@ -613,16 +625,22 @@ def test_a_rollout_server_killed_mid_stream_ends_it_with_an_error_and_later_call
         with pytest.raises(openai.APIError) as err:
             for _ in chunks:
                 pass
-        assert "rollout server" in str(err.value)
+        assert f"rollout server {doomed.address}" in str(err.value)
+        # The session retries: the other server answers, and the session's group is whole.
+        again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+        assert again.choices[0].message.role == "assistant"
+        reply = httpx.post(f"{gw.url}/rl/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30)
+        assert reply.json()["accepted"] is True, reply.text
+        stop_children([spare])
         with pytest.raises(openai.APIStatusError) as later:
-            c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+            client(gw).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
         assert later.value.status_code == 503
         assert "rollout server" in later.value.body["message"]  # type: ignore[index]
         assert [x.id for x in c.models.list().data] == [MODEL]
     finally:
         stop_gateway(gw)
         m.stop()
-        stop_children([doomed])
+        stop_children([doomed, spare])
 
 
 def test_a_full_staleness_budget_is_429_with_retry_after(tmp_path: Path) -> None:

@@ -40,6 +40,8 @@ MAX_N = 64
 MAX_STOPS = 4
 # How long the list of serving rollout servers is reused for requests without a session.
 _FLEET_TTL_S = 2.0
+# How long a rollout server that did not answer is passed over.
+_DOWN_S = 10.0
 _HTTP_OF_GRPC = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -143,6 +145,8 @@ class Gateway:
         self._rollouts: dict[str, RolloutClient] = {}
         self._fleet: list[str] = []
         self._fleet_at = 0.0
+        # Rollout servers whose last call failed UNAVAILABLE: address -> when to try again.
+        self._down: dict[str, float] = {}
         self._turn = itertools.count()
 
     async def close(self) -> None:
@@ -156,6 +160,28 @@ class Gateway:
         if address not in self._rollouts:
             self._rollouts[address] = RolloutClient(address)
         return self._rollouts[address]
+
+    def mark_down(self, address: str) -> None:
+        """Keeps requests off ``address`` for a while (it did not answer)."""
+        self._down[address] = time.monotonic() + _DOWN_S
+
+    def is_down(self, address: str) -> bool:
+        """Whether ``address`` failed recently."""
+        return self._down.get(address, 0.0) > time.monotonic()
+
+    def rollout_error(self, exc: grpc.RpcError, address: str) -> HTTPError:
+        """A rollout server's failure as an HTTP error; a server that did not answer is
+        passed over for a while (a session's next request goes to another one)."""
+        if callable(getattr(exc, "code", None)) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self.mark_down(address)
+        return _from_rpc(exc, f"rollout server {address}")
+
+    async def session_rollout(self, session: Session) -> str:
+        """The session's rollout server: its lease's, or another once that one is down (the
+        conversations are kept here, so any server with the policy can continue them)."""
+        if self.is_down(session.address):
+            session.address = await self.any_rollout()
+        return session.address
 
     async def any_rollout(self) -> str:
         """A serving rollout server, in turn (requests without a session)."""
@@ -172,9 +198,10 @@ class Gateway:
                 if w.role == coordinator_pb2.WORKER_ROLE_ROLLOUT and w.healthy
             ]
             self._fleet_at = now
-        if not self._fleet:
+        up = [a for a in self._fleet if not self.is_down(a)]
+        if not up:
             raise HTTPError(503, "no rollout server is serving", code="no_rollout_server")
-        return self._fleet[next(self._turn) % len(self._fleet)]
+        return up[next(self._turn) % len(up)]
 
     def check_auth(self, request: Request) -> None:
         """401 without a bearer token, 403 with a wrong one (when an API key is set)."""
@@ -266,7 +293,7 @@ class Gateway:
                 trace_context=trace_context,
             )
         except grpc.RpcError as exc:
-            raise _from_rpc(exc, f"rollout server {address}") from exc
+            raise self.rollout_error(exc, address) from exc
 
 
 @dataclass
@@ -517,7 +544,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         session_id = request.headers.get(SESSION_HEADER)
         session = gateway().session(session_id) if session_id else None
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        address = session.lease.rollout_address if session else await gateway().any_rollout()
+        address = (
+            await gateway().session_rollout(session) if session else await gateway().any_rollout()
+        )
         _, stop_strings = gateway().stops(body.get("stop"))
         return Call(
             body,
@@ -620,7 +649,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                         await queue.put((i, msg))
                 await queue.put((i, None))
             except grpc.RpcError as exc:
-                await queue.put((i, _from_rpc(exc, f"rollout server {call.address}")))
+                await queue.put((i, gateway().rollout_error(exc, call.address)))
 
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         tasks = [asyncio.create_task(pump(i, queue)) for i in range(call.n)]

@@ -35,6 +35,11 @@ class Session:
     by_completion: dict[str, Conversation] = field(default_factory=dict)
     # id() of conversations a request in flight continues.
     claimed: set[int] = field(default_factory=set)
+    # The rollout server its completions go to: the lease's, until that one fails.
+    address: str = ""
+
+    def __post_init__(self) -> None:
+        self.address = self.address or self.lease.rollout_address
 
     @property
     def session_id(self) -> str:
