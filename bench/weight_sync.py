@@ -16,6 +16,9 @@ What runs (all on this machine, loopback):
 
 Baselines, measured in the same run on the same bytes (the state dict the trainer publishes):
 
+* shared_memory: a plain memcpy of the same bytes into fresh memory (allocated and written
+  once, in this process, one thread), as a new version must be written while the old one is
+  still served; the copy into warm buffers is printed too.
 * socket and stream: a raw TCP copy between two processes (``sendall`` from tensor memory,
   ``recv_into`` preallocated buffers, one ack at the end).
 * disk: ``safetensors.torch.save_file`` then ``load_file`` of the state dict (``load_file``
@@ -56,7 +59,7 @@ from areal_grpc.model import resolve_source, save_pretrained
 from areal_grpc.server import sync_channel
 
 TARGET = 1.3
-METHODS = ("socket", "stream", "disk", "distributed")
+METHODS = ("shared_memory", "socket", "stream", "disk", "distributed")
 ACK = b"k"
 
 
@@ -218,6 +221,26 @@ def tcp_baseline(sd: dict[str, torch.Tensor]) -> float:
     return elapsed
 
 
+def memcpy_baseline(sd: dict[str, torch.Tensor]) -> float:
+    """A plain copy of the state dict's bytes into fresh memory (allocated, then written
+    once, as a new version must be: the old one is still being served); seconds. The copy
+    into buffers already faulted in is printed beside it."""
+    start = time.perf_counter()
+    dst = [torch.empty_like(t) for t in sd.values()]
+    for d, t in zip(dst, sd.values(), strict=True):
+        d.copy_(t)
+    fresh = time.perf_counter() - start
+    start = time.perf_counter()
+    for d, t in zip(dst, sd.values(), strict=True):
+        d.copy_(t)
+    print(
+        f"  memcpy: into fresh memory {fresh:.3f} s, into warm buffers "
+        f"{time.perf_counter() - start:.3f} s",
+        flush=True,
+    )
+    return fresh
+
+
 def disk_baseline(sd: dict[str, torch.Tensor], root: Path) -> float:
     """Plain safetensors save + load of the state dict; seconds."""
     path = root / "baseline.safetensors"
@@ -335,6 +358,7 @@ def main() -> int:
 
             print("trainer: 1 rank (FSDP2 over gloo)")
             baselines = {
+                "shared_memory": ("memcpy", lambda: memcpy_baseline(sd)),
                 "socket": ("raw TCP copy", lambda: tcp_baseline(sd)),
                 "stream": ("raw TCP copy", lambda: tcp_baseline(sd)),
                 "disk": ("safetensors save+load", lambda: disk_baseline(sd, base)),

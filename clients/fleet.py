@@ -52,6 +52,7 @@ METHODS: dict[str, int] = {
     "stream": weight_sync_pb2.TRANSFER_METHOD_STREAM,
     "disk": weight_sync_pb2.TRANSFER_METHOD_DISK,
     "socket": weight_sync_pb2.TRANSFER_METHOD_SOCKET,
+    "shared_memory": weight_sync_pb2.TRANSFER_METHOD_SHARED_MEMORY,
 }
 
 
@@ -65,7 +66,7 @@ class ServerUpdate:
 
     address: str
     ok: bool = False
-    # "distributed", "socket", "stream", "disk" or "" when no transfer happened.
+    # A METHODS name, or "" when no transfer happened.
     method: str = ""
     # The failure's code (OK while none) and what failed, e.g. "confirm: UNAVAILABLE: ...".
     code: grpc.StatusCode = grpc.StatusCode.OK
@@ -128,7 +129,7 @@ async def update_fleet_weights(
     trainer_addresses: Sequence[str],
     rollout_addresses: Sequence[str],
     *,
-    methods: Sequence[str] = ("distributed", "socket", "stream", "disk"),
+    methods: Sequence[str] = ("distributed", "shared_memory", "socket", "stream", "disk"),
     timeout_s: float = 600.0,
     bucket_bytes: int = 0,
     control_timeout_s: float = 30.0,

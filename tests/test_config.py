@@ -41,7 +41,7 @@ def test_defaults_are_the_builtin_run():
     )
     assert cfg.rollout.sampling.temperature == 1.0
     assert cfg.eval.every_steps == 25
-    assert cfg.weight_sync.methods == ["distributed", "socket", "stream", "disk"]
+    assert cfg.weight_sync.methods == ["distributed", "shared_memory", "socket", "stream", "disk"]
 
 
 def test_yaml_then_overrides_in_order(tmp_path):

@@ -1,6 +1,6 @@
 """``WeightSyncService``: a rollout server receives new policy weights.
 
-Four data planes, agreed per sender with ``Negotiate``, each a receiver in its own module
+Five data planes, agreed per sender with ``Negotiate``, each a receiver in its own module
 (:mod:`areal_servers.rollout.receive`):
 
 * STREAM (``PushWeights``, ``receive.stream``): CRC-32C-checked chunks reassembled into a staged
@@ -11,6 +11,8 @@ Four data planes, agreed per sender with ``Negotiate``, each a receiver in its o
   process group with the sender (or SGLang's own group for the ``sglang`` engine).
 * SOCKET (``UpdateFromSocket``, ``receive.socket``): CRC-32C-checked frames over a plain TCP
   connection the plan names, read straight into the receive buffers; gRPC keeps the control.
+* SHARED_MEMORY (``UpdateFromSharedMemory``, ``receive.shared_memory``): a version directory a
+  sender on this host wrote once into ``/dev/shm``, mapped without a copy.
 
 Every update names the new policy version; one that is not newer than the served version is
 FAILED_PRECONDITION and changes nothing. Updates run one at a time.
@@ -34,6 +36,7 @@ from areal_servers.rollout.engine import InferenceEngine
 from areal_servers.rollout.receive.base import Plan, Receiver, ReceiverState, WeightSyncConfig
 from areal_servers.rollout.receive.disk import DiskReceiver
 from areal_servers.rollout.receive.distributed import DistributedReceiver
+from areal_servers.rollout.receive.shared_memory import SharedMemoryReceiver
 from areal_servers.rollout.receive.socket import SocketReceiver
 from areal_servers.rollout.receive.stream import StreamReceiver
 from arealgrpc.v1 import weight_sync_pb2, weight_sync_pb2_grpc
@@ -63,6 +66,7 @@ METHOD_NAMES = {
     "stream": pb.TRANSFER_METHOD_STREAM,
     "disk": pb.TRANSFER_METHOD_DISK,
     "socket": pb.TRANSFER_METHOD_SOCKET,
+    "shared_memory": pb.TRANSFER_METHOD_SHARED_MEMORY,
 }
 
 
@@ -90,8 +94,10 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         self.disk = DiskReceiver(self.state)
         self.distributed = DistributedReceiver(self.state)
         self.socket = SocketReceiver(self.state)
+        self.shared_memory = SharedMemoryReceiver(self.state)
         self.receivers: dict[int, Receiver] = {
-            r.method: r for r in (self.stream, self.disk, self.distributed, self.socket)
+            r.method: r
+            for r in (self.stream, self.disk, self.distributed, self.socket, self.shared_memory)
         }
         self.counters = _Counters()
         if "stream" in self.config.methods:
@@ -228,6 +234,17 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         self._count("socket", ok=True)
         return reply
 
+    async def UpdateFromSharedMemory(
+        self, request: pb.UpdateFromSharedMemoryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateFromSharedMemoryResponse:
+        """Loads a version directory a same-host sender wrote into shared memory."""
+        try:
+            reply = await self.shared_memory.update(request)
+        except Exception as exc:
+            await self._fail(context, exc)
+        self._count("shared_memory", ok=True)
+        return reply
+
     async def close(self) -> None:
         """Leaves the weight group and closes unused side-channel listeners."""
         for r in self.receivers.values():
@@ -268,6 +285,11 @@ def build_weight_sync_service(
             servicer.UpdateFromSocket,
             request_deserializer=pb.UpdateFromSocketRequest.FromString,
             response_serializer=pb.UpdateFromSocketResponse.SerializeToString,
+        ),
+        "UpdateFromSharedMemory": grpc.unary_unary_rpc_method_handler(
+            servicer.UpdateFromSharedMemory,
+            request_deserializer=pb.UpdateFromSharedMemoryRequest.FromString,
+            response_serializer=pb.UpdateFromSharedMemoryResponse.SerializeToString,
         ),
     }
 

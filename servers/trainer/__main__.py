@@ -47,6 +47,7 @@ from areal_grpc.server_config import (
     trainer_path_roots,
     weights_root,
 )
+from areal_grpc.shared_memory import release_own
 
 DEFAULT_PORT = 50071
 
@@ -192,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("areal-trainer", "Serve one trainer rank.", default_port)
     add_trainer_args(parser)
     code = serve_main(parser, build, argv)
+    # The version in shared memory goes with us (os._exit skips atexit).
+    release_own()
     # Everything worth keeping is on disk or sent by now. torch's C++ teardown of a gloo group
     # whose peer left mid-collective can std::terminate (SIGABRT), so skip it.
     logging.shutdown()

@@ -41,6 +41,7 @@ from areal_servers.trainer.publish.base import (
 )
 from areal_servers.trainer.publish.disk import DiskTransport
 from areal_servers.trainer.publish.distributed import DistributedTransport, GroupCache
+from areal_servers.trainer.publish.shared_memory import SharedMemoryTransport
 from areal_servers.trainer.publish.socket import SocketTransport
 from areal_servers.trainer.publish.stream import StreamTransport
 from arealgrpc.v1 import weight_sync_pb2, weight_sync_pb2_grpc
@@ -63,6 +64,7 @@ T = TypeVar("T")
 
 DEFAULT_METHODS = (
     pb.TRANSFER_METHOD_DISTRIBUTED,
+    pb.TRANSFER_METHOD_SHARED_MEMORY,
     pb.TRANSFER_METHOD_SOCKET,
     pb.TRANSFER_METHOD_STREAM,
     pb.TRANSFER_METHOD_DISK,
@@ -232,6 +234,7 @@ class PublishSession:
         self.transports: dict[int, Transport] = {
             pb.TRANSFER_METHOD_STREAM: StreamTransport(self.ctx),
             pb.TRANSFER_METHOD_SOCKET: SocketTransport(self.ctx),
+            pb.TRANSFER_METHOD_SHARED_MEMORY: SharedMemoryTransport(self.ctx),
             pb.TRANSFER_METHOD_DISK: DiskTransport(self.ctx),
             pb.TRANSFER_METHOD_DISTRIBUTED: self.distributed,
         }

@@ -57,7 +57,7 @@ def reference_greedy(
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("method", ["stream", "disk", "distributed", "socket"])
+@pytest.mark.parametrize("method", ["stream", "disk", "distributed", "socket", "shared_memory"])
 def test_method_moves_trained_fsdp_weights_into_two_rollout_servers(
     trainers: Trainers, make_rollout: MakeRollout, method: str
 ) -> None:

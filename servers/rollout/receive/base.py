@@ -28,8 +28,8 @@ class WeightSyncConfig:
 
     # Directory under which UpdateFromDisk paths must lie; None disables DISK.
     disk_root: str | None = None
-    # Methods this server accepts ("distributed", "stream", "disk", "socket").
-    methods: tuple[str, ...] = ("distributed", "stream", "disk", "socket")
+    # Methods this server accepts ("distributed", "stream", "disk", "socket", "shared_memory").
+    methods: tuple[str, ...] = ("distributed", "stream", "disk", "socket", "shared_memory")
     # Largest PushWeights chunk accepted (the contract caps it at 1 MiB).
     max_chunk_bytes: int = MAX_CHUNK_BYTES
     # Largest state dict accepted by any method (bounds what a sender can make us allocate).
@@ -49,6 +49,8 @@ class WeightSyncConfig:
     max_frame_bytes: int = 64 << 20
     # SOCKET: listeners of plans not yet used, at most (the oldest is closed first).
     max_socket_listeners: int = 8
+    # SHARED_MEMORY: the directory senders on this host write into (None: not offered).
+    shm_base: str | None = "/dev/shm"
     # Keep the weights an update replaces as the next update's receive buffers (STREAM and
     # DISTRIBUTED): no fresh memory to allocate and fault in per update, at the price of a
     # second copy of the weights held between updates (engines that take received tensors

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from areal_servers.rollout.receive.base import Receiver
+from areal_servers.rollout.receive.base import Receiver, ReceiverState
 from arealgrpc.v1 import weight_sync_pb2
 
 from areal_grpc.errors import PreconditionError
 from areal_grpc.weight_disk import load_version, resolve_confined
 
-__all__ = ["DiskReceiver"]
+__all__ = ["DiskReceiver", "load_directory"]
 
 pb = weight_sync_pb2
 
@@ -57,20 +57,25 @@ class DiskReceiver(Receiver):
         root = state.config.disk_root
         if not self.enabled or not root:
             raise PreconditionError("this server takes no disk updates (no disk root)")
-        state.check_version(request.policy_version)
-        directory = resolve_confined(root, request.path, "path")
-        async with state.update_lock:
-            state.check_version(request.policy_version)
-            if state.sglang and not state.engine.adapters_only:
-                await state.engine.update_weights_from_disk(  # type: ignore[attr-defined]
-                    str(directory), request.policy_version
-                )
-                count = 0
-            else:
-                # Mapped, not copied: nothing to receive into (see the module docstring).
-                state_dict = await asyncio.to_thread(load_version, root, str(directory))
-                # The weights a DISK update replaces may themselves be mapped files: as
-                # receive buffers they would only copy-on-write, so they are let go.
-                await state.load(state_dict, request.policy_version, keep_spare=False)
-                count = len(state_dict)
+        count = await load_directory(state, root, request.path, request.policy_version)
         return pb.UpdateFromDiskResponse(policy_version=state.engine.version, tensor_count=count)
+
+
+async def load_directory(state: ReceiverState, root: str, path: str, version: int) -> int:
+    """Loads the version directory ``path`` (confined to ``root``) as ``version``; the
+    number of tensors loaded (0 when SGLang reads the directory itself)."""
+    state.check_version(version)
+    directory = resolve_confined(root, path, "path")
+    async with state.update_lock:
+        state.check_version(version)
+        if state.sglang and not state.engine.adapters_only:
+            await state.engine.update_weights_from_disk(  # type: ignore[attr-defined]
+                str(directory), version
+            )
+            return 0
+        # Mapped, not copied: nothing to receive into (see the module docstring).
+        state_dict = await asyncio.to_thread(load_version, root, str(directory))
+        # The weights such an update replaces may themselves be mapped files: as receive
+        # buffers they would only copy-on-write, so they are let go.
+        await state.load(state_dict, version, keep_spare=False)
+        return len(state_dict)

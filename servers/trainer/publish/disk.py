@@ -33,20 +33,39 @@ class DiskTransport(Transport):
         self._slots = asyncio.Semaphore(max(1, ctx.cfg.disk_writers))
         self._error: status_pb2.Status | None = None
 
+    @property
+    def root(self) -> str | None:
+        """Where versions are written (None: this method is not offered)."""
+        return self.ctx.cfg.disk_root
+
+    @property
+    def keep(self) -> int:
+        """Versions kept under the root after an update."""
+        return self.ctx.cfg.keep_versions
+
     def offer(self, rank: int, world: int) -> pb.TransferOption | None:
-        root = self.ctx.cfg.disk_root
+        root = self.root
         if not root:
             return None
         return pb.TransferOption(method=self.method, disk=pb.DiskParams(root=root))
 
+    async def load(self, t: Target, path: str) -> tuple[int, int]:
+        """Has the server load the version at ``path``: (version served, tensors)."""
+        assert t.plan is not None
+        reply = await t.stub.UpdateFromDisk(
+            pb.UpdateFromDiskRequest(
+                plan_id=t.plan.plan_id, policy_version=self.ctx.version, path=path
+            ),
+            timeout=self.ctx.left(),
+        )
+        return reply.policy_version, reply.tensor_count
+
     async def open(self, targets: list[Target]) -> None:
         self.targets = targets
-        cfg = self.ctx.cfg
-        if not targets or not cfg.disk_root:
+        root = self.root
+        if not targets or not root:
             return
-        writer = VersionWriter(
-            cfg.disk_root, self.ctx.version, self.ctx.bucket_count, keep=cfg.keep_versions
-        )
+        writer = VersionWriter(root, self.ctx.version, self.ctx.bucket_count, keep=self.keep)
         try:
             writer.__enter__()
         except Exception as exc:
@@ -102,26 +121,20 @@ class DiskTransport(Transport):
         self._writer = None
         rel = version_dir_name(self.ctx.version)
 
-        async def load(t: Target) -> None:
-            assert t.plan is not None
+        async def one(t: Target) -> None:
             try:
-                reply = await t.stub.UpdateFromDisk(
-                    pb.UpdateFromDiskRequest(
-                        plan_id=t.plan.plan_id, policy_version=self.ctx.version, path=rel
-                    ),
-                    timeout=self.ctx.left(),
-                )
+                version, _ = await self.load(t, rel)
             except Exception as exc:
                 t.result.fail_with(status_proto_of(exc))
                 return
-            t.result.policy_version = reply.policy_version
+            t.result.policy_version = version
             t.result.sent_bytes = self.ctx.total_bytes
             t.result.ok = True
 
-        await asyncio.gather(*(load(t) for t in self.live()))
-        root = self.ctx.cfg.disk_root
+        await asyncio.gather(*(one(t) for t in self.live()))
+        root = self.root
         assert root is not None
         try:
-            await asyncio.to_thread(prune_versions, root, self.ctx.cfg.keep_versions)
+            await asyncio.to_thread(prune_versions, root, self.keep)
         except OSError as exc:
             log.warning("pruning %s failed: %s", root, exc)

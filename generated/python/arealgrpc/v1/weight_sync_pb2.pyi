@@ -15,6 +15,7 @@ class TransferMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_METHOD_STREAM: _ClassVar[TransferMethod]
     TRANSFER_METHOD_DISK: _ClassVar[TransferMethod]
     TRANSFER_METHOD_SOCKET: _ClassVar[TransferMethod]
+    TRANSFER_METHOD_SHARED_MEMORY: _ClassVar[TransferMethod]
 
 class CollectiveBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,6 +27,7 @@ TRANSFER_METHOD_DISTRIBUTED: TransferMethod
 TRANSFER_METHOD_STREAM: TransferMethod
 TRANSFER_METHOD_DISK: TransferMethod
 TRANSFER_METHOD_SOCKET: TransferMethod
+TRANSFER_METHOD_SHARED_MEMORY: TransferMethod
 COLLECTIVE_BACKEND_UNSPECIFIED: CollectiveBackend
 COLLECTIVE_BACKEND_GLOO: CollectiveBackend
 COLLECTIVE_BACKEND_NCCL: CollectiveBackend
@@ -70,6 +72,14 @@ class SocketParams(_message.Message):
     max_frame_bytes: int
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
+class SharedMemoryParams(_message.Message):
+    __slots__ = ("root", "probe")
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    root: str
+    probe: bytes
+    def __init__(self, root: _Optional[str] = ..., probe: _Optional[bytes] = ...) -> None: ...
+
 class DiskParams(_message.Message):
     __slots__ = ("root",)
     ROOT_FIELD_NUMBER: _ClassVar[int]
@@ -77,18 +87,20 @@ class DiskParams(_message.Message):
     def __init__(self, root: _Optional[str] = ...) -> None: ...
 
 class TransferOption(_message.Message):
-    __slots__ = ("method", "distributed", "stream", "disk", "socket")
+    __slots__ = ("method", "distributed", "stream", "disk", "socket", "shared_memory")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     method: TransferMethod
     distributed: DistributedParams
     stream: StreamParams
     disk: DiskParams
     socket: SocketParams
-    def __init__(self, method: _Optional[_Union[TransferMethod, str]] = ..., distributed: _Optional[_Union[DistributedParams, _Mapping]] = ..., stream: _Optional[_Union[StreamParams, _Mapping]] = ..., disk: _Optional[_Union[DiskParams, _Mapping]] = ..., socket: _Optional[_Union[SocketParams, _Mapping]] = ...) -> None: ...
+    shared_memory: SharedMemoryParams
+    def __init__(self, method: _Optional[_Union[TransferMethod, str]] = ..., distributed: _Optional[_Union[DistributedParams, _Mapping]] = ..., stream: _Optional[_Union[StreamParams, _Mapping]] = ..., disk: _Optional[_Union[DiskParams, _Mapping]] = ..., socket: _Optional[_Union[SocketParams, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryParams, _Mapping]] = ...) -> None: ...
 
 class NegotiateRequest(_message.Message):
     __slots__ = ("offers", "sender_id")
@@ -195,3 +207,21 @@ class UpdateFromSocketResponse(_message.Message):
     tensor_count: int
     received_bytes: int
     def __init__(self, policy_version: _Optional[int] = ..., tensor_count: _Optional[int] = ..., received_bytes: _Optional[int] = ...) -> None: ...
+
+class UpdateFromSharedMemoryRequest(_message.Message):
+    __slots__ = ("plan_id", "policy_version", "path")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    policy_version: int
+    path: str
+    def __init__(self, plan_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UpdateFromSharedMemoryResponse(_message.Message):
+    __slots__ = ("policy_version", "tensor_count")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    tensor_count: int
+    def __init__(self, policy_version: _Optional[int] = ..., tensor_count: _Optional[int] = ...) -> None: ...

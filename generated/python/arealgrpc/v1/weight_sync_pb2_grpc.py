@@ -62,6 +62,11 @@ class WeightSyncServiceStub:
                 request_serializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketRequest.SerializeToString,
                 response_deserializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketResponse.FromString,
                 _registered_method=True)
+        self.UpdateFromSharedMemory = channel.unary_unary(
+                '/arealgrpc.v1.WeightSyncService/UpdateFromSharedMemory',
+                request_serializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSharedMemoryRequest.SerializeToString,
+                response_deserializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSharedMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServiceServicer:
@@ -126,6 +131,15 @@ class WeightSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateFromSharedMemory(self, request, context):
+        """Loads weights from a version directory in the shared-memory root the plan names (a
+        sender on the same host wrote it there once for every receiver). Errors as for
+        UpdateFromDisk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +167,11 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
                     servicer.UpdateFromSocket,
                     request_deserializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketRequest.FromString,
                     response_serializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketResponse.SerializeToString,
+            ),
+            'UpdateFromSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateFromSharedMemory,
+                    request_deserializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSharedMemoryRequest.FromString,
+                    response_serializer=arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSharedMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -293,6 +312,33 @@ class WeightSyncService:
             '/arealgrpc.v1.WeightSyncService/UpdateFromSocket',
             arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketRequest.SerializeToString,
             arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSocketResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateFromSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/arealgrpc.v1.WeightSyncService/UpdateFromSharedMemory',
+            arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSharedMemoryRequest.SerializeToString,
+            arealgrpc_dot_v1_dot_weight__sync__pb2.UpdateFromSharedMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

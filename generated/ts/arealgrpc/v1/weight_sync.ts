@@ -38,6 +38,11 @@ export enum TransferMethod {
   TRANSFER_METHOD_DISK = 3,
   /** TRANSFER_METHOD_SOCKET - Raw frames over a TCP connection to the receiver, negotiated here (UpdateFromSocket). */
   TRANSFER_METHOD_SOCKET = 4,
+  /**
+   * TRANSFER_METHOD_SHARED_MEMORY - A version directory in shared memory on the sender's host (UpdateFromSharedMemory):
+   * written once, mapped by every receiver on that host without a copy.
+   */
+  TRANSFER_METHOD_SHARED_MEMORY = 5,
   UNRECOGNIZED = -1,
 }
 
@@ -58,6 +63,9 @@ export function transferMethodFromJSON(object: any): TransferMethod {
     case 4:
     case "TRANSFER_METHOD_SOCKET":
       return TransferMethod.TRANSFER_METHOD_SOCKET;
+    case 5:
+    case "TRANSFER_METHOD_SHARED_MEMORY":
+      return TransferMethod.TRANSFER_METHOD_SHARED_MEMORY;
     case -1:
     case "UNRECOGNIZED":
     default:
@@ -77,6 +85,8 @@ export function transferMethodToJSON(object: TransferMethod): string {
       return "TRANSFER_METHOD_DISK";
     case TransferMethod.TRANSFER_METHOD_SOCKET:
       return "TRANSFER_METHOD_SOCKET";
+    case TransferMethod.TRANSFER_METHOD_SHARED_MEMORY:
+      return "TRANSFER_METHOD_SHARED_MEMORY";
     case TransferMethod.UNRECOGNIZED:
     default:
       return "UNRECOGNIZED";
@@ -176,6 +186,17 @@ export interface SocketParams {
   maxFrameBytes: number;
 }
 
+/** Parameters of a shared-memory transfer. */
+export interface SharedMemoryParams {
+  /** The sender's directory in shared memory (e.g. /dev/shm/areal-shm-<pid>). */
+  root: string;
+  /**
+   * In an offer: the contents of root/.probe, which a receiver on the same host (sharing
+   * that memory) can read back; a receiver that cannot declines the offer.
+   */
+  probe: Buffer;
+}
+
 /** Parameters of a disk transfer. */
 export interface DiskParams {
   /**
@@ -202,7 +223,11 @@ export interface TransferOption {
     | DiskParams
     | undefined;
   /** For TRANSFER_METHOD_SOCKET. */
-  socket?: SocketParams | undefined;
+  socket?:
+    | SocketParams
+    | undefined;
+  /** For TRANSFER_METHOD_SHARED_MEMORY. */
+  sharedMemory?: SharedMemoryParams | undefined;
 }
 
 /** The sender's offer. */
@@ -321,6 +346,24 @@ export interface UpdateFromSocketResponse {
   tensorCount: number;
   /** Bytes of tensor data received. */
   receivedBytes: number;
+}
+
+/** Request to load weights from shared memory. */
+export interface UpdateFromSharedMemoryRequest {
+  /** The plan from Negotiate. */
+  planId: string;
+  /** Policy version of the weights; must be newer than the served one. */
+  policyVersion: number;
+  /** Version directory relative to the plan's root. */
+  path: string;
+}
+
+/** Result of a shared-memory update. */
+export interface UpdateFromSharedMemoryResponse {
+  /** Policy version now served. */
+  policyVersion: number;
+  /** Tensors loaded. */
+  tensorCount: number;
 }
 
 function createBaseDistributedParams(): DistributedParams {
@@ -752,6 +795,91 @@ export const SocketParams: MessageFns<SocketParams> = {
   },
 };
 
+function createBaseSharedMemoryParams(): SharedMemoryParams {
+  return { root: "", probe: Buffer.alloc(0) };
+}
+
+export const SharedMemoryParams: MessageFns<SharedMemoryParams> = {
+  encode(message: SharedMemoryParams, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.root !== "") {
+      writer.uint32(10).string(message.root);
+    }
+    if (message.probe.length !== 0) {
+      writer.uint32(18).bytes(message.probe);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SharedMemoryParams {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSharedMemoryParams();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.root = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.probe = Buffer.from(reader.bytes());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): SharedMemoryParams {
+    return {
+      root: isSet(object.root) ? globalThis.String(object.root) : "",
+      probe: isSet(object.probe) ? Buffer.from(bytesFromBase64(object.probe)) : Buffer.alloc(0),
+    };
+  },
+
+  toJSON(message: SharedMemoryParams): unknown {
+    const obj: any = {};
+    if (message.root !== "") {
+      obj.root = message.root;
+    }
+    if (message.probe.length !== 0) {
+      obj.probe = base64FromBytes(message.probe);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<SharedMemoryParams>, I>>(base?: I): SharedMemoryParams {
+    return SharedMemoryParams.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<SharedMemoryParams>, I>>(object: I): SharedMemoryParams {
+    const message = createBaseSharedMemoryParams();
+    message.root = object.root ?? "";
+    message.probe = object.probe ?? Buffer.alloc(0);
+    return message;
+  },
+};
+
 function createBaseDiskParams(): DiskParams {
   return { root: "" };
 }
@@ -820,7 +948,14 @@ export const DiskParams: MessageFns<DiskParams> = {
 };
 
 function createBaseTransferOption(): TransferOption {
-  return { method: 0, distributed: undefined, stream: undefined, disk: undefined, socket: undefined };
+  return {
+    method: 0,
+    distributed: undefined,
+    stream: undefined,
+    disk: undefined,
+    socket: undefined,
+    sharedMemory: undefined,
+  };
 }
 
 export const TransferOption: MessageFns<TransferOption> = {
@@ -839,6 +974,9 @@ export const TransferOption: MessageFns<TransferOption> = {
     }
     if (message.socket !== undefined) {
       SocketParams.encode(message.socket, writer.uint32(42).fork()).join();
+    }
+    if (message.sharedMemory !== undefined) {
+      SharedMemoryParams.encode(message.sharedMemory, writer.uint32(50).fork()).join();
     }
     return writer;
   },
@@ -896,6 +1034,14 @@ export const TransferOption: MessageFns<TransferOption> = {
             message.socket = SocketParams.decode(reader, reader.uint32());
             continue;
           }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.sharedMemory = SharedMemoryParams.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -915,6 +1061,11 @@ export const TransferOption: MessageFns<TransferOption> = {
       stream: isSet(object.stream) ? StreamParams.fromJSON(object.stream) : undefined,
       disk: isSet(object.disk) ? DiskParams.fromJSON(object.disk) : undefined,
       socket: isSet(object.socket) ? SocketParams.fromJSON(object.socket) : undefined,
+      sharedMemory: isSet(object.sharedMemory)
+        ? SharedMemoryParams.fromJSON(object.sharedMemory)
+        : isSet(object.shared_memory)
+        ? SharedMemoryParams.fromJSON(object.shared_memory)
+        : undefined,
     };
   },
 
@@ -934,6 +1085,9 @@ export const TransferOption: MessageFns<TransferOption> = {
     }
     if (message.socket !== undefined) {
       obj.socket = SocketParams.toJSON(message.socket);
+    }
+    if (message.sharedMemory !== undefined) {
+      obj.sharedMemory = SharedMemoryParams.toJSON(message.sharedMemory);
     }
     return obj;
   },
@@ -955,6 +1109,9 @@ export const TransferOption: MessageFns<TransferOption> = {
       : undefined;
     message.socket = (object.socket !== undefined && object.socket !== null)
       ? SocketParams.fromPartial(object.socket)
+      : undefined;
+    message.sharedMemory = (object.sharedMemory !== undefined && object.sharedMemory !== null)
+      ? SharedMemoryParams.fromPartial(object.sharedMemory)
       : undefined;
     return message;
   },
@@ -2143,6 +2300,212 @@ export const UpdateFromSocketResponse: MessageFns<UpdateFromSocketResponse> = {
   },
 };
 
+function createBaseUpdateFromSharedMemoryRequest(): UpdateFromSharedMemoryRequest {
+  return { planId: "", policyVersion: 0, path: "" };
+}
+
+export const UpdateFromSharedMemoryRequest: MessageFns<UpdateFromSharedMemoryRequest> = {
+  encode(message: UpdateFromSharedMemoryRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.planId !== "") {
+      writer.uint32(10).string(message.planId);
+    }
+    if (message.policyVersion !== 0) {
+      writer.uint32(16).int64(message.policyVersion);
+    }
+    if (message.path !== "") {
+      writer.uint32(26).string(message.path);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): UpdateFromSharedMemoryRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseUpdateFromSharedMemoryRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.planId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.policyVersion = longToNumber(reader.int64());
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.path = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): UpdateFromSharedMemoryRequest {
+    return {
+      planId: isSet(object.planId)
+        ? globalThis.String(object.planId)
+        : isSet(object.plan_id)
+        ? globalThis.String(object.plan_id)
+        : "",
+      policyVersion: isSet(object.policyVersion)
+        ? globalThis.Number(object.policyVersion)
+        : isSet(object.policy_version)
+        ? globalThis.Number(object.policy_version)
+        : 0,
+      path: isSet(object.path) ? globalThis.String(object.path) : "",
+    };
+  },
+
+  toJSON(message: UpdateFromSharedMemoryRequest): unknown {
+    const obj: any = {};
+    if (message.planId !== "") {
+      obj.planId = message.planId;
+    }
+    if (message.policyVersion !== 0) {
+      obj.policyVersion = Math.round(message.policyVersion);
+    }
+    if (message.path !== "") {
+      obj.path = message.path;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<UpdateFromSharedMemoryRequest>, I>>(base?: I): UpdateFromSharedMemoryRequest {
+    return UpdateFromSharedMemoryRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<UpdateFromSharedMemoryRequest>, I>>(
+    object: I,
+  ): UpdateFromSharedMemoryRequest {
+    const message = createBaseUpdateFromSharedMemoryRequest();
+    message.planId = object.planId ?? "";
+    message.policyVersion = object.policyVersion ?? 0;
+    message.path = object.path ?? "";
+    return message;
+  },
+};
+
+function createBaseUpdateFromSharedMemoryResponse(): UpdateFromSharedMemoryResponse {
+  return { policyVersion: 0, tensorCount: 0 };
+}
+
+export const UpdateFromSharedMemoryResponse: MessageFns<UpdateFromSharedMemoryResponse> = {
+  encode(message: UpdateFromSharedMemoryResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.policyVersion !== 0) {
+      writer.uint32(8).int64(message.policyVersion);
+    }
+    if (message.tensorCount !== 0) {
+      writer.uint32(16).uint32(message.tensorCount);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): UpdateFromSharedMemoryResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseUpdateFromSharedMemoryResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.policyVersion = longToNumber(reader.int64());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.tensorCount = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): UpdateFromSharedMemoryResponse {
+    return {
+      policyVersion: isSet(object.policyVersion)
+        ? globalThis.Number(object.policyVersion)
+        : isSet(object.policy_version)
+        ? globalThis.Number(object.policy_version)
+        : 0,
+      tensorCount: isSet(object.tensorCount)
+        ? globalThis.Number(object.tensorCount)
+        : isSet(object.tensor_count)
+        ? globalThis.Number(object.tensor_count)
+        : 0,
+    };
+  },
+
+  toJSON(message: UpdateFromSharedMemoryResponse): unknown {
+    const obj: any = {};
+    if (message.policyVersion !== 0) {
+      obj.policyVersion = Math.round(message.policyVersion);
+    }
+    if (message.tensorCount !== 0) {
+      obj.tensorCount = Math.round(message.tensorCount);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<UpdateFromSharedMemoryResponse>, I>>(base?: I): UpdateFromSharedMemoryResponse {
+    return UpdateFromSharedMemoryResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<UpdateFromSharedMemoryResponse>, I>>(
+    object: I,
+  ): UpdateFromSharedMemoryResponse {
+    const message = createBaseUpdateFromSharedMemoryResponse();
+    message.policyVersion = object.policyVersion ?? 0;
+    message.tensorCount = object.tensorCount ?? 0;
+    return message;
+  },
+};
+
 /**
  * Receives new policy weights. Served by every rollout server; called by trainer rank 0 or
  * the coordinator. Every update names the new policy version, and a receiver refuses a
@@ -2237,6 +2600,23 @@ export const WeightSyncServiceService = {
       Buffer.from(UpdateFromSocketResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): UpdateFromSocketResponse => UpdateFromSocketResponse.decode(value),
   },
+  /**
+   * Loads weights from a version directory in the shared-memory root the plan names (a
+   * sender on the same host wrote it there once for every receiver). Errors as for
+   * UpdateFromDisk.
+   */
+  updateFromSharedMemory: {
+    path: "/arealgrpc.v1.WeightSyncService/UpdateFromSharedMemory" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: UpdateFromSharedMemoryRequest): Buffer =>
+      Buffer.from(UpdateFromSharedMemoryRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): UpdateFromSharedMemoryRequest => UpdateFromSharedMemoryRequest.decode(value),
+    responseSerialize: (value: UpdateFromSharedMemoryResponse): Buffer =>
+      Buffer.from(UpdateFromSharedMemoryResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): UpdateFromSharedMemoryResponse =>
+      UpdateFromSharedMemoryResponse.decode(value),
+  },
 } as const;
 
 export interface WeightSyncServiceServer extends UntypedServiceImplementation {
@@ -2281,6 +2661,12 @@ export interface WeightSyncServiceServer extends UntypedServiceImplementation {
    * DEADLINE_EXCEEDED when no connection arrives in time. The old weights keep serving.
    */
   updateFromSocket: handleUnaryCall<UpdateFromSocketRequest, UpdateFromSocketResponse>;
+  /**
+   * Loads weights from a version directory in the shared-memory root the plan names (a
+   * sender on the same host wrote it there once for every receiver). Errors as for
+   * UpdateFromDisk.
+   */
+  updateFromSharedMemory: handleUnaryCall<UpdateFromSharedMemoryRequest, UpdateFromSharedMemoryResponse>;
 }
 
 export interface WeightSyncServiceClient extends Client {
@@ -2395,6 +2781,26 @@ export interface WeightSyncServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: UpdateFromSocketResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Loads weights from a version directory in the shared-memory root the plan names (a
+   * sender on the same host wrote it there once for every receiver). Errors as for
+   * UpdateFromDisk.
+   */
+  updateFromSharedMemory(
+    request: UpdateFromSharedMemoryRequest,
+    callback: (error: ServiceError | null, response: UpdateFromSharedMemoryResponse) => void,
+  ): ClientUnaryCall;
+  updateFromSharedMemory(
+    request: UpdateFromSharedMemoryRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: UpdateFromSharedMemoryResponse) => void,
+  ): ClientUnaryCall;
+  updateFromSharedMemory(
+    request: UpdateFromSharedMemoryRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: UpdateFromSharedMemoryResponse) => void,
   ): ClientUnaryCall;
 }
 
