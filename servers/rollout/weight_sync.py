@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import grpc
 import torch
@@ -68,6 +68,9 @@ METHOD_NAMES = {
     "socket": pb.TRANSFER_METHOD_SOCKET,
     "shared_memory": pb.TRANSFER_METHOD_SHARED_MEMORY,
 }
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -190,60 +193,48 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         self._count("", ok=False)
         await abort_for(context, exc)
 
+    async def _update(
+        self, method: str, work: Awaitable[T], context: grpc.aio.ServicerContext
+    ) -> T:
+        """Runs one update call: its reply, or the call aborted with the error's status."""
+        try:
+            reply = await work
+        except Exception as exc:
+            await self._fail(context, exc)
+        self._count(method, ok=True)
+        return reply
+
     async def PushWeights(
         self, request_iterator: AsyncIterator[PushMessage], context: grpc.aio.ServicerContext
     ) -> pb.PushWeightsResponse:
         """Stages the streamed state dict, then swaps it in atomically."""
-        try:
-            reply = await self.stream.update(request_iterator)
-        except Exception as exc:
-            await self._fail(context, exc)
-        self._count("stream", ok=True)
-        return reply
+        return await self._update("stream", self.stream.update(request_iterator), context)
 
     async def UpdateFromDisk(
         self, request: pb.UpdateFromDiskRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateFromDiskResponse:
         """Loads a safetensors directory from under this server's root."""
-        try:
-            reply = await self.disk.update(request)
-        except Exception as exc:
-            await self._fail(context, exc)
-        self._count("disk", ok=True)
-        return reply
+        return await self._update("disk", self.disk.update(request), context)
 
     async def UpdateFromDistributed(
         self, request: pb.UpdateFromDistributedRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateFromDistributedResponse:
         """Takes part in the sender's broadcasts, then swaps the received weights in."""
-        try:
-            reply = await self.distributed.update(request)
-        except Exception as exc:
-            await self._fail(context, exc)
-        self._count("distributed", ok=True)
-        return reply
+        return await self._update("distributed", self.distributed.update(request), context)
 
     async def UpdateFromSocket(
         self, request: pb.UpdateFromSocketRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateFromSocketResponse:
         """Receives the tensors over the plan's side channel, then swaps them in."""
-        try:
-            reply = await self.socket.update(request, context.time_remaining())
-        except Exception as exc:
-            await self._fail(context, exc)
-        self._count("socket", ok=True)
-        return reply
+        work = self.socket.update(request, context.time_remaining())
+        return await self._update("socket", work, context)
 
     async def UpdateFromSharedMemory(
         self, request: pb.UpdateFromSharedMemoryRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateFromSharedMemoryResponse:
         """Loads a version directory a same-host sender wrote into shared memory."""
-        try:
-            reply = await self.shared_memory.update(request)
-        except Exception as exc:
-            await self._fail(context, exc)
-        self._count("shared_memory", ok=True)
-        return reply
+        work = self.shared_memory.update(request)
+        return await self._update("shared_memory", work, context)
 
     async def close(self) -> None:
         """Leaves the weight group and closes unused side-channel listeners."""
