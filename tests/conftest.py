@@ -196,3 +196,18 @@ def coordinator_command() -> Iterator[CoordinatorCommand]:
         yield command
     finally:
         command.close()
+
+
+@pytest.fixture(scope="session")
+def node_modules() -> Path:
+    """The repository's node_modules (``npm ci`` from package-lock.json once, when a package
+    the Node tests use is missing)."""
+    root = Path(__file__).resolve().parents[1]
+    if not all((root / "node_modules" / p).exists() for p in (".bin/tsc", "openai")):
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=root,
+            check=True,
+            timeout=300,
+        )
+    return root / "node_modules"

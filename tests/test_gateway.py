@@ -862,16 +862,9 @@ def test_a_sessions_completions_join_its_lease_trace(gateway: Gateway, mesh: Mes
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not on PATH (Node.js 20+)")
-def test_the_openai_npm_client_from_node(gateway: Gateway, mesh: Mesh) -> None:
+def test_the_openai_npm_client_from_node(gateway: Gateway, mesh: Mesh, node_modules: Path) -> None:
     """The official ``openai`` npm package (pinned in package.json) in Node: a session with a
     plain and a streamed turn, a 400 naming its field, and an accepted reward."""
-    if not (ROOT / "node_modules/openai").is_dir():
-        subprocess.run(
-            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-            cwd=ROOT,
-            check=True,
-            timeout=300,
-        )
     proc = subprocess.run(
         ["node", str(ROOT / "tests/node/openai_gateway.mjs"), gateway.url],
         capture_output=True,

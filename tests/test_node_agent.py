@@ -48,16 +48,9 @@ def byte_ids(text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def _build() -> Iterator[subprocess.Popen[bytes]]:
-    """Compiles the agent with the pinned TypeScript in the background (npm ci first when
-    node_modules is absent), so the rollout server starts meanwhile."""
-    if not (ROOT / "node_modules/.bin/tsc").exists():
-        subprocess.run(
-            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-            cwd=ROOT,
-            check=True,
-            timeout=300,
-        )
+def _build(node_modules: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Compiles the agent with the pinned TypeScript in the background, so the rollout
+    server starts meanwhile."""
     proc = subprocess.Popen(["npm", "run", "--silent", "build"], cwd=ROOT)
     yield proc
     if proc.poll() is None:

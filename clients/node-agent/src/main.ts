@@ -181,6 +181,7 @@ function generate(
           stopTokenIds: [],
           nSamples: opts.groupSize,
           ignoreEos: false,
+          topLogprobs: 0,
         },
         requestId,
         // The server's generate span becomes a child of the lease's span.
