@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,7 +137,7 @@ MIXED_PRECISION = ("auto", "on", "off")
 REJECTION_ACTIONS = ("mask", "clamp")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 WEIGHT_SYNC_METHODS = ("distributed", "shared_memory", "socket", "stream", "disk")
-LAUNCH_MODES = ("local", "attach", "ray")
+LAUNCH_MODES = ("local", "attach", "ray", "slurm")
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -462,7 +463,8 @@ class OutputConfig:
 
 @dataclass
 class LauncherConfig:
-    """Start the mesh here (local), on a Ray cluster (ray), or use running servers (attach)."""
+    """Start the mesh here (local), on a Ray cluster (ray), as job steps of the Slurm
+    allocation the coordinator runs in (slurm), or use running servers (attach)."""
 
     mode: str = "local"
     host: str = "127.0.0.1"
@@ -480,13 +482,21 @@ class LauncherConfig:
     ray_nodes: int = 1
     ray_strategy: str = "PACK"
     # ray mode: logical resources each server reserves (Ray schedules by these; a server may
-    # use more or less).
+    # use more or less). slurm mode: each server's step asks for these CPUs and GPUs (gres).
     rollout_cpus: float = 1.0
     rollout_gpus: float = 0.0
     trainer_cpus: float = 1.0
     trainer_gpus: float = 0.0
     # ray mode: how long placement and the servers' start may take before the run fails.
     ray_start_timeout_s: float = 300.0
+    # slurm mode, for the job `python -m areal_grpc.coordinator.submit` writes and submits:
+    # nodes, time limit, partition, account, gres per node (e.g. "gpu:8"); None: the
+    # cluster's default.
+    slurm_nodes: int = 1
+    slurm_time: str = "01:00:00"
+    slurm_partition: str | None = None
+    slurm_account: str | None = None
+    slurm_gres: str | None = None
 
 
 @dataclass
@@ -921,6 +931,12 @@ def _validate_launcher(cfg: RunConfig) -> None:
     for key in ("rollout_cpus", "rollout_gpus", "trainer_cpus", "trainer_gpus"):
         _at_least(f"launcher.{key}", getattr(la, key), 0)
     _positive("launcher.ray_start_timeout_s", la.ray_start_timeout_s)
+    _at_least("launcher.slurm_nodes", la.slurm_nodes, 1)
+    if not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", la.slurm_time):
+        raise FieldError(
+            "launcher.slurm_time",
+            f"must be a Slurm time limit like 01:00:00, got {la.slurm_time!r}",
+        )
     if la.mode == "ray" and la.ray_nodes > r.num_servers + t.ranks:
         raise FieldError(
             "launcher.ray_nodes",

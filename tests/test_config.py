@@ -314,3 +314,44 @@ def test_an_external_only_run_needs_no_items_and_no_eval():
         with pytest.raises(FieldError) as err:
             load_config(None, overrides)
         assert err.value.field == field, overrides
+
+
+def test_slurm_job_settings_are_checked_by_name():
+    cfg = load_config(None, ["launcher.mode=slurm", "launcher.slurm_time=1-02:00:00"])
+    assert cfg.launcher.mode == "slurm" and cfg.launcher.slurm_nodes == 1
+    for overrides, field in [
+        (["launcher.slurm_time=2 hours"], "launcher.slurm_time"),
+        (["launcher.slurm_nodes=0"], "launcher.slurm_nodes"),
+        (["launcher.mode=pbs"], "launcher.mode"),
+    ]:
+        with pytest.raises(FieldError) as err:
+            load_config(None, overrides)
+        assert err.value.field == field, overrides
+
+
+def test_the_submit_helper_prints_the_job_script_for_a_config(tmp_path, capsys):
+    from areal_grpc.coordinator.submit import main
+
+    code = main(
+        [
+            "--dry-run",
+            f"output.dir={tmp_path}",
+            "launcher.slurm_nodes=2",
+            "launcher.slurm_gres=gpu:8",
+            "launcher.slurm_partition=gpu",
+            "launcher.slurm_account=rl",
+        ]
+    )
+    script = capsys.readouterr().out
+    assert code == 0
+    for line in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --gres=gpu:8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=rl",
+        f"#SBATCH --output={tmp_path.resolve()}/slurm-%j.out",
+        "#SBATCH --time=01:00:00",
+    ]:
+        assert line in script.splitlines(), line
+    assert script.splitlines()[-1].endswith(f"--config {tmp_path.resolve()}/submitted-config.yaml")
+    assert not (tmp_path / "submit.sbatch").exists()  # a dry run writes nothing

@@ -45,6 +45,7 @@ from areal_grpc.coordinator.loop import (
     fleet_weight_sync,
 )
 from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
+from areal_grpc.coordinator.slurm import check_slurm
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.launch import Child, LaunchError
 from areal_grpc.model import resolve_source
@@ -146,7 +147,7 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
     out_dir = Path(cfg.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
-    if cfg.launcher.mode == "local":
+    if cfg.launcher.mode in ("local", "slurm"):
         # A GGUF file or named model is converted here, once, and every child loads the
         # same converted directory (Ray nodes and attached servers resolve it themselves).
         source = await asyncio.to_thread(resolve_source, cfg.model.source)
@@ -322,6 +323,8 @@ def check_launch(cfg: RunConfig) -> None:
     except OSError as exc:
         raise FieldError("output.dir", f"cannot write {out}: {exc.strerror or exc}") from None
     la = cfg.launcher
+    if la.mode == "slurm":
+        check_slurm()
     try:
         infos = socket.getaddrinfo(la.host, la.coordinator_port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
@@ -347,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if cfg.launcher.mode in ("local", "ray"):
+        if cfg.launcher.mode in ("local", "ray", "slurm"):
             try:
                 resolve_source(cfg.model.source, convert=False)
             except ValueError as exc:

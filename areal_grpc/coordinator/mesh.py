@@ -59,14 +59,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def server_host(cfg: RunConfig, role: str, index: int) -> str:
+    """The host a server binds: ``launcher.host``, or under Slurm with several nodes the
+    node it runs on."""
+    if cfg.launcher.mode == "slurm":
+        from areal_grpc.coordinator.slurm import allocation, node_of
+
+        alloc = allocation()
+        if len(alloc.nodes) > 1:
+            return node_of(alloc, role, index)
+    return cfg.launcher.host
+
+
+def _launched(cfg: RunConfig, argv: list[str], role: str, index: int) -> list[str]:
+    if cfg.launcher.mode == "slurm":
+        from areal_grpc.coordinator.slurm import step_argv
+
+        return step_argv(cfg, argv, role, index)
+    return argv
+
+
 def rollout_argv(cfg: RunConfig, index: int) -> list[str]:
     """Command line of rollout server ``index``: its address and the run config."""
     r = cfg.rollout
-    argv = ["--host", cfg.launcher.host, "--port", "0", "--log-level", cfg.output.log_level]
+    host = server_host(cfg, "rollout", index)
+    argv = ["--host", host, "--port", "0", "--log-level", cfg.output.log_level]
     if r.engine == "sglang":
         argv += ["--sglang-url", r.sglang_urls[index]]
     argv += security_argv(cfg.security)
-    return python_module_argv("areal_servers.rollout", *argv, *config_argv(cfg))
+    return _launched(
+        cfg,
+        python_module_argv("areal_servers.rollout", *argv, *config_argv(cfg)),
+        "rollout",
+        index,
+    )
 
 
 def local_trainer_device(cfg: RunConfig, rank: int) -> str:
@@ -101,9 +127,10 @@ def local_trainer_device(cfg: RunConfig, rank: int) -> str:
 
 def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
     """Command line of trainer rank ``rank``: its address, rendezvous, device, the run config."""
+    host = server_host(cfg, "trainer", rank)
     argv = [
         "--host",
-        cfg.launcher.host,
+        host,
         "--port",
         "0",
         "--log-level",
@@ -113,7 +140,7 @@ def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
         "--world-size",
         str(cfg.trainer.ranks),
         "--master-addr",
-        cfg.launcher.host,
+        server_host(cfg, "trainer", 0),
         "--master-port",
         str(master_port),
     ]
@@ -122,7 +149,12 @@ def trainer_argv(cfg: RunConfig, rank: int, master_port: int) -> list[str]:
         argv += ["--device", device]
     # Rank 0 also calls the rollout servers (weight updates): same TLS and token.
     argv += security_argv(cfg.security)
-    return python_module_argv("areal_servers.trainer", *argv, *config_argv(cfg))
+    return _launched(
+        cfg,
+        python_module_argv("areal_servers.trainer", *argv, *config_argv(cfg)),
+        "trainer",
+        rank,
+    )
 
 
 @dataclass
