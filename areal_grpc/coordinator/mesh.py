@@ -169,14 +169,23 @@ class Mesh:
     gateway: Child | None = None
 
     def describe(self) -> dict[str, object]:
-        """Addresses and pids, for ``mesh.json`` (lets tools find and stop the children)."""
+        """Addresses and pids, for ``mesh.json`` (lets tools find and stop the children);
+        under Slurm each server's job step id too."""
         children = [*self.children, *([self.gateway] if self.gateway else [])]
+        listed: list[dict[str, object]] = [
+            {"name": c.name, "address": c.address, "pid": c.process.pid} for c in children
+        ]
+        if any(_is_step(c) for c in children):
+            from areal_grpc.coordinator.slurm import step_ids
+
+            steps = step_ids()
+            for entry, c in zip(listed, children, strict=True):
+                if _is_step(c) and c.name in steps:
+                    entry["step"] = steps[c.name]
         return {
             "rollout": self.rollout_addresses,
             "trainer": self.trainer_addresses,
-            "children": [
-                {"name": c.name, "address": c.address, "pid": c.process.pid} for c in children
-            ],
+            "children": listed,
         }
 
     def write(self, path: Path) -> None:
@@ -218,6 +227,11 @@ class Mesh:
             timeout_s=cfg.trainer.restart_timeout_s,
         )
         return list(self.trainer_addresses)
+
+
+def _is_step(child: Child) -> bool:
+    args = child.process.args
+    return isinstance(args, list) and bool(args) and args[0] == "srun"
 
 
 def wait_healthy(addresses: Sequence[tuple[str, str]], timeout_s: float = 300.0) -> None:

@@ -23,7 +23,7 @@ from functools import lru_cache
 from areal_grpc.config import RunConfig
 from areal_grpc.errors import FieldError
 
-__all__ = ["Allocation", "allocation", "check_slurm", "node_of", "step_argv"]
+__all__ = ["Allocation", "allocation", "check_slurm", "node_of", "step_argv", "step_ids"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,24 @@ def node_of(alloc: Allocation, role: str, index: int) -> str:
         return alloc.nodes[0]
     rest = alloc.nodes[1:]
     return rest[index % len(rest)]
+
+
+def step_ids() -> dict[str, str]:
+    """The running steps of this allocation by step name (``rollout-0`` -> ``4242.3``)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or shutil.which("squeue") is None:
+        return {}
+    try:
+        out = subprocess.run(
+            ["squeue", "--steps", "-h", "-j", job, "-o", "%i %j"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    pairs = (line.split(maxsplit=1) for line in out.stdout.splitlines())
+    return {name.strip(): step for step, name in (p for p in pairs if len(p) == 2)}
 
 
 def step_argv(cfg: RunConfig, argv: list[str], role: str, index: int) -> list[str]:

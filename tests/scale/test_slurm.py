@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -190,6 +191,10 @@ def test_the_default_run_under_salloc_starts_its_servers_as_job_steps(slurm, tmp
     assert "done: 3 steps, version 3" in proc.stdout
     mesh = json.loads((out / "mesh.json").read_text())
     assert sorted(c["name"] for c in mesh["children"]) == ["rollout-0", "trainer-0", "trainer-1"]
+    # Each server is a step of the one job: "<job>.<step>", distinct steps.
+    steps = [c["step"] for c in mesh["children"]]
+    assert all(re.fullmatch(r"\d+\.\d+", s) for s in steps), steps
+    assert len({s.split(".")[0] for s in steps}) == 1 and len(set(steps)) == 3
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert _queue(slurm) == []
