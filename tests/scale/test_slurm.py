@@ -208,7 +208,7 @@ def test_the_default_run_under_salloc_starts_its_servers_as_job_steps(slurm, tmp
 def test_a_killed_step_is_restarted_inside_the_allocation(slurm, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        ["salloc", "--nodes=1", "--quiet", *_coordinator(out, "total_steps=30")],
+        ["salloc", "--nodes=1", "--quiet", *_coordinator(out, "total_steps=10")],
         env={**slurm, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -237,7 +237,7 @@ def test_a_killed_step_is_restarted_inside_the_allocation(slurm, tmp_path):
     restarts = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "rollout_restart"]
     assert len(restarts) == 1
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, 31))
+    assert [r["step"] for r in train] == list(range(1, 11))
     assert _queue(slurm) == []
 
 
