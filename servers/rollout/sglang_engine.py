@@ -35,7 +35,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncGenerator, Mapping, Sequence
+import uuid
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ from areal_grpc import tracing
 from areal_grpc.config import LoraSettings
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import builtin_spec, is_builtin, lora_config, qwen2_config
+from areal_grpc.paths import remove_owned, replace_dir, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -532,10 +534,10 @@ class SGLangEngine(InferenceEngine):
                 "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}
             )
         except BaseException:
-            await asyncio.to_thread(shutil.rmtree, path, True)
+            await asyncio.to_thread(remove_owned, path)
             raise
         if isinstance(body, dict) and body.get("success") is False:
-            await asyncio.to_thread(shutil.rmtree, path, True)
+            await asyncio.to_thread(remove_owned, path)
             raise SGLangError(f"load_lora_adapter failed: {body.get('message', body)}")
         self._adapter_names = names
         self._adapter_dirs[name] = path
@@ -559,7 +561,7 @@ class SGLangEngine(InferenceEngine):
         except (SGLangError, TransientHTTPError) as exc:
             # The new adapter serves either way; a leftover one costs SGLang memory only.
             log.warning("unloading LoRA adapter %s failed: %s", name, exc)
-        await asyncio.to_thread(shutil.rmtree, path, True)
+        await asyncio.to_thread(remove_owned, path)
 
     async def settle(self) -> None:
         """Waits for adapter unloads under way (tests, shutdown)."""
@@ -620,27 +622,38 @@ def _write_adapter(
     peft saves adapter tensors without the adapter's own name, so "q_proj.lora_A.default.
     weight" is stored as "q_proj.lora_A.weight"; the config names the modules actually wrapped.
     """
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+
+    def fill(tmp: Path) -> None:
+        tensors = {
+            _ADAPTER_KEY.sub(r".\1.weight", n): t.detach().cpu().contiguous()
+            for n, t in state_dict.items()
+        }
+        save_file(tensors, str(tmp / "adapter_model.safetensors"))
+        modules = sorted({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in state_dict})
+        config = lora_config(lora, modules)
+        config.base_model_name_or_path = "" if is_builtin(model) else model
+        config.save_pretrained(str(tmp))
+
+    _write_dir(path, fill)
+
+
+def _write_dir(path: Path, fill: Callable[[Path], None]) -> None:
+    """Fills a fresh hidden directory beside ``path``, marks it as ours and swaps it in: a
+    complete directory appears at once (SGLang never reads a half-written one), and only a
+    directory this project wrote is ever replaced."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
-    tensors = {
-        _ADAPTER_KEY.sub(r".\1.weight", n): t.detach().cpu().contiguous()
-        for n, t in state_dict.items()
-    }
-    save_file(tensors, str(tmp / "adapter_model.safetensors"))
-    modules = sorted({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in state_dict})
-    config = lora_config(lora, modules)
-    config.base_model_name_or_path = "" if is_builtin(model) else model
-    config.save_pretrained(str(tmp))
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    try:
+        fill(tmp)
+        write_marker(tmp, "sglang-weights")
+        replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_checkpoint(model: str, state_dict: Mapping[str, torch.Tensor], path: Path) -> None:
     """A directory SGLang can load: model.safetensors plus the source's config files."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int]] = set()
     for name, tensor in state_dict.items():
@@ -651,18 +664,19 @@ def _write_checkpoint(model: str, state_dict: Mapping[str, torch.Tensor], path: 
             continue
         seen.add(key)
         tensors[name] = t
-    save_file(tensors, str(tmp / "model.safetensors"))
-    if is_builtin(model):
-        config = qwen2_config(builtin_spec(model), ByT5Tokenizer())
-        config.architectures = ["Qwen2ForCausalLM"]
-        config.to_json_file(str(tmp / "config.json"))
-    else:
-        for name in os.listdir(model):
-            if name.endswith(".json") and not name.endswith(".safetensors.index.json"):
-                shutil.copy(Path(model) / name, tmp / name)
-    shutil.rmtree(path, ignore_errors=True)
-    # A complete directory appears at once: SGLang never reads a half-written one.
-    tmp.rename(path)
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        if is_builtin(model):
+            config = qwen2_config(builtin_spec(model), ByT5Tokenizer())
+            config.architectures = ["Qwen2ForCausalLM"]
+            config.to_json_file(str(tmp / "config.json"))
+        else:
+            for name in os.listdir(model):
+                if name.endswith(".json") and not name.endswith(".safetensors.index.json"):
+                    shutil.copy(Path(model) / name, tmp / name)
+
+    _write_dir(path, fill)
 
 
 __all__ = [

@@ -29,18 +29,8 @@ from areal_grpc.coordinator.metrics import read_jsonl
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "salloc", "sbatch", "squeue", "scancel", "sinfo", "scontrol")
-SMALL_RUN = (
-    "launcher.mode=slurm",
-    "data.task=echo",
-    "staleness.batch_size=2",
-    "staleness.group_size=2",
-    "eval.every_steps=0",
-    "checkpoint.every_steps=0",
-    "checkpoint.export_hf=false",
-    "output.plot=false",
-    "output.tensorboard=false",
-    "output.progress_bar=false",
-)
+# Beside the suite's small run (conftest.CoordinatorCommand.SMALL_RUN, from the fixture).
+SLURM = ("launcher.mode=slurm", "output.progress_bar=false")
 
 
 def _which(name: str) -> str | None:
@@ -174,14 +164,25 @@ def _queue(env: dict[str, str]) -> list[str]:
     return [line for line in out.stdout.splitlines() if line.strip()]
 
 
-def _coordinator(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "areal_grpc.coordinator", f"output.dir={out}", *SMALL_RUN, *extra]
+def _coordinator(small: tuple[str, ...], out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "areal_grpc.coordinator",
+        f"output.dir={out}",
+        *SLURM,
+        *small,
+        *extra,
+    ]
 
 
-def test_the_default_run_under_salloc_starts_its_servers_as_job_steps(slurm, tmp_path):
+def test_the_default_run_under_salloc_starts_its_servers_as_job_steps(
+    slurm, tmp_path, coordinator_command
+):
+    small = coordinator_command.SMALL_RUN
     out = tmp_path / "run"
     proc = subprocess.run(
-        ["salloc", "--nodes=1", "--quiet", *_coordinator(out, "total_steps=3")],
+        ["salloc", "--nodes=1", "--quiet", *_coordinator(small, out, "total_steps=3")],
         env={**slurm, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
@@ -200,15 +201,20 @@ def test_the_default_run_under_salloc_starts_its_servers_as_job_steps(slurm, tmp
     assert _queue(slurm) == []
     # Outside an allocation the mode is refused, naming it.
     refused = subprocess.run(
-        _coordinator(tmp_path / "refused"), env=slurm, capture_output=True, text=True, timeout=120
+        _coordinator(small, tmp_path / "refused"),
+        env=slurm,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert refused.returncode == 2 and "launcher.mode" in refused.stderr
 
 
-def test_a_killed_step_is_restarted_inside_the_allocation(slurm, tmp_path):
+def test_a_killed_step_is_restarted_inside_the_allocation(slurm, tmp_path, coordinator_command):
+    small = coordinator_command.SMALL_RUN
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        ["salloc", "--nodes=1", "--quiet", *_coordinator(out, "total_steps=10")],
+        ["salloc", "--nodes=1", "--quiet", *_coordinator(small, out, "total_steps=10")],
         env={**slurm, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -241,7 +247,9 @@ def test_a_killed_step_is_restarted_inside_the_allocation(slurm, tmp_path):
     assert _queue(slurm) == []
 
 
-def test_a_submitted_run_is_stopped_by_scancel_with_nothing_left(slurm, tmp_path):
+def test_a_submitted_run_is_stopped_by_scancel_with_nothing_left(
+    slurm, tmp_path, coordinator_command
+):
     out = tmp_path / "run"
     submit = subprocess.run(
         [
@@ -249,7 +257,8 @@ def test_a_submitted_run_is_stopped_by_scancel_with_nothing_left(slurm, tmp_path
             "-m",
             "areal_grpc.coordinator.submit",
             f"output.dir={out}",
-            *SMALL_RUN,
+            *SLURM,
+            *coordinator_command.SMALL_RUN,
             "total_steps=100000",
             "launcher.slurm_time=00:10:00",
         ],

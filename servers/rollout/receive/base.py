@@ -157,6 +157,19 @@ class ReceiverState:
         spare = await self.engine.load_weights(state_dict, version, owned=True)
         self.spare = spare if keep_spare and self.config.reuse_buffers else {}
 
+    def take_buffer(
+        self,
+        name: str,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        """A receive buffer for ``name``: its spare one when that fits, else a fresh one."""
+        t = self.spare.pop(name, None)
+        if t is None or not tc.fits_buffer(t, dtype, shape, device):
+            t = torch.empty(list(shape), dtype=dtype, device=device)
+        return t
+
     def give_back(self, buffers: dict[str, torch.Tensor]) -> None:
         """Returns receive buffers no update installed to the spare ones."""
         if self.config.reuse_buffers:

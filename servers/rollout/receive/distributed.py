@@ -197,13 +197,10 @@ class DistributedReceiver(Receiver):
         self, params: GroupParams, specs: TensorSpecs, abandoned: threading.Event
     ) -> dict[str, torch.Tensor]:
         group = self._ensure_group(params, abandoned)
-        spare = self.state.spare
         out: dict[str, torch.Tensor] = {}
         try:
             for name, dtype, shape in specs:
-                t = spare.pop(name, None)
-                if t is None or not tc.fits_buffer(t, dtype, shape, group.device):
-                    t = torch.empty(shape, dtype=dtype, device=group.device)
+                t = self.state.take_buffer(name, dtype, shape, group.device)
                 group.broadcast(t, src=0)
                 out[name] = t
         except Exception:

@@ -113,12 +113,7 @@ class SocketReceiver(Receiver):
             check_specs(request.tensors, state.config.max_total_bytes)
             for s in request.tensors:
                 dtype, shape = tc.dtype_from_proto(s.dtype), [int(d) for d in s.shape]
-                t = state.spare.pop(s.name, None)
-                buffers[s.name] = (
-                    t
-                    if t is not None and tc.fits_buffer(t, dtype, shape)
-                    else torch.empty(shape, dtype=dtype)
-                )
+                buffers[s.name] = state.take_buffer(s.name, dtype, shape)
             timeout = state.config.group_timeout_s
             if time_left_s is not None:
                 timeout = min(timeout, time_left_s)
