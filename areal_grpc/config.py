@@ -397,8 +397,10 @@ class WeightSyncConfig:
     # False: rollout servers keep their initial weights (only for debugging the loop: the run
     # cannot learn, and versions advance on the trainers alone).
     enabled: bool = True
-    # Offered in this order; each server accepts the first it supports.
-    methods: list[str] = field(default_factory=lambda: list(WEIGHT_SYNC_METHODS))
+    # Offered in this order; each server accepts the first it supports. Empty: the trainer's
+    # order for its device (README "Weight sync"): shared_memory, distributed, socket,
+    # stream, disk on CPU; distributed first on GPU.
+    methods: list[str] = field(default_factory=list)
     # Seconds one fleet update may take before the step fails.
     timeout_s: float = 600.0
     # Root for the disk method; None: <output.dir>/weights.
@@ -425,6 +427,9 @@ class GatewaySettings:
     api_key_env: str = "AREAL_GATEWAY_API_KEY"
     # max_tokens of requests that give none.
     max_tokens: int = 256
+    # A Jinja chat template file used instead of the model's own (e.g. one that renders
+    # `tools` for a model whose template does not); "": the model's, else the default one.
+    chat_template: str = ""
 
 
 @dataclass
@@ -745,6 +750,7 @@ def _validate_rollout(cfg: RunConfig) -> None:
     if (
         cfg.rollout.engine == "sglang"
         and cfg.model.lora.rank > 0
+        and cfg.weight_sync.methods
         and set(cfg.weight_sync.methods) <= {"distributed"}
     ):
         raise FieldError(
@@ -868,6 +874,26 @@ def _validate_gateway(cfg: RunConfig) -> None:
     if not 0 <= g.port <= 65535:
         raise FieldError("gateway.port", f"must be in [0, 65535], got {g.port}")
     _at_least("gateway.max_tokens", g.max_tokens, 1)
+    if g.chat_template:
+        read_chat_template(g.chat_template)
+
+
+def read_chat_template(path: str) -> str:
+    """The text of ``gateway.chat_template``'s file, checked to be a Jinja template."""
+    import jinja2  # transformers' own template engine
+
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FieldError("gateway.chat_template", f"{path!r} cannot be read: {exc}") from None
+    try:
+        # As transformers compiles chat templates (loop controls on).
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise FieldError(
+            "gateway.chat_template", f"{path!r} line {exc.lineno}: {exc.message}"
+        ) from None
+    return text
 
 
 def _validate_staleness(cfg: RunConfig) -> None:
@@ -879,8 +905,6 @@ def _validate_staleness(cfg: RunConfig) -> None:
 
 def _validate_weight_sync(cfg: RunConfig) -> None:
     w = cfg.weight_sync
-    if not w.methods:
-        raise FieldError("weight_sync.methods", "must name at least one method")
     for i, m in enumerate(w.methods):
         _choice(f"weight_sync.methods[{i}]", m, WEIGHT_SYNC_METHODS)
     if len(set(w.methods)) != len(w.methods):

@@ -129,16 +129,17 @@ async def update_fleet_weights(
     trainer_addresses: Sequence[str],
     rollout_addresses: Sequence[str],
     *,
-    methods: Sequence[str] = ("distributed", "shared_memory", "socket", "stream", "disk"),
+    methods: Sequence[str] = (),
     timeout_s: float = 600.0,
     bucket_bytes: int = 0,
     control_timeout_s: float = 30.0,
 ) -> FleetUpdateResult:
     """Pause all rollout servers, publish from every trainer rank, confirm, resume.
 
-    ``methods`` is the preference order offered to each server; ``bucket_bytes`` 0 uses the
-    trainer's default. Pause, status and resume calls each get ``control_timeout_s``, but
-    never more than ``timeout_s``: a server that stalls gets the update's own deadline.
+    ``methods`` is the preference order offered to each server (empty: the trainer's order for
+    its device); ``bucket_bytes`` 0 uses the trainer's default. Pause, status and resume
+    calls each get ``control_timeout_s``, but never more than ``timeout_s``: a server that
+    stalls gets the update's own deadline.
     Raises ValueError for bad arguments and :class:`FleetUpdateError` when a trainer rank
     fails (after resuming the paused servers on their old weights).
     """
@@ -149,8 +150,8 @@ async def update_fleet_weights(
     if len(set(rollout_addresses)) != len(rollout_addresses):
         raise ValueError("rollout_addresses lists a server twice")
     unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ValueError(f"methods must be a non-empty subset of {sorted(METHODS)}: {unknown}")
+    if unknown:
+        raise ValueError(f"methods must be a subset of {sorted(METHODS)}: {unknown}")
     servers = {a: ServerUpdate(a) for a in rollout_addresses}
     channels = {a: aio_channel(a) for a in [*rollout_addresses, *trainer_addresses]}
     try:

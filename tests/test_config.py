@@ -41,7 +41,8 @@ def test_defaults_are_the_builtin_run():
     )
     assert cfg.rollout.sampling.temperature == 1.0
     assert cfg.eval.every_steps == 25
-    assert cfg.weight_sync.methods == ["distributed", "shared_memory", "socket", "stream", "disk"]
+    # Empty: the trainer's order for its device (tests/weightsync/test_fleet_methods.py).
+    assert cfg.weight_sync.methods == []
 
 
 def test_yaml_then_overrides_in_order(tmp_path):
@@ -143,7 +144,7 @@ def test_bad_override_names_the_key(override, field, words):
         ("rollout.no_server_timeout_s=0", "rollout.no_server_timeout_s"),
         ("staleness.max_staleness=-1", "staleness.max_staleness"),
         ("staleness.batch_size=0", "staleness.batch_size"),
-        ("weight_sync.methods=[]", "weight_sync.methods"),
+        ("weight_sync.methods=[nfs]", "weight_sync.methods[0]"),
         ("weight_sync.methods=[stream,stream]", "weight_sync.methods"),
         ("weight_sync.methods=[stream,nfs]", "weight_sync.methods[1]"),
         ("rollout.replace_after_s=0", "rollout.replace_after_s"),
@@ -314,6 +315,18 @@ def test_an_external_only_run_needs_no_items_and_no_eval():
         with pytest.raises(FieldError) as err:
             load_config(None, overrides)
         assert err.value.field == field, overrides
+
+
+def test_a_gateway_chat_template_must_be_a_readable_jinja_file(tmp_path):
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_config(None, [f"gateway.chat_template={good}"]).gateway.chat_template == str(good)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("line one\n{% for m in messages %}{{ m.content }}")
+    for path, says in [(tmp_path / "missing.jinja", "cannot be read"), (broken, "line 2")]:
+        with pytest.raises(FieldError) as err:
+            load_config(None, [f"gateway.chat_template={path}"])
+        assert err.value.field == "gateway.chat_template" and says in str(err.value)
 
 
 def test_slurm_job_settings_are_checked_by_name():

@@ -882,3 +882,27 @@ def test_the_openai_npm_client_from_node(gateway: Gateway, mesh: Mesh, node_modu
     # The streamed turn continued the plain one: one trajectory with two sampled runs.
     mask = list(group.trajectories[0].loss_mask)
     assert sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])) == 2
+
+
+def _example_agent() -> Any:
+    """``examples/gateway_agent.py`` as a module (it is a script, not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "gateway_agent.py"
+    spec = importlib.util.spec_from_file_location("gateway_agent", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_agents_calculator_evaluates_arithmetic_only() -> None:
+    """The example evaluates what a model wrote: numbers and + - * / only, anything else an
+    error string (never evaluated). (Its episodes need a model with a longer context than
+    the built-in ones: README "Agents over an OpenAI-compatible API" shows a run of it.)"""
+    agent = _example_agent()
+    assert agent.calculate("347 + 589") == "936"
+    assert agent.calculate("(2 + 3) * 4 - 1 / 2") == "19.5"
+    for bad in ("__import__('os').system('true')", "x + 1", "2 ** 99999", "1 / 0", "1 +"):
+        assert agent.calculate(bad).startswith("error:"), bad
+    assert agent.score("so it is 936.", 936) == 1.0 and agent.score("935", 936) == 0.0

@@ -3,9 +3,10 @@ gateway of a run.
 
 It reads the run's config keys (``--config`` and dotted overrides, as the coordinator takes
 them): ``model.source`` (its tokenizer and chat template), ``gateway.*`` (host, port, default
-max_tokens, the API key's environment variable) and ``security``: its gRPC calls speak the
-run's TLS and bearer token, it serves HTTPS with the run's certificate, and clients must send
-the run's token (else ``$<gateway.api_key_env>``, if set) as ``Authorization: Bearer``.
+max_tokens, the API key's environment variable, a chat template file of its own) and
+``security``: its gRPC calls speak the run's TLS and bearer token, it serves HTTPS with the
+run's certificate, and clients must send the run's token (else ``$<gateway.api_key_env>``,
+if set) as ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import uvicorn
 
 from areal_grpc import tracing
 from areal_grpc.cli import run_channel_options
-from areal_grpc.config import RunConfig
+from areal_grpc.config import RunConfig, read_chat_template
 from areal_grpc.errors import FieldError
 from areal_grpc.launch import LISTENING
 from areal_grpc.security import is_loopback, load_auth_token
@@ -50,6 +51,9 @@ def gateway_config(run: RunConfig, coordinator: str) -> GatewayConfig:
         model=run.model.source,
         api_key=key or None,
         default_max_tokens=run.gateway.max_tokens,
+        chat_template=read_chat_template(run.gateway.chat_template)
+        if run.gateway.chat_template
+        else None,
     )
 
 

@@ -73,6 +73,8 @@ class GatewayConfig:
     default_max_tokens: int = 256
     # Per Generate call to a rollout server.
     generate_timeout_s: float = 300.0
+    # A chat template to use instead of the model's own (its text); None: the model's.
+    chat_template: str | None = None
 
 
 class HTTPError(Exception):
@@ -139,7 +141,7 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.model)
-        self.renderer = ChatRenderer(self.tokenizer)
+        self.renderer = ChatRenderer(self.tokenizer, cfg.chat_template)
         self.coordinator = CoordinatorClient(cfg.coordinator)
         self.sessions = SessionStore()
         self._rollouts: dict[str, RolloutClient] = {}
@@ -221,8 +223,11 @@ class Gateway:
         except KeyError:
             raise HTTPError(404, f"no session {session_id!r}", param=SESSION_HEADER) from None
 
-    def sampling(self, body: Mapping[str, Any], n: int) -> common_pb2.SamplingParams:
-        """The request's sampling settings as the contract's SamplingParams."""
+    def sampling(
+        self, body: Mapping[str, Any], n: int
+    ) -> tuple[common_pb2.SamplingParams, list[str]]:
+        """The request's sampling settings as the contract's SamplingParams, and the stop
+        strings the engine cannot stop at (watched for here)."""
         for key in ("functions", "response_format"):
             if body.get(key) not in (None, [], {}):
                 raise FieldError(key, "is not supported by this gateway yet")
@@ -233,7 +238,7 @@ class Gateway:
             else "max_tokens"
         )
         limit = _int(body, key, self.cfg.default_max_tokens, 1, 1 << 20)
-        stop_ids, _ = self.stops(body.get("stop"))
+        stop_ids, stop_strings = self.stops(body.get("stop"))
         params = common_pb2.SamplingParams(
             max_new_tokens=limit, n_samples=n, stop_token_ids=stop_ids
         )
@@ -252,7 +257,7 @@ class Gateway:
             if top_p == 0.0:
                 raise FieldError("top_p", "must be > 0")
             params.top_p = top_p
-        return params
+        return params, stop_strings
 
     def stops(self, stop: Any) -> tuple[list[int], list[str]]:
         """(stop token ids, stop strings): a stop that is one token of the vocabulary ends
@@ -540,14 +545,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         only once a reply exists (a failed request leaves the session as it was).
         """
         n = _int(body, "n", 1, 1, MAX_N)
-        params = gateway().sampling(body, n)
+        params, stop_strings = gateway().sampling(body, n)
         session_id = request.headers.get(SESSION_HEADER)
         session = gateway().session(session_id) if session_id else None
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         address = (
             await gateway().session_rollout(session) if session else await gateway().any_rollout()
         )
-        _, stop_strings = gateway().stops(body.get("stop"))
         return Call(
             body,
             kind,

@@ -116,11 +116,14 @@ def normalize_messages(raw: Any, where: str = "messages") -> list[dict[str, Any]
 
 
 class ChatRenderer:
-    """Renders messages with the model's chat template (or :data:`DEFAULT_CHAT_TEMPLATE`)."""
+    """Renders messages with ``template``, else the model's chat template, else
+    :data:`DEFAULT_CHAT_TEMPLATE`."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str | None = None) -> None:
         self.tokenizer = tokenizer
-        self.template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        self.template = (
+            template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        )
 
     @property
     def takes_tools(self) -> bool:

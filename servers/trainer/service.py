@@ -37,7 +37,7 @@ from areal_servers.trainer.engine import (
 )
 from areal_servers.trainer.publish.base import PublisherConfig, TensorMeta
 from areal_servers.trainer.weight_publisher import (
-    DEFAULT_METHODS,
+    METHODS,
     PublishSession,
     WeightPublisher,
     run_publication,
@@ -138,9 +138,10 @@ def _check_publish(request: trainer_pb2.PublishWeightsRequest) -> tuple[list[str
         if address in seen:
             raise FieldError(f"rollout_addresses[{i}]", f"{address!r} is listed twice")
         seen.add(address)
-    methods = list(request.methods) or list(DEFAULT_METHODS)
+    # Empty: the publisher's order for the rank's device (weight_publisher.default_methods).
+    methods = list(request.methods)
     for i, m in enumerate(methods):
-        if m not in DEFAULT_METHODS:
+        if m not in METHODS:
             raise FieldError(f"methods[{i}]", f"unknown or unspecified method {m}")
     if len(set(methods)) != len(methods):
         raise FieldError("methods", "lists a method twice")

@@ -90,6 +90,29 @@ def test_method_moves_trained_fsdp_weights_into_two_rollout_servers(
         assert r.greedy(PROMPT) == reference_greedy(export, PROMPT)
 
 
+def test_with_no_methods_named_a_cpu_trainer_offers_shared_memory_first_then_distributed(
+    trainers: Trainers, make_rollout: MakeRollout
+) -> None:
+    """The default order on CPU: servers on the trainer's host map its shared memory; one
+    that cannot (another host; here a server that does not take it) joins the weight group."""
+    version = trainers.train_step()
+    same_host = make_rollout()
+    elsewhere = make_rollout(methods=("distributed", "socket", "stream", "disk"))
+    result = asyncio.run(
+        update_fleet_weights(
+            trainers.addresses, [same_host.address, elsewhere.address], timeout_s=120
+        )
+    )
+    assert result.failed_servers == [], [s.error for s in result.servers]
+    assert [s.method for s in result.servers] == ["shared_memory", "distributed"]
+    export = trainers.export(f"export-default-v{version}")
+    expected = {k: tensor_digest(v) for k, v in exported_state_dict(export).items()}
+    for r in (same_host, elsewhere):
+        assert r.version() == version
+        served = r.digests()
+        assert all(served[name] == digest for name, digest in expected.items())
+
+
 def test_distributed_group_is_formed_once_and_reused_by_later_updates(
     trainers: Trainers, make_rollout: MakeRollout
 ) -> None:

@@ -48,17 +48,21 @@ def test_shared_memory_is_taken_only_from_a_sender_sharing_it(
 
     sd = shifted(r, 0.25)
     write_version(root, 1, [sd], 1)
-    # A path leading out of the plan's root is INVALID_ARGUMENT naming path.
-    with pytest.raises(grpc.RpcError) as err:
-        r.sync.UpdateFromSharedMemory(
-            pb.UpdateFromSharedMemoryRequest(
-                plan_id=plan.plan_id, policy_version=1, path="../../etc"
-            ),
-            timeout=RPC_TIMEOUT,
-        )
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert [f for f, _ in field_violations(err.value)] == ["path"]
-    assert r.version() == 0
+    # A canary outside the root: a complete version with other weights. A path leading to
+    # it (relative, or absolute) is INVALID_ARGUMENT naming path; nothing of it is loaded
+    # and nothing in it changes.
+    canary = write_version(tmp_path, 1, [shifted(r, 9.0)], 1)
+    before = {p: p.read_bytes() for p in sorted(canary.rglob("*")) if p.is_file()}
+    for path in ("../../etc", os.path.relpath(canary, root), str(canary)):
+        with pytest.raises(grpc.RpcError) as err:
+            r.sync.UpdateFromSharedMemory(
+                pb.UpdateFromSharedMemoryRequest(plan_id=plan.plan_id, policy_version=1, path=path),
+                timeout=RPC_TIMEOUT,
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, path
+        assert [f for f, _ in field_violations(err.value)] == ["path"]
+        assert r.version() == 0
+    assert {p: p.read_bytes() for p in sorted(canary.rglob("*")) if p.is_file()} == before
     reply = r.sync.UpdateFromSharedMemory(
         pb.UpdateFromSharedMemoryRequest(plan_id=plan.plan_id, policy_version=1, path="v00000001"),
         timeout=RPC_TIMEOUT,

@@ -276,7 +276,11 @@ export interface PublishWeightsRequest {
    * group. Must be identical on every rank.
    */
   rolloutAddresses: string[];
-  /** Methods the trainer may use, most preferred first; empty means distributed, stream, disk. */
+  /**
+   * Methods the trainer may use, most preferred first; empty means the trainer's order for
+   * its device: SHARED_MEMORY, DISTRIBUTED, SOCKET, STREAM, DISK on CPU, DISTRIBUTED first
+   * on GPU.
+   */
   methods: TransferMethod[];
   /** Largest gather / broadcast / shard bucket in bytes; 0 means the rank's default. */
   bucketBytes: number;
