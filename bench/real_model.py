@@ -27,8 +27,8 @@ Cases (one ``RESULT`` line each, medians where a case repeats):
 * ``real_model_train``: ``bench/train_step.py`` on the real model (TrainStep on 2 FSDP2 ranks
   vs the same ranks in-process), arithmetic-sized sequences.
 * ``real_model_sync_<method>``: ``bench/weight_sync.py --model`` on the real model (seconds
-  per full fleet update vs that method's floor: raw TCP, safetensors save+load, bare gloo
-  broadcast).
+  per full fleet update vs that method's floor: a memcpy into fresh memory, raw TCP,
+  safetensors save+load, bare gloo broadcast).
 
 ``--quick`` skips the learning and time-to-target runs and takes memory from a
 3-step run of the example instead; about 10 minutes on 2 cores::
@@ -625,7 +625,7 @@ def main() -> int:
                 [str(BENCH / "weight_sync.py"), f"--model={model_dir}", f"--reps={args.repeats}"],
                 {
                     f"weight_sync_{m}": f"real_model_sync_{m}"
-                    for m in ("socket", "stream", "disk", "distributed")
+                    for m in ("shared_memory", "socket", "stream", "disk", "distributed")
                 },
             )
     return 0

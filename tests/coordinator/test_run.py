@@ -131,9 +131,9 @@ def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(
 
 
 def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path, coordinator_command):
-    # 40 steps x 2 prompts cross the 36-prompt epoch; the kill comes soon after the first
+    # 20 steps x 2 prompts cross the 36-prompt epoch; the kill comes soon after the first
     # checkpoint (step 2), long before the end.
-    steps = 40
+    steps = 20
     overrides = [
         "data.task=echo",
         f"total_steps={steps}",
