@@ -398,8 +398,8 @@ class WeightSyncConfig:
     # cannot learn, and versions advance on the trainers alone).
     enabled: bool = True
     # Offered in this order; each server accepts the first it supports. Empty: the trainer's
-    # order for its device (README "Weight sync"): shared_memory, distributed, socket,
-    # stream, disk on CPU; distributed first on GPU.
+    # order for its device (README "Which method wins where"): shared_memory, distributed,
+    # socket, stream, disk on CPU; distributed first on GPU.
     methods: list[str] = field(default_factory=list)
     # Seconds one fleet update may take before the step fails.
     timeout_s: float = 600.0
@@ -413,6 +413,10 @@ class WeightSyncConfig:
     master_addr: str | None = None
     # Backend of the distributed method's group: "auto" is nccl on GPU, gloo on CPU.
     backend: str = "auto"
+
+    def accepted_methods(self) -> tuple[str, ...]:
+        """The methods the run may use: those listed, or every one when none is."""
+        return tuple(self.methods or WEIGHT_SYNC_METHODS)
 
 
 @dataclass
@@ -750,8 +754,7 @@ def _validate_rollout(cfg: RunConfig) -> None:
     if (
         cfg.rollout.engine == "sglang"
         and cfg.model.lora.rank > 0
-        and cfg.weight_sync.methods
-        and set(cfg.weight_sync.methods) <= {"distributed"}
+        and set(cfg.weight_sync.accepted_methods()) <= {"distributed"}
     ):
         raise FieldError(
             "weight_sync.methods",

@@ -82,8 +82,7 @@ def max_new_tokens(cfg: RunConfig) -> int:
 def weights_root(cfg: RunConfig) -> str | None:
     """Directory of DISK weight updates (trainer rank 0 writes, rollout servers read); None
     when the run does not use the disk method."""
-    methods = cfg.weight_sync.methods
-    if methods and "disk" not in methods:
+    if "disk" not in cfg.weight_sync.accepted_methods():
         return None
     root = cfg.weight_sync.disk_root or str(Path(cfg.output.dir) / "weights")
     return str(Path(root).resolve())

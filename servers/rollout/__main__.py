@@ -21,7 +21,7 @@ from areal_servers.rollout.weight_sync import build_weight_sync_service
 from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 
 from areal_grpc.cli import base_parser, serve_main
-from areal_grpc.config import WEIGHT_SYNC_METHODS, RunConfig
+from areal_grpc.config import RunConfig
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import Service, service
 from areal_grpc.server_config import (
@@ -98,8 +98,7 @@ async def rollout_services(
     tls = bool(run.security.tls_cert and run.security.tls_key)
     ws = WeightSyncConfig(
         disk_root=weights_root(run),
-        # Empty (the trainer's order by device): every method is accepted.
-        methods=tuple(run.weight_sync.methods or WEIGHT_SYNC_METHODS),
+        methods=run.weight_sync.accepted_methods(),
         # The side channel is plaintext: under TLS it is not offered.
         socket_host=None if tls else host,
     )

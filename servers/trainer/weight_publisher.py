@@ -84,7 +84,13 @@ def default_methods(device: torch.device) -> tuple[int, ...]:
     """
     if device.type == "cuda":
         return METHODS
-    return (pb.TRANSFER_METHOD_SHARED_MEMORY, pb.TRANSFER_METHOD_DISTRIBUTED, *METHODS[2:])
+    return (
+        pb.TRANSFER_METHOD_SHARED_MEMORY,
+        pb.TRANSFER_METHOD_DISTRIBUTED,
+        pb.TRANSFER_METHOD_SOCKET,
+        pb.TRANSFER_METHOD_STREAM,
+        pb.TRANSFER_METHOD_DISK,
+    )
 
 
 def published_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
