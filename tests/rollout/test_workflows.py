@@ -82,9 +82,13 @@ async def test_rlvr_reward_fn_gets_prompt_completion_ids_and_item(engine):
     wf = build_workflow("rlvr", {"reward_fn": "rollout_test_rewards:reward"})
     group = await wf.run_episode(ctx(engine, group_size=2), {"prompt": "ab=", "answer": "a"})
     assert len(seen) == 2
-    for traj, (prompt, completion, pids, cids, answer) in zip(
-        group.trajectories, seen, strict=True
-    ):
+    # The samples' rewards may be computed in any order: match each call by its ids.
+    calls = {
+        tuple(cids): (prompt, completion, pids, cids, answer)
+        for prompt, completion, pids, cids, answer in seen
+    }
+    for traj in group.trajectories:
+        prompt, completion, pids, cids, answer = calls[tuple(traj.token_ids[traj.prompt_length :])]
         assert prompt == "ab=" and answer == "a"
         assert pids == list(traj.token_ids[: traj.prompt_length])
         assert cids == list(traj.token_ids[traj.prompt_length :])
