@@ -59,8 +59,11 @@ class ServerOptions:
     max_message_bytes: int = 64 * MiB
     # Seconds in-flight calls get to finish on a graceful stop.
     grace_s: float = 10.0
-    keepalive_time_s: float = 30.0
-    keepalive_timeout_s: float = 10.0
+    # A peer that stops answering (frozen, partitioned: its kernel still takes the bytes) is
+    # found by an unanswered ping within keepalive_time_s + keepalive_timeout_s, and its calls
+    # fail UNAVAILABLE; a busy one still answers (gRPC's core does, not our Python code).
+    keepalive_time_s: float = 10.0
+    keepalive_timeout_s: float = 5.0
     # Concurrent RPCs; further calls wait (bounded memory under load).
     max_concurrent_rpcs: int | None = 256
     # Further core channel arguments, e.g. chunk_wire.stream_channel_options().
@@ -78,8 +81,9 @@ class ChannelOptions:
     """Client-side limits matching :class:`ServerOptions`."""
 
     max_message_bytes: int = 64 * MiB
-    keepalive_time_s: float = 30.0
-    keepalive_timeout_s: float = 10.0
+    # As ServerOptions' (servers accept a ping every 5 s, see server_options).
+    keepalive_time_s: float = 10.0
+    keepalive_timeout_s: float = 5.0
     extra: list[tuple[str, Any]] = field(default_factory=list)
     # Verify the server with TLS (and present a client certificate for mTLS).
     tls: ClientTls | None = None

@@ -16,7 +16,10 @@ survivors get the version in the second round.
 
 A rollout server that fails any step is reported in ``failed_servers`` (with the reason) and
 left paused, serving its old weights, for the coordinator to take out of rotation; the others
-go on. A trainer failure (a rank unreachable or refusing) fails the whole update with
+go on. With ``health_timeout_s``, a pause, confirm or resume call that takes that long is
+raced against the server's health check: a server that fails it too (frozen, partitioned) is
+given up on then, not after ``control_timeout_s``; one that is merely busy passes it and is
+waited for. A trainer failure (a rank unreachable or refusing) fails the whole update with
 :class:`FleetUpdateError` after resuming every paused server on its old weights.
 """
 
@@ -38,14 +41,17 @@ from arealgrpc.v1 import (
     weight_sync_pb2,
 )
 from google.rpc import status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_grpc.durations import duration, seconds
-from areal_grpc.errors import REFUSALS, code_of, describe, status_proto_of
+from areal_grpc.errors import REFUSALS, UnavailableError, code_of, describe, status_proto_of
 from areal_grpc.server import aio_channel
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+ROLLOUT_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
 METHODS: dict[str, int] = {
     "distributed": weight_sync_pb2.TRANSFER_METHOD_DISTRIBUTED,
@@ -125,6 +131,41 @@ async def _each(
     return list(await asyncio.gather(*(fn(a) for a in addresses), return_exceptions=True))
 
 
+async def _answer_or_stall(
+    call: Awaitable[T], health: health_pb2_grpc.HealthStub, health_timeout_s: float | None
+) -> T:
+    """Awaits a control call; with ``health_timeout_s``, each time that passes without an
+    answer the server's health is checked, and a server that fails that check too is given
+    up on (UnavailableError) rather than waited for until the call's own deadline."""
+    task = asyncio.ensure_future(call)
+    if health_timeout_s is None:
+        return await task
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=health_timeout_s)
+            if done:
+                return task.result()
+            try:
+                reply = await health.Check(
+                    health_pb2.HealthCheckRequest(service=ROLLOUT_SERVICE),
+                    timeout=health_timeout_s,
+                )
+                state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                state = exc.code().name  # type: ignore[attr-defined]
+            if task.done():
+                return task.result()
+            if state != "SERVING":
+                raise UnavailableError(
+                    f"no answer after {health_timeout_s:g} s and the health check failed "
+                    f"({state}): the server is not responding"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 async def update_fleet_weights(
     trainer_addresses: Sequence[str],
     rollout_addresses: Sequence[str],
@@ -133,13 +174,15 @@ async def update_fleet_weights(
     timeout_s: float = 600.0,
     bucket_bytes: int = 0,
     control_timeout_s: float = 30.0,
+    health_timeout_s: float | None = None,
 ) -> FleetUpdateResult:
     """Pause all rollout servers, publish from every trainer rank, confirm, resume.
 
     ``methods`` is the preference order offered to each server (empty: the trainer's order for
     its device); ``bucket_bytes`` 0 uses the trainer's default. Pause, status and resume
     calls each get ``control_timeout_s``, but never more than ``timeout_s``: a server that
-    stalls gets the update's own deadline.
+    stalls gets the update's own deadline; with ``health_timeout_s`` one that also fails a
+    health check is given up on sooner (see the module doc).
     Raises ValueError for bad arguments and :class:`FleetUpdateError` when a trainer rank
     fails (after resuming the paused servers on their old weights).
     """
@@ -156,11 +199,26 @@ async def update_fleet_weights(
     channels = {a: aio_channel(a) for a in [*rollout_addresses, *trainer_addresses]}
     try:
         rollout = {a: rollout_pb2_grpc.RolloutServiceStub(channels[a]) for a in rollout_addresses}
+        health = {a: health_pb2_grpc.HealthStub(channels[a]) for a in rollout_addresses}
+
+        def control(a: str, call: Awaitable[T]) -> Awaitable[T]:
+            return _answer_or_stall(call, health[a], health_timeout_s)
 
         # 1. pause
         async def pause(a: str) -> rollout_pb2.PauseGenerationResponse:
-            return await rollout[a].PauseGeneration(
-                rollout_pb2.PauseGenerationRequest(), timeout=control_timeout_s
+            return await control(
+                a,
+                rollout[a].PauseGeneration(
+                    rollout_pb2.PauseGenerationRequest(), timeout=control_timeout_s
+                ),
+            )
+
+        async def resume(a: str) -> rollout_pb2.ResumeGenerationResponse:
+            return await control(
+                a,
+                rollout[a].ResumeGeneration(
+                    rollout_pb2.ResumeGenerationRequest(), timeout=control_timeout_s
+                ),
             )
 
         paused: list[str] = []
@@ -202,7 +260,7 @@ async def update_fleet_weights(
                     )
                 return []
             if bad:
-                await _each(paused, lambda a: _resume(rollout[a], control_timeout_s))
+                await _each(paused, resume)
                 raise FleetUpdateError(
                     f"PublishWeights failed on trainer rank(s): {'; '.join(bad)}"
                 )
@@ -229,8 +287,11 @@ async def update_fleet_weights(
         publish_elapsed = seconds(lead.elapsed)
 
         async def status(a: str) -> rollout_pb2.GetRolloutStatusResponse:
-            return await rollout[a].GetRolloutStatus(
-                rollout_pb2.GetRolloutStatusRequest(), timeout=control_timeout_s
+            return await control(
+                a,
+                rollout[a].GetRolloutStatus(
+                    rollout_pb2.GetRolloutStatusRequest(), timeout=control_timeout_s
+                ),
             )
 
         # 2b. a transfer that failed for a passing reason (typically a weight group that broke
@@ -266,9 +327,7 @@ async def update_fleet_weights(
 
         # 4. resume the servers that took the update
         good = [a for a in candidates if not servers[a].error]
-        for a, r in zip(
-            good, await _each(good, lambda a: _resume(rollout[a], control_timeout_s)), strict=True
-        ):
+        for a, r in zip(good, await _each(good, resume), strict=True):
             if isinstance(r, BaseException):
                 servers[a].fail_with(status_proto_of(r), "resume: ")
             else:
@@ -288,10 +347,6 @@ async def update_fleet_weights(
         return result
     finally:
         await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
-
-
-async def _resume(stub: rollout_pb2_grpc.RolloutServiceStub, timeout_s: float) -> None:
-    await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), timeout=timeout_s)
 
 
 __all__ = [

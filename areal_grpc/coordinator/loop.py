@@ -154,7 +154,15 @@ class Coordinator:
             health=health,
         )
         self.syncer = WeightSyncer(
-            cfg.weight_sync, weight_sync, self.trainers, self.fleet, self.pool
+            cfg.weight_sync,
+            weight_sync,
+            self.trainers,
+            self.fleet,
+            self.pool,
+            # The fleet's own liveness rule (rollout_fleet._watch), applied within an update.
+            health_timeout_s=cfg.rollout.health_timeout_s
+            if cfg.rollout.health_interval_s > 0
+            else None,
         )
         self.run_log = RunLog(out_dir, cfg.output.tensorboard)
         self.fleet.on_restart = self._rollout_restarted

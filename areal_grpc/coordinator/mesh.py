@@ -319,8 +319,9 @@ class FleetLauncher(Protocol):
         """Starts one rollout server, waits until it serves; its address."""
         ...
 
-    def stop_rollout_server(self, address: str) -> int:
-        """Stops the rollout server at ``address``; its exit code."""
+    def stop_rollout_server(self, address: str, grace_s: float = 15.0) -> int:
+        """Stops the rollout server at ``address`` (SIGKILL after ``grace_s`` s if SIGTERM
+        has not); its exit code."""
         ...
 
     def owns(self, address: str) -> bool:
@@ -391,8 +392,8 @@ class LocalFleet:
             raise
         return child.address
 
-    def stop_rollout_server(self, address: str) -> int:
-        """Stops the rollout subprocess at ``address`` (SIGTERM, then SIGKILL)."""
+    def stop_rollout_server(self, address: str, grace_s: float = 15.0) -> int:
+        """Stops the rollout subprocess at ``address`` (SIGTERM, SIGKILL after ``grace_s``)."""
         with self._lock:
             child = next((c for c in self.mesh.children if c.address == address), None)
             if child is None:
@@ -400,4 +401,4 @@ class LocalFleet:
             self.mesh.children.remove(child)
             if address in self.mesh.rollout_addresses:
                 self.mesh.rollout_addresses.remove(address)
-        return stop_children([child])[child.name]
+        return stop_children([child], grace_s=grace_s)[child.name]

@@ -416,13 +416,14 @@ class RayMesh(Mesh):
         self.rollout_addresses.append(server.address)
         return server.address
 
-    def stop_rollout_server(self, address: str) -> int:
-        """Stops the rollout server at ``address`` and its actor; its exit code."""
+    def stop_rollout_server(self, address: str, grace_s: float = STOP_GRACE_S) -> int:
+        """Stops the rollout server at ``address`` (SIGKILL after ``grace_s``) and its actor;
+        its exit code."""
         with self._lock:
             server = next((s for s in self.servers.values() if s.address == address), None)
         if server is None:
             raise PreconditionError(f"no rollout server at {address} was started by this run")
-        code = self._stop_one(server)
+        code = self._stop_one(server, grace_s)
         if address in self.rollout_addresses:
             self.rollout_addresses.remove(address)
         return code

@@ -56,6 +56,10 @@ T = TypeVar("T")
 NO_SERVER_WARN_EVERY_S = 30.0
 # Back-off before restart n (1-based) of a rollout server: 1 s, 2 s, 4 s, ... up to this.
 RESTART_BACKOFF_MAX_S = 30.0
+# SIGTERM to SIGKILL for a server being replaced: it is dead or has not answered for
+# rollout.replace_after_s, and its work was re-queued when it left rotation, so there is
+# nothing to drain (a frozen process would only use up a longer grace).
+REPLACE_GRACE_S = 2.0
 
 
 class RolloutFleetLost(RuntimeError):
@@ -612,7 +616,7 @@ class RolloutFleet:
         ep.joining = False
         # Its tasks were re-queued when it left rotation (take_out).
         try:
-            await asyncio.to_thread(fleet.stop_rollout_server, old)
+            await asyncio.to_thread(fleet.stop_rollout_server, old, REPLACE_GRACE_S)
         except Exception as exc:
             log.warning("stopping rollout server %s: %s", old, explain(exc))
         new: str | None = None

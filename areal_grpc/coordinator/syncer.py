@@ -45,8 +45,11 @@ class SyncOutcome:
     sent_bytes: int = 0
 
 
-# (trainer addresses, rollout addresses, methods, timeout_s) -> the outcome.
-WeightSync = Callable[[Sequence[str], Sequence[str], Sequence[str], float], Awaitable[SyncOutcome]]
+# (trainer addresses, rollout addresses, methods, timeout_s, health_timeout_s) -> the outcome;
+# health_timeout_s None: no health checks of servers slow to answer a control call.
+WeightSync = Callable[
+    [Sequence[str], Sequence[str], Sequence[str], float, float | None], Awaitable[SyncOutcome]
+]
 
 
 class WeightSyncUnavailable(RuntimeError):
@@ -63,6 +66,7 @@ async def fleet_weight_sync(
     rollout_addresses: Sequence[str],
     methods: Sequence[str],
     timeout_s: float = 600.0,
+    health_timeout_s: float | None = None,
 ) -> SyncOutcome:
     """One fleet weight update (pause rollouts -> publish on every rank -> resume)."""
     if not fleet_available():
@@ -70,7 +74,11 @@ async def fleet_weight_sync(
     from areal_clients.fleet import update_fleet_weights
 
     result = await update_fleet_weights(
-        trainer_addresses, rollout_addresses, methods=methods, timeout_s=timeout_s
+        trainer_addresses,
+        rollout_addresses,
+        methods=methods,
+        timeout_s=timeout_s,
+        health_timeout_s=health_timeout_s,
     )
     return SyncOutcome(
         int(result.version), [str(a) for a in result.failed_servers], int(result.total_bytes)
@@ -87,8 +95,12 @@ class WeightSyncer:
         trainers: TrainerGroup,
         fleet: RolloutFleet,
         pool: WorkPool,
+        health_timeout_s: float | None = None,
     ) -> None:
+        """``health_timeout_s``: a server slow to answer a control call of an update is
+        health-checked with it, and given up on when it fails (None: waited for)."""
         self.cfg = cfg
+        self.health_timeout_s = health_timeout_s
         self.update = update
         self.trainers = trainers
         self.fleet = fleet
@@ -117,6 +129,7 @@ class WeightSyncer:
                         [e.address for e in targets],
                         list(self.cfg.methods),
                         self.cfg.timeout_s,
+                        self.health_timeout_s,
                     )
                 )
             self.pool.set_version(outcome.version)
@@ -144,6 +157,7 @@ class WeightSyncer:
                         [ep.address],
                         list(self.cfg.methods),
                         self.cfg.timeout_s,
+                        self.health_timeout_s,
                     )
                     if ep.address in outcome.failed or outcome.version != self.pool.version:
                         return False

@@ -228,6 +228,7 @@ class FakeMesh:
         rollouts: Sequence[str],
         methods: Sequence[str],
         timeout_s: float,
+        health_timeout_s: float | None,
     ) -> SyncOutcome:
         """Every live server takes the ranks' version (the fleet protocol's outcome)."""
         versions = {self.ranks[a].version for a in trainers}

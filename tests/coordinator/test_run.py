@@ -372,8 +372,8 @@ def test_a_killed_rollout_server_is_restarted_and_the_run_finishes(
         )
 
     # The replacement is listed under the same worker, serving, before the run ends. A server
-    # frozen in the middle of a weight transfer holds that update until its stream's keepalive
-    # gives up on it (about 60 s), hence the margin.
+    # frozen in the middle of a weight transfer holds that update until a keepalive ping goes
+    # unanswered (10 + 5 s), hence the margin.
     wait_for(restarted, timeout=180)
     log = coordinator_command.finish(proc, timeout=120)
     assert proc.returncode == 0, log

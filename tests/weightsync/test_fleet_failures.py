@@ -227,6 +227,36 @@ def test_a_frozen_server_gets_the_update_deadline_not_a_fixed_control_timeout(
     assert good.version() == version
 
 
+@pytest.mark.timeout(90)
+def test_a_frozen_server_that_fails_its_health_check_is_given_up_on_without_a_deadline(
+    trainers: Trainers, make_rollout: MakeRollout
+) -> None:
+    good = make_rollout()
+    proc, frozen, _ = _rollout_process()
+    try:
+        version = trainers.train_step()
+        proc.send_signal(signal.SIGSTOP)
+        # Deadlines far beyond the test's timeout: only the health check can end the pause.
+        result = asyncio.run(
+            update_fleet_weights(
+                trainers.addresses,
+                [good.address, frozen],
+                methods=("stream",),
+                timeout_s=600,
+                control_timeout_s=600,
+                health_timeout_s=1,
+            )
+        )
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+    assert result.updated_servers == [good.address] and result.failed_servers == [frozen]
+    [error] = [s.error for s in result.servers if s.address == frozen]
+    assert error.startswith("pause: UNAVAILABLE:") and "health check failed" in error, error
+    assert good.version() == version and not paused(good)
+
+
 def test_mixed_fleet_negotiates_each_server_its_own_method(
     trainers: Trainers, make_rollout: MakeRollout
 ) -> None:
