@@ -655,21 +655,28 @@ class HFEngine(InferenceEngine):
         # Non-finite logits (e.g. weights that overflowed) give NaN rows, on which multinomial
         # raises (CPU) or returns garbage (CUDA): such a row falls back to the argmax of its
         # finite logits, so the sampled id is always in range.
-        safe_logits = torch.nan_to_num(logits, nan=float("-inf"))
-        greedy = safe_logits.argmax(dim=-1)
         broken = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
-        if bool(broken.any()):
+        any_broken = bool(broken.any())
+        wants_greedy = [r.params.temperature == 0 for r in reqs]
+        greedy: torch.Tensor | None = None
+        if any_broken or any(wants_greedy):
+            greedy = torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
+        if any_broken:
+            assert greedy is not None
             if not self._warned_nonfinite:
                 self._warned_nonfinite = True
                 log.warning("hf engine: non-finite logits at version %d; using argmax", version)
             probs[broken] = F.one_hot(greedy[broken], probs.shape[-1]).to(probs.dtype)
-        sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+        sampled = _draw(probs, self._generator)
         for i, r in enumerate(reqs):
             if r.generator is not None:
                 # A seeded request draws from its own stream, whatever else is in the batch.
-                sampled[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
-        is_greedy = torch.tensor([r.params.temperature == 0 for r in reqs], device=logits.device)
-        tokens = torch.where(is_greedy, greedy, sampled)
+                sampled[i] = _draw(probs[i : i + 1], r.generator)[0]
+        if greedy is not None:
+            is_greedy = torch.tensor(wants_greedy, device=logits.device)
+            tokens = torch.where(is_greedy, greedy, sampled)
+        else:
+            tokens = sampled
         token_logp = logp.gather(1, tokens[:, None]).squeeze(1)
         tokens_l, logp_l = tokens.tolist(), token_logp.tolist()
         # The most likely alternatives, for the requests that asked (one topk for the batch).
@@ -708,6 +715,29 @@ def _stop_at_exit(ref: weakref.ref[HFEngine]) -> None:
         engine._closed = True
         engine._cond.notify_all()
     engine._thread.join(timeout=30)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id per row of ``probs`` (rows with positive mass, not necessarily summing to
+    1), by inverse CDF: a cumulative sum and a binary search per row.
+
+    torch.multinomial draws one exponential variate per vocabulary entry instead: 115 ms for
+    64 rows x 49,152 tokens on this 2-core machine, against 2-4 ms here, and more than the
+    model's own decode step for a 135M model. The sum is taken in float64 so that 10^5 terms
+    lose no probability mass to rounding.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    u = torch.rand(
+        (probs.shape[0], 1), dtype=torch.float64, device=probs.device, generator=generator
+    )
+    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    ids = ids.clamp_(max=probs.shape[-1] - 1)
+    # u within rounding of the total can land on a trailing token without mass: take the
+    # row's most likely token then (a draw of probability ~1e-16).
+    empty = probs.gather(1, ids[:, None]).squeeze(1) <= 0
+    if bool(empty.any()):
+        ids[empty] = probs[empty].argmax(dim=-1)
+    return ids
 
 
 def _truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
