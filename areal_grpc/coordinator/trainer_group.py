@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Status polls in a row (about a second apart, each after gRPC's own retries) that a restarted
+# rank may refuse connections before its group is taken as failed.
+GONE_AFTER = 3
+
 
 class TrainerGroupFailed(RuntimeError):
     """The trainer group failed and could not be restarted (see the message for why)."""
@@ -267,17 +271,32 @@ class TrainerGroup:
         """Waits until every rank serves, has joined a working group, and is idle.
 
         Under attach mode the ranks are restarted by their own supervisor; a rank of the old
-        group still answers, but reports its broken group (or is stuck in a collective).
+        group still answers, but reports its broken group (or is stuck in a collective). A
+        rank our launcher restarted was listening when the restart returned: one that refuses
+        connections ``GONE_AFTER`` polls in a row has died, and the group never forms without
+        it, so that fails the group at once instead of at ``trainer.restart_timeout_s``.
         """
         timeout_s = self.cfg.restart_timeout_s
         deadline = time.monotonic() + timeout_s
         waiting = ""
+        refused = [0] * len(self.clients)
         while True:
             replies = await asyncio.gather(
                 *(c.status(timeout_s=5.0) for c in self.clients), return_exceptions=True
             )
             problems = []
             for i, (c, r) in enumerate(zip(self.clients, replies, strict=True)):
+                refused[i] = (
+                    refused[i] + 1
+                    if isinstance(r, grpc.aio.AioRpcError)
+                    and r.code() == grpc.StatusCode.UNAVAILABLE
+                    else 0
+                )
+                if self._restart is not None and refused[i] >= GONE_AFTER:
+                    raise TrainerGroupFailed(
+                        f"trainer rank {c.address} refused connections {GONE_AFTER} times in "
+                        f"a row after its restart: its process is gone"
+                    )
                 if isinstance(r, BaseException):
                     problems.append(f"{c.address} unreachable")
                     # A fresh channel tries at once; the old one's reconnect back-off grows
