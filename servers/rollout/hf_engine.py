@@ -721,15 +721,13 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token id per row of ``probs`` (rows with positive mass, not necessarily summing to
     1), by inverse CDF: a cumulative sum and a binary search per row.
 
-    torch.multinomial draws one exponential variate per vocabulary entry instead: 115 ms for
-    64 rows x 49,152 tokens on this 2-core machine, against 2-4 ms here, and more than the
-    model's own decode step for a 135M model. The sum is taken in float64 so that 10^5 terms
-    lose no probability mass to rounding.
+    torch.multinomial draws one exponential variate per vocabulary entry instead: 90-140 ms
+    for 64 rows x 49,152 tokens on this 2-core machine, against 2-3 ms here, and more than a
+    135M model's own decode step. In float32 each token's chance is off by at most half an
+    ulp of the running sum (< 6e-8); a float64 sum took 20 ms.
     """
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
-    u = torch.rand(
-        (probs.shape[0], 1), dtype=torch.float64, device=probs.device, generator=generator
-    )
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), dtype=cdf.dtype, device=probs.device, generator=generator)
     ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
     ids = ids.clamp_(max=probs.shape[-1] - 1)
     # u within rounding of the total can land on a trailing token without mass: take the
