@@ -200,19 +200,32 @@ def test_a_receiver_killed_while_its_socket_transfer_starts_fails_alone(
 
 
 @pytest.mark.timeout(90)
-def test_a_frozen_server_gets_the_update_deadline_not_a_fixed_control_timeout(
-    trainers: Trainers, make_rollout: MakeRollout
+@pytest.mark.parametrize(
+    ("limits", "cause"),
+    [
+        # The update's own 3 s ends its pause, not the 30 s control-call default.
+        ({"timeout_s": 3}, "DEADLINE_EXCEEDED"),
+        # Deadlines beyond the test's own timeout: only the health check can end the pause.
+        (
+            {"timeout_s": 600, "control_timeout_s": 600, "health_timeout_s": 1},
+            "UNAVAILABLE: no answer after 1 s and the health check failed",
+        ),
+    ],
+    ids=["deadline", "health-check"],
+)
+def test_a_frozen_server_fails_its_pause_alone_and_the_others_update(
+    trainers: Trainers, make_rollout: MakeRollout, limits: dict[str, float], cause: str
 ) -> None:
     good = make_rollout()
     proc, frozen, _ = _rollout_process()
     try:
         version = trainers.train_step()
-        # Stopped: its socket still accepts, nothing answers, so only a deadline ends its pause.
+        # Stopped: its socket still accepts, nothing answers.
         proc.send_signal(signal.SIGSTOP)
         started = time.monotonic()
         result = asyncio.run(
             update_fleet_weights(
-                trainers.addresses, [good.address, frozen], methods=("stream",), timeout_s=3
+                trainers.addresses, [good.address, frozen], methods=("stream",), **limits
             )
         )
         took = time.monotonic() - started
@@ -221,39 +234,9 @@ def test_a_frozen_server_gets_the_update_deadline_not_a_fixed_control_timeout(
         proc.wait(timeout=30)
 
     assert result.updated_servers == [good.address] and result.failed_servers == [frozen]
-    assert {s.address: s.error for s in result.servers}[frozen].startswith("pause:")
-    # The update's 3 s, not the 30 s control-call default.
-    assert took < 15, took
-    assert good.version() == version
-
-
-@pytest.mark.timeout(90)
-def test_a_frozen_server_that_fails_its_health_check_is_given_up_on_without_a_deadline(
-    trainers: Trainers, make_rollout: MakeRollout
-) -> None:
-    good = make_rollout()
-    proc, frozen, _ = _rollout_process()
-    try:
-        version = trainers.train_step()
-        proc.send_signal(signal.SIGSTOP)
-        # Deadlines far beyond the test's timeout: only the health check can end the pause.
-        result = asyncio.run(
-            update_fleet_weights(
-                trainers.addresses,
-                [good.address, frozen],
-                methods=("stream",),
-                timeout_s=600,
-                control_timeout_s=600,
-                health_timeout_s=1,
-            )
-        )
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-
-    assert result.updated_servers == [good.address] and result.failed_servers == [frozen]
     [error] = [s.error for s in result.servers if s.address == frozen]
-    assert error.startswith("pause: UNAVAILABLE:") and "health check failed" in error, error
+    assert error.startswith(f"pause: {cause}"), error
+    assert took < 15, took
     assert good.version() == version and not paused(good)
 
 
