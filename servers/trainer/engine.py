@@ -675,6 +675,15 @@ class TrainerEngine:
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         return {k: v.detach().cpu() for k, v in full.items()}
 
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """A LoRA model's trained parameters, full (unsharded) on CPU; collective, complete on
+        every rank."""
+        return {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+            for name, p in self.model.named_parameters()
+            if p.requires_grad
+        }
+
     @staticmethod
     def checkpoint_tmp(final: Path) -> Path:
         """Where the ranks write a checkpoint before it is renamed to ``final`` (same on all)."""
@@ -796,13 +805,18 @@ class TrainerEngine:
         loadable over the base model) and, with ``lora.merged_export``, the merged full model
         in ``merged/``.
         """
-        full = self.full_state_dict()
+        lora = is_lora(self.model)
+        # A LoRA model's frozen base is the source's own weights, which load_model reads again
+        # below: only the adapters are gathered (megabytes, not the whole model per rank).
+        full = self.adapter_state_dict() if lora else self.full_state_dict()
         if self.rank == 0:
             final = Path(path)
             check_replaceable(final)
             tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
             plain = load_model(self.cfg.model, seed=self.cfg.seed, lora=self.cfg.lora)
-            plain.load_state_dict({k: v.float() for k, v in full.items()})
+            loaded = plain.load_state_dict({k: v.float() for k, v in full.items()}, strict=not lora)
+            if loaded.unexpected_keys:  # an adapter the fresh model lacks: never silently
+                raise RuntimeError(f"export: the model has no {loaded.unexpected_keys}")
             try:
                 save_pretrained(plain, self.tokenizer, tmp)
                 if is_lora(plain) and self.cfg.lora.merged_export:
