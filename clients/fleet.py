@@ -41,10 +41,10 @@ from arealgrpc.v1 import (
     weight_sync_pb2,
 )
 from google.rpc import status_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_grpc.durations import duration, seconds
 from areal_grpc.errors import REFUSALS, UnavailableError, code_of, describe, status_proto_of
+from areal_grpc.launch import check_health
 from areal_grpc.server import aio_channel
 
 log = logging.getLogger(__name__)
@@ -131,9 +131,7 @@ async def _each(
     return list(await asyncio.gather(*(fn(a) for a in addresses), return_exceptions=True))
 
 
-async def _answer_or_stall(
-    call: Awaitable[T], health: health_pb2_grpc.HealthStub, health_timeout_s: float | None
-) -> T:
+async def _answer_or_stall(call: Awaitable[T], address: str, health_timeout_s: float | None) -> T:
     """Awaits a control call; with ``health_timeout_s``, each time that passes without an
     answer the server's health is checked, and a server that fails that check too is given
     up on (UnavailableError) rather than waited for until the call's own deadline."""
@@ -145,14 +143,7 @@ async def _answer_or_stall(
             done, _ = await asyncio.wait({task}, timeout=health_timeout_s)
             if done:
                 return task.result()
-            try:
-                reply = await health.Check(
-                    health_pb2.HealthCheckRequest(service=ROLLOUT_SERVICE),
-                    timeout=health_timeout_s,
-                )
-                state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.RpcError as exc:
-                state = exc.code().name  # type: ignore[attr-defined]
+            state = await check_health(address, ROLLOUT_SERVICE, health_timeout_s)
             if task.done():
                 return task.result()
             if state != "SERVING":
@@ -199,10 +190,9 @@ async def update_fleet_weights(
     channels = {a: aio_channel(a) for a in [*rollout_addresses, *trainer_addresses]}
     try:
         rollout = {a: rollout_pb2_grpc.RolloutServiceStub(channels[a]) for a in rollout_addresses}
-        health = {a: health_pb2_grpc.HealthStub(channels[a]) for a in rollout_addresses}
 
         def control(a: str, call: Awaitable[T]) -> Awaitable[T]:
-            return _answer_or_stall(call, health[a], health_timeout_s)
+            return _answer_or_stall(call, a, health_timeout_s)
 
         # 1. pause
         async def pause(a: str) -> rollout_pb2.PauseGenerationResponse:

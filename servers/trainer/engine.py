@@ -64,6 +64,7 @@ from transformers import PreTrainedModel
 from areal_grpc.config import LoraSettings, ModelConfig, TrainerConfig
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import (
+    adapter_names,
     decoder_layers,
     is_lora,
     load_model,
@@ -678,10 +679,11 @@ class TrainerEngine:
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """A LoRA model's trained parameters, full (unsharded) on CPU; collective, complete on
         every rank."""
+        trained = adapter_names(self.model)
         return {
             name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
             for name, p in self.model.named_parameters()
-            if p.requires_grad
+            if name in trained
         }
 
     @staticmethod
