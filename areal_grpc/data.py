@@ -61,11 +61,11 @@ THINGS = ["apples", "books", "coins", "stamps", "marbles", "pens", "cards", "she
 Maker = Callable[[random.Random], tuple[str, int]]
 
 
-def _sum(a_digits: int, b_digits: int) -> Maker:
+def _sum(a_digits: int, b_digits: int, either_order: bool = True) -> Maker:
     def make(rng: random.Random) -> tuple[str, int]:
         a = rng.randrange(10 ** (a_digits - 1) if a_digits > 1 else 0, 10**a_digits)
         b = rng.randrange(10 ** (b_digits - 1) if b_digits > 1 else 0, 10**b_digits)
-        if rng.random() < 0.5:
+        if either_order and rng.random() < 0.5:
             a, b = b, a
         return f"What is {a} + {b}?", a + b
 
@@ -90,7 +90,11 @@ def _word(rng: random.Random) -> tuple[str, int]:
 
 KINDS: dict[str, Maker] = {
     "add_1_1": _sum(1, 1),
+    # Either operand first: "What is 7 + 34?" is much harder for a small model than
+    # "What is 34 + 7?" (measured on SmolLM2-135M, README "Train a real model").
     "add_2_1": _sum(2, 1),
+    # The 2-digit number first, always: the plain-loop anchor's sums.
+    "add_2_1_ordered": _sum(2, 1, either_order=False),
     "add_2_2": _sum(2, 2),
     "word": _word,
 }

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 import grpc
+from arealgrpc.v1 import rollout_pb2, trainer_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_grpc.server import sync_channel
@@ -212,6 +213,10 @@ def health_status(address: str, service: str = "", timeout_s: float = 5.0) -> st
             return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
+
+# The grpc.health service names our servers report under, as the contract spells them.
+ROLLOUT_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+TRAINER_SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 
 # (address, service, timeout_s) -> the grpc.health.v1 status name; injectable so that the
 # coordinator's components can be unit-tested against in-process fakes.

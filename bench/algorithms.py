@@ -17,31 +17,17 @@ a user stops a run) once ``--budget-s`` seconds of its training loop have passed
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
 import signal
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+from coordinator_run import coordinator, interrupt, metrics_records, watch
 from teardown import exit_on_sigterm
 
 from areal_grpc.config import ALGORITHMS
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def records(path: Path) -> list[dict[str, Any]]:
-    """The metrics records written so far (a line cut by the stop is left out)."""
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
 
 
 def loop_seconds(recs: list[dict[str, Any]]) -> float:
@@ -64,26 +50,14 @@ def run(name: str, args: argparse.Namespace, out: Path) -> list[tuple[float, flo
         f"output.dir={out}",
     ]
     log_path = out.parent / f"{name}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "areal_grpc.coordinator", *overrides],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        try:
-            while proc.poll() is None:
-                if loop_seconds(records(out / "metrics.jsonl")) >= args.budget_s:
-                    os.killpg(proc.pid, signal.SIGINT)
-                    break
-                time.sleep(0.5)
-            proc.wait(timeout=120)
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait()
-            raise
-    recs = records(out / "metrics.jsonl")
+    metrics = out / "metrics.jsonl"
+    with coordinator(overrides, log_path) as proc:
+        for _ in watch(proc, metrics):
+            if loop_seconds(metrics_records(metrics)) >= args.budget_s:
+                interrupt(proc)
+                break
+        proc.wait(timeout=120)
+    recs = metrics_records(metrics)
     curve, elapsed = [], 0.0
     for r in recs:
         if r["kind"] == "train":

@@ -60,10 +60,7 @@ async run drain a pre-filled window, and the first step of any run pays one-off 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,18 +68,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from coordinator_run import coordinator, metrics_records
 from latency_engine import LogNormalDelay
 
 from areal_grpc.config import load_config
 from areal_grpc.coordinator.mesh import (
-    ROLLOUT_SERVICE,
-    TRAINER_SERVICE,
     free_port,
     rollout_argv,
     trainer_argv,
     wait_healthy,
 )
-from areal_grpc.launch import Child, start_child, stop_children
+from areal_grpc.launch import ROLLOUT_SERVICE, TRAINER_SERVICE, Child, start_child, stop_children
 
 HERE = Path(__file__).resolve().parent
 ASYNC_ETA = 4
@@ -129,7 +125,6 @@ def run_mode(args: argparse.Namespace, eta: int, steps: int, root: Path) -> dict
     ]
     env = {"OMP_NUM_THREADS": "1"}
     children: list[Child] = []
-    coordinator: subprocess.Popen[bytes] | None = None
     try:
         with ThreadPoolExecutor(len(specs)) as ex:
             futures = [ex.submit(start_child, n, a, log_dir=log_dir, env=env) for n, a in specs]
@@ -146,34 +141,21 @@ def run_mode(args: argparse.Namespace, eta: int, steps: int, root: Path) -> dict
         wait_healthy(
             [(rollout_addr, ROLLOUT_SERVICE)] + [(a, TRAINER_SERVICE) for a in trainer_addrs]
         )
-        argv = [
-            sys.executable,
-            "-m",
-            "areal_grpc.coordinator",
+        coordinator_args = [
             *opts,
             "launcher.mode=attach",
             f"launcher.rollout_addresses=[{rollout_addr}]",
             f"launcher.trainer_addresses=[{','.join(trainer_addrs)}]",
         ]
         started = time.monotonic()
-        with (out_dir / "coordinator.log").open("w") as sink:
-            coordinator = subprocess.Popen(
-                argv, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **env}
-            )
-            code = coordinator.wait(timeout=args.timeout_s)
+        with coordinator(coordinator_args, out_dir / "coordinator.log", env=env) as proc:
+            code = proc.wait(timeout=args.timeout_s)
         wall = time.monotonic() - started
         if code != 0:
             raise RuntimeError(f"coordinator (eta={eta}) exited {code}; see {out_dir}")
     finally:
-        if coordinator is not None and coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.wait()
         stop_children(children)
-    records = [
-        r
-        for line in (out_dir / "metrics.jsonl").read_text().splitlines()
-        if (r := json.loads(line))["kind"] == "train"
-    ]
+    records = [r for r in metrics_records(out_dir / "metrics.jsonl") if r["kind"] == "train"]
     delays = [float(x) for x in delay_log.read_text().split()]
     return {"records": records, "wall": wall, "delays": delays}
 

@@ -26,21 +26,16 @@ recompute, target >= 0.95).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from coordinator_run import coordinator, metrics_records
 from results import result
 from teardown import exit_on_sigterm
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(method: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -59,23 +54,11 @@ def run(method: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     ]
     start = time.monotonic()
     log_path = out.parent / f"{method}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "areal_grpc.coordinator", *overrides],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        try:
-            proc.wait()
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait()
-            raise
+    with coordinator(overrides, log_path) as proc:
+        proc.wait()
     if proc.returncode != 0:
         raise RuntimeError(f"the {method} run failed ({proc.returncode}): see {log_path}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(out / "metrics.jsonl")
     return {
         "wall_s": time.monotonic() - start,
         "train": [r for r in records if r["kind"] == "train"],

@@ -19,18 +19,15 @@ One line per measure, the worst process's end/early ratio (target: at most 1.1):
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from coordinator_run import coordinator, interrupt, watch
 
-ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.1
 
 
@@ -60,58 +57,43 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
         out = Path(tmp) / "run"
-        argv = [
-            sys.executable,
-            "-m",
-            "areal_grpc.coordinator",
-            f"output.dir={out}",
-            "output.progress_bar=false",
-            f"total_steps={args.steps}",
-        ]
+        overrides = [f"output.dir={out}", "output.progress_bar=false", f"total_steps={args.steps}"]
         log_path = Path(tmp) / "coordinator.log"
         start = time.monotonic()
         limit_s = args.minutes * 60
         procs: dict[int, Samples] = {}
-        with log_path.open("w") as log:
-            run = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
-            )
+        with coordinator(overrides, log_path) as run:
             root = psutil.Process(run.pid)
             stopped_by_time = False
-            try:
-                while run.poll() is None:
-                    elapsed = time.monotonic() - start
-                    done = steps_done(out / "metrics.jsonl")
-                    if elapsed > limit_s and not stopped_by_time:
-                        stopped_by_time = True
-                        os.killpg(run.pid, signal.SIGINT)
-                    # 10% of the run: of its steps, or of its time when time ends it first.
-                    past_early = done >= args.steps // 10 or elapsed >= limit_s / 10
+            for _ in watch(run, out / "metrics.jsonl", every_s=1.0):
+                elapsed = time.monotonic() - start
+                done = steps_done(out / "metrics.jsonl")
+                if elapsed > limit_s and not stopped_by_time:
+                    stopped_by_time = True
+                    interrupt(run)
+                # 10% of the run: of its steps, or of its time when time ends it first.
+                past_early = done >= args.steps // 10 or elapsed >= limit_s / 10
+                try:
+                    tree = [root, *root.children(recursive=True)]
+                except psutil.Error:
+                    break
+                for p in tree:
                     try:
-                        tree = [root, *root.children(recursive=True)]
+                        with p.oneshot():
+                            cmd = p.cmdline()
+                            rss, fds = p.memory_info().rss, p.num_fds()
                     except psutil.Error:
-                        break
-                    for p in tree:
-                        try:
-                            with p.oneshot():
-                                cmd = p.cmdline()
-                                rss, fds = p.memory_info().rss, p.num_fds()
-                        except psutil.Error:
-                            continue
-                        s = procs.setdefault(p.pid, Samples(" ".join(cmd[1:3])))
-                        sample = (rss, fds)
-                        s.peak_rss = max(s.peak_rss, rss)
-                        if past_early and s.early is None and done > 0:
-                            s.early = sample
-                        # The end sample is the last one taken while steps still ran: the
-                        # run's close (final export, plot) is not the steady state.
-                        if not stopped_by_time and done < args.steps:
-                            s.end = sample
-                    time.sleep(1.0)
-            finally:
-                if run.poll() is None:
-                    os.killpg(run.pid, signal.SIGINT)
-                run.wait()
+                        continue
+                    s = procs.setdefault(p.pid, Samples(" ".join(cmd[1:3])))
+                    sample = (rss, fds)
+                    s.peak_rss = max(s.peak_rss, rss)
+                    if past_early and s.early is None and done > 0:
+                        s.early = sample
+                    # The end sample is the last one taken while steps still ran: the
+                    # run's close (final export, plot) is not the steady state.
+                    if not stopped_by_time and done < args.steps:
+                        s.end = sample
+            run.wait()
         wall = time.monotonic() - start
         done = steps_done(out / "metrics.jsonl")
         print(f"soak: {done} steps in {wall:.0f} s (exit {run.returncode}); log {log_path}")

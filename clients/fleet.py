@@ -44,14 +44,12 @@ from google.rpc import status_pb2
 
 from areal_grpc.durations import duration, seconds
 from areal_grpc.errors import REFUSALS, UnavailableError, code_of, describe, status_proto_of
-from areal_grpc.launch import check_health
+from areal_grpc.launch import ROLLOUT_SERVICE, check_health
 from areal_grpc.server import aio_channel
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-ROLLOUT_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
 METHODS: dict[str, int] = {
     "distributed": weight_sync_pb2.TRANSFER_METHOD_DISTRIBUTED,

@@ -46,6 +46,16 @@ def test_the_arithmetic_set_is_seeded_disjoint_correct_and_mixed_as_asked() -> N
     assert any("How many" in i["question"] for i in test)
 
 
+def test_the_ordered_sums_put_the_two_digit_number_first_and_the_others_either_one() -> None:
+    train, _ = arithmetic_items(200, 0, seed=1, mix={"add_2_1_ordered": 1.0, "add_2_1": 1.0})
+
+    def firsts(kind: str) -> set[int]:
+        return {len(re.findall(r"\d+", i["question"])[0]) for i in train if i["kind"] == kind}
+
+    assert firsts("add_2_1_ordered") == {2}
+    assert firsts("add_2_1") == {1, 2}
+
+
 def test_an_unknown_kind_or_an_impossible_count_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown kinds"):
         arithmetic_items(10, 10, mix={"add_9_9": 1.0})

@@ -24,6 +24,8 @@ from areal_grpc.cli import security_argv
 from areal_grpc.config import RunConfig
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.launch import (
+    ROLLOUT_SERVICE,
+    TRAINER_SERVICE,
     Child,
     child_env,
     health_status,
@@ -47,9 +49,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-ROLLOUT_SERVICE = "arealgrpc.v1.RolloutService"
-TRAINER_SERVICE = "arealgrpc.v1.TrainerService"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -45,8 +45,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from areal_grpc.config import RunConfig
 from areal_grpc.coordinator.mesh import (
-    ROLLOUT_SERVICE,
-    TRAINER_SERVICE,
     Mesh,
     MeshStartCancelled,
     free_port,
@@ -55,7 +53,15 @@ from areal_grpc.coordinator.mesh import (
     wait_healthy,
 )
 from areal_grpc.errors import FieldError, PreconditionError
-from areal_grpc.launch import Child, LaunchError, child_env, start_child, stop_children
+from areal_grpc.launch import (
+    ROLLOUT_SERVICE,
+    TRAINER_SERVICE,
+    Child,
+    LaunchError,
+    child_env,
+    start_child,
+    stop_children,
+)
 from areal_grpc.security import is_loopback
 
 __all__ = ["RayMesh", "ServerActor", "bundle_layout", "start_ray_mesh"]

@@ -33,10 +33,10 @@ from google.protobuf import struct_pb2
 
 from areal_grpc import tracing
 from areal_grpc.config import RunConfig
-from areal_grpc.coordinator.mesh import ROLLOUT_SERVICE, FleetLauncher
+from areal_grpc.coordinator.mesh import FleetLauncher
 from areal_grpc.coordinator.pool import Work, WorkPool
 from areal_grpc.errors import FieldError, PreconditionError, explain
-from areal_grpc.launch import HealthCheck, check_health
+from areal_grpc.launch import ROLLOUT_SERVICE, HealthCheck, check_health
 from areal_grpc.server_config import max_new_tokens
 
 __all__ = [

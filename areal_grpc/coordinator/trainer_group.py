@@ -24,10 +24,9 @@ from areal_clients.trainer import TrainerClient, on_all_ranks
 from arealgrpc.v1 import common_pb2, trainer_pb2
 
 from areal_grpc.config import TrainerConfig
-from areal_grpc.coordinator.mesh import TRAINER_SERVICE
 from areal_grpc.coordinator.pool import Finished
 from areal_grpc.dispatch import balance_ratio, dispatch_groups
-from areal_grpc.launch import HealthCheck, check_health
+from areal_grpc.launch import TRAINER_SERVICE, HealthCheck, check_health
 
 __all__ = [
     "RestartTrainers",
