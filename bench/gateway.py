@@ -3,8 +3,9 @@
 One rollout server process (builtin:micro), an in-process CoordinatorService with it
 registered, and ``areal-gateway`` as its own process. At each concurrency ``n`` (1, 8, 32),
 ``n`` concurrent clients each hold one RL session and send chat completions through the
-``openai`` package for ``--seconds``; then ``n`` clients send the same prompt ids straight to
-the rollout server with ``Generate`` for as long. Every completion asks for the same
+``openai`` package, and ``n`` clients send the same prompt ids straight to the rollout server
+with ``Generate``, for ``--seconds`` each, in ``--rounds`` windows taking turns (both sides
+warmed up first). Every completion asks for the same
 ``--max-tokens`` at temperature 1. Prints, per ``n``,
 
     RESULT bench=gateway_throughput_<n> value=<gateway completions/s> unit=completions/s
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import statistics
 import tempfile
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 from areal_clients.gateway.chat import ChatRenderer
 from areal_clients.rollout import RolloutClient
 from arealgrpc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -44,11 +47,12 @@ MODEL = "builtin:micro"
 MESSAGES = [{"role": "user", "content": "Repeat after me: the quick brown fox"}]
 
 
-async def load(
-    n: int, seconds: float, make: Callable[[int], Awaitable[Callable[[], Awaitable[None]]]]
-) -> tuple[float, list[float]]:
-    """``n`` workers calling their request function back to back: (completions/s, latencies)."""
-    calls = [await make(i) for i in range(n)]
+Call = Callable[[], Awaitable[None]]
+
+
+async def load(calls: list[Call], seconds: float) -> tuple[float, list[float]]:
+    """One worker per call function, each calling it back to back for ``seconds``: (seconds
+    taken, latencies)."""
     latencies: list[float] = []
     stop = time.monotonic() + seconds
 
@@ -60,7 +64,7 @@ async def load(
 
     start = time.monotonic()
     await asyncio.gather(*(worker(c) for c in calls))
-    return len(latencies) / (time.monotonic() - start), latencies
+    return time.monotonic() - start, latencies
 
 
 def p(values: list[float], q: float) -> float:
@@ -68,50 +72,95 @@ def p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[min(98, max(0, round(q * 100) - 1))]
 
 
-async def measure(args: argparse.Namespace, gateway: str, rollout: str) -> None:
+async def measure(args: argparse.Namespace, gateway: str, rollout: str, pids: list[int]) -> None:
     renderer = ChatRenderer(load_tokenizer(MODEL))
     prompt = renderer.encode(renderer.text(MESSAGES))
     sampling = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens)
     direct = RolloutClient(rollout)
     http = httpx.AsyncClient(timeout=60)
-    clients: list[openai.AsyncOpenAI] = []
+    # CPU seconds of the rollout server, the gateway and this process (the clients).
+    procs = [psutil.Process(pid) for pid in pids] + [psutil.Process()]
 
-    async def via_gateway(i: int) -> Callable[[], Awaitable[None]]:
-        sid = (await http.post(f"{gateway}/rl/sessions", json={})).json()["session_id"]
-        c = openai.AsyncOpenAI(
-            base_url=f"{gateway}/v1",
-            api_key="x",
-            max_retries=0,
-            default_headers={"X-Session-Id": sid},
-        )
-        clients.append(c)
+    def cpu() -> list[float]:
+        return [sum(p.cpu_times()[:2]) for p in procs]
 
-        async def call() -> None:
-            await c.chat.completions.create(
-                model=MODEL, messages=MESSAGES, max_tokens=args.max_tokens, temperature=1.0
+    async def gateway_calls(n: int) -> tuple[list[Call], Callable[[], Awaitable[None]]]:
+        """``n`` sessions' call functions, and what ends the sessions (each has a lease)."""
+        sids = [
+            (await http.post(f"{gateway}/rl/sessions", json={})).json()["session_id"]
+            for _ in range(n)
+        ]
+        clients = [
+            openai.AsyncOpenAI(
+                base_url=f"{gateway}/v1",
+                api_key="x",
+                max_retries=0,
+                default_headers={"X-Session-Id": sid},
             )
+            for sid in sids
+        ]
 
-        return call
+        def call_of(c: openai.AsyncOpenAI) -> Call:
+            async def call() -> None:
+                await c.chat.completions.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=args.max_tokens, temperature=1.0
+                )
 
-    async def via_grpc(i: int) -> Callable[[], Awaitable[None]]:
-        async def call() -> None:
-            await direct.generate(prompt, sampling, timeout_s=60)
+            return call
 
-        return call
+        async def end() -> None:
+            for sid, c in zip(sids, clients, strict=True):
+                await c.close()
+                await http.delete(f"{gateway}/rl/sessions/{sid}")
 
+        return [call_of(c) for c in clients], end
+
+    async def call_direct() -> None:
+        await direct.generate(prompt, sampling, timeout_s=60)
+
+    async def window(side: str, n: int, seconds: float) -> tuple[float, list[float]]:
+        if side == "direct":
+            return await load([call_direct] * n, seconds)
+        # Fresh sessions per window (outside its time): a lease lasts a minute.
+        calls, end = await gateway_calls(n)
+        try:
+            return await load(calls, seconds)
+        finally:
+            await end()
+
+    sides = ("direct", "gateway")
     for n in args.concurrency:
-        await load(n, 2.0, via_grpc)  # warm-up
-        g_rate, g_lat = await load(n, args.seconds, via_gateway)
-        for c in clients:
-            await c.close()
-        clients.clear()
-        d_rate, d_lat = await load(n, args.seconds, via_grpc)
+        for side in sides:
+            await window(side, n, 2.0)  # warm-up
+        # Short windows taking turns, in alternating order: a slower or faster stretch of
+        # this shared machine falls on both sides alike.
+        taken = dict.fromkeys(sides, 0.0)
+        lat: dict[str, list[float]] = {side: [] for side in sides}
+        spent = {side: [0.0] * len(procs) for side in sides}
+        for r in range(args.rounds):
+            for side in sides[::-1] if r % 2 else sides:
+                before = cpu()
+                seconds, latencies = await window(side, n, args.seconds / args.rounds)
+                used = [a - b for a, b in zip(cpu(), before, strict=True)]
+                spent[side] = [t + u for t, u in zip(spent[side], used, strict=True)]
+                taken[side] += seconds
+                lat[side] += latencies
+        g_rate, g_lat = len(lat["gateway"]) / taken["gateway"], lat["gateway"]
+        d_rate, d_lat = len(lat["direct"]) / taken["direct"], lat["direct"]
         print(
             f"n={n:>2}: gateway {g_rate:.1f}/s p50 {p(g_lat, 0.5) * 1e3:.0f} ms p99 "
             f"{p(g_lat, 0.99) * 1e3:.0f} ms | direct {d_rate:.1f}/s p50 "
             f"{p(d_lat, 0.5) * 1e3:.0f} ms p99 {p(d_lat, 0.99) * 1e3:.0f} ms",
             flush=True,
         )
+        for side in sides:
+            per = [1e3 * t / max(1, len(lat[side])) for t in spent[side]]
+            print(
+                f"n={n:>2}: {side} CPU ms per completion: rollout server {per[0]:.2f}, "
+                f"gateway {per[1]:.2f}, clients {per[2]:.2f}; CPU busy "
+                f"{sum(spent[side]) / taken[side]:.2f} of {os.cpu_count()} cores",
+                flush=True,
+            )
         result(f"gateway_throughput_{n}", g_rate, "completions/s", d_rate, "0.9")
         result(f"gateway_p99_{n}", p(g_lat, 0.99), "s", p(d_lat, 0.99), "none")
     await http.aclose()
@@ -120,7 +169,8 @@ async def measure(args: argparse.Namespace, gateway: str, rollout: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per side and concurrency")
+    parser.add_argument("--rounds", type=int, default=5, help="turns the seconds are cut into")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
@@ -156,7 +206,14 @@ def main() -> int:
                 ),
                 log_dir=logs,
             )
-            asyncio.run(measure(args, f"http://{gateway.address}", rollout.address))
+            asyncio.run(
+                measure(
+                    args,
+                    f"http://{gateway.address}",
+                    rollout.address,
+                    [rollout.process.pid, gateway.process.pid],
+                )
+            )
         finally:
             stop_children([c for c in (gateway, rollout) if c is not None])
             server.stop()
