@@ -20,7 +20,10 @@ Cases (one ``RESULT`` line each, medians where a case repeats):
   ``model.generate`` then one AdamW step on the same settings, same evaluation set and
   schedule, same reward, same loss code). Both clocks start at process start (model loading
   included). A side that never reaches the target reports ``inf``. Each side's step is
-  profiled (generating, training, syncing).
+  profiled (generating, training, syncing). ``--target-seeds n`` runs both sides with seeds
+  0..n-1 (``model.seed``: the data order and the sampling; the plain loop takes the same
+  seed) and compares the medians: one run per side mostly measures which drew the luckier
+  first steps (README "Train a real model").
 * ``real_model_memory``: peak RSS of the whole mesh (coordinator + every child, summed over
   the process tree, sampled every 0.5 s) during that run, vs the plain loop's peak.
 * ``real_model_rollout``: generated tokens/s through ``RunEpisodes`` on a rollout server
@@ -259,13 +262,15 @@ def plain_loop(config: Path, target: float, threads: int) -> None:
 
     start = time.monotonic()
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
     cfg = yaml.safe_load(config.read_text())
+    # The run's seed, as the mesh takes it: the data order and the sampling.
+    seed = int(cfg["model"].get("seed", 0))
+    torch.manual_seed(seed)
     model_dir = resolve_source(cfg["model"]["source"])
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir)
     train_items = load_file(cfg["data"]["path"], "data.path")
-    random.Random(0).shuffle(train_items)
+    random.Random(seed).shuffle(train_items)
     eval_items = load_file(cfg["data"]["eval_path"], "data.eval_path")[: cfg["eval"]["max_prompts"]]
     t = cfg["trainer"]
     s = cfg["staleness"]
@@ -366,39 +371,48 @@ def run_plain(config: Path, target: float, threads: int) -> dict[str, Any]:
 
 
 def time_to_target(tmp: Path, args: argparse.Namespace) -> None:
-    """The mesh and the plain loop on the anchor mix until ``--target-accuracy``."""
+    """The mesh and the plain loop on the anchor mix until ``--target-accuracy``, once per seed
+    of ``--target-seeds``; the medians of each side's times are compared."""
     mix = {k: float(v) for k, _, v in (p.partition("=") for p in args.target_mix.split(","))}
-    overrides = {
-        "total_steps": args.target_steps,
-        "eval.every_steps": args.target_eval_every,
-        "rollout.sampling.temperature": 0.7,
-        "trainer.lr": 1e-5,
-    }
-    config = example_config(tmp, overrides, mix, sizes=(4000, 100))
-    mesh = run_mesh(config, tmp / "run", stop_at=args.target_accuracy)
-    plain = run_plain(config, args.target_accuracy, args.threads)
-    for side, run in (("mesh", mesh), ("plain loop", plain)):
-        trail = [(e["step"], e["accuracy"], round(e["wall_s"])) for e in run["evals"]]
-        print(f"time to target, {side}: evaluations (step, accuracy, wall s) {trail}")
-    steps = mesh["train"]
-    print(
-        "time to target, mesh: median step {:.1f} s (waiting for rollouts {:.1f} s, "
-        "training {:.1f} s, weight sync {:.2f} s)".format(
-            *(
-                statistics.median(r[k] for r in steps)
-                for k in ("step_s", "wait_s", "train_s", "sync_s")
+    times: dict[str, list[float]] = {"mesh": [], "plain loop": []}
+    for seed in range(args.target_seeds):
+        overrides = {
+            "total_steps": args.target_steps,
+            "eval.every_steps": args.target_eval_every,
+            "rollout.sampling.temperature": 0.7,
+            "trainer.lr": 1e-5,
+            "model.seed": seed,
+        }
+        config = example_config(tmp / f"seed{seed}", overrides, mix, sizes=(4000, 100))
+        mesh = run_mesh(config, tmp / f"seed{seed}" / "run", stop_at=args.target_accuracy)
+        plain = run_plain(config, args.target_accuracy, args.threads)
+        for side, run in (("mesh", mesh), ("plain loop", plain)):
+            trail = [(e["step"], e["accuracy"], round(e["wall_s"])) for e in run["evals"]]
+            print(
+                f"time to target, seed {seed}, {side}: evaluations (step, accuracy, wall s) {trail}"
             )
-        )
-    )
-    last = plain["evals"][-1]
-    if last["step"]:
+            times[side].append(first_at(run["evals"], args.target_accuracy))
+        steps = mesh["train"]
         print(
-            "time to target, plain loop: per step {:.1f} s generating, {:.1f} s training".format(
-                last["generate_s"] / last["step"], last["train_s"] / last["step"]
+            "time to target, seed {}, mesh: median step {:.1f} s (waiting for rollouts {:.1f} s, "
+            "training {:.1f} s, weight sync {:.2f} s)".format(
+                seed,
+                *(
+                    statistics.median(r[k] for r in steps)
+                    for k in ("step_s", "wait_s", "train_s", "sync_s")
+                ),
             )
         )
-    ours = first_at(mesh["evals"], args.target_accuracy)
-    base = first_at(plain["evals"], args.target_accuracy)
+        last = plain["evals"][-1]
+        if last["step"]:
+            print(
+                "time to target, seed {}, plain loop: per step {:.1f} s generating, {:.1f} s "
+                "training".format(
+                    seed, last["generate_s"] / last["step"], last["train_s"] / last["step"]
+                )
+            )
+    print(f"time to target: seconds per seed {times}")
+    ours, base = statistics.median(times["mesh"]), statistics.median(times["plain loop"])
     ratio = ours / base if math.isfinite(base) else math.nan
     result("real_model_time_to_target", ours, "s", base, "1.0", ratio=ratio)
 
@@ -533,6 +547,9 @@ def main() -> int:
     parser.add_argument("--target-mix", default="add_1_1=1,add_2_1_ordered=1")
     parser.add_argument("--target-steps", type=int, default=24)
     parser.add_argument("--target-eval-every", type=int, default=4)
+    parser.add_argument(
+        "--target-seeds", type=int, default=1, help="runs of each side (seeds 0..n-1); medians"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the baselines")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
