@@ -71,14 +71,21 @@ def watch(
 ) -> Iterator[list[dict[str, Any]]]:
     """The records new in ``metrics`` at each poll (often none), until ``proc`` has exited.
 
+    Only lines not yet read are parsed; a line still being written waits for the next poll.
     The last batch is read after the exit, so no record is missed.
     """
     seen = 0
     while True:
         done = proc.poll() is not None
-        records = metrics_records(metrics)
-        yield records[seen:]
-        seen = len(records)
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        new = []
+        for line in lines[seen:]:
+            try:
+                new.append(json.loads(line))
+            except ValueError:
+                break
+        seen += len(new)
+        yield new
         if done:
             return
         time.sleep(every_s)

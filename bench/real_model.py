@@ -392,17 +392,7 @@ def time_to_target(tmp: Path, args: argparse.Namespace) -> None:
                 f"time to target, seed {seed}, {side}: evaluations (step, accuracy, wall s) {trail}"
             )
             times[side].append(first_at(run["evals"], args.target_accuracy))
-        steps = mesh["train"]
-        print(
-            "time to target, seed {}, mesh: median step {:.1f} s (waiting for rollouts {:.1f} s, "
-            "training {:.1f} s, weight sync {:.2f} s)".format(
-                seed,
-                *(
-                    statistics.median(r[k] for r in steps)
-                    for k in ("step_s", "wait_s", "train_s", "sync_s")
-                ),
-            )
-        )
+        print(f"time to target, seed {seed}, mesh: {step_profile(mesh['train'])}")
         last = plain["evals"][-1]
         if last["step"]:
             print(
@@ -415,6 +405,19 @@ def time_to_target(tmp: Path, args: argparse.Namespace) -> None:
     ours, base = statistics.median(times["mesh"]), statistics.median(times["plain loop"])
     ratio = ours / base if math.isfinite(base) else math.nan
     result("real_model_time_to_target", ours, "s", base, "1.0", ratio=ratio)
+
+
+def step_profile(train: list[dict[str, Any]]) -> str:
+    """The mesh's median step and its parts, from its ``train`` metrics records."""
+    if not train:
+        return "no step ran"
+    m = {
+        k: statistics.median(r[k] for r in train) for k in ("step_s", "wait_s", "train_s", "sync_s")
+    }
+    return (
+        f"median step {m['step_s']:.1f} s (waiting for rollouts {m['wait_s']:.1f} s, "
+        f"training {m['train_s']:.1f} s, weight sync {m['sync_s']:.2f} s)"
+    )
 
 
 def first_at(evals: list[dict[str, Any]], target: float) -> float:
@@ -580,17 +583,7 @@ def main() -> int:
                 f"mesh: peak RSS by process (GiB) "
                 f"{ {k: round(v, 2) for k, v in mesh['per_process_gib'].items()} }"
             )
-            steps = mesh["train"]
-            if steps:
-                print(
-                    "mesh: median step {:.1f} s (train {:.1f} s, wait {:.1f} s, "
-                    "sync {:.2f} s)".format(
-                        *(
-                            statistics.median(r[k] for r in steps)
-                            for k in ("step_s", "train_s", "wait_s", "sync_s")
-                        )
-                    )
-                )
+            print(f"mesh: {step_profile(mesh['train'])}")
             plain_cfg = config
             if args.quick:
                 plain_cfg = example_config(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from coordinator_run import coordinator, interrupt, watch
+from coordinator_run import coordinator, interrupt, metrics_records, watch
 
 TARGET = 1.1
 
@@ -39,14 +39,6 @@ class Samples:
     early: tuple[int, int] | None = None
     end: tuple[int, int] | None = None
     peak_rss: int = 0
-
-
-def steps_done(metrics: Path) -> int:
-    """Train records written so far."""
-    try:
-        return metrics.read_text().count('"kind": "train"')
-    except OSError:
-        return 0
 
 
 def main() -> int:
@@ -65,9 +57,10 @@ def main() -> int:
         with coordinator(overrides, log_path) as run:
             root = psutil.Process(run.pid)
             stopped_by_time = False
-            for _ in watch(run, out / "metrics.jsonl", every_s=1.0):
+            done = 0  # train records written so far
+            for new in watch(run, out / "metrics.jsonl", every_s=1.0):
                 elapsed = time.monotonic() - start
-                done = steps_done(out / "metrics.jsonl")
+                done += sum(r["kind"] == "train" for r in new)
                 if elapsed > limit_s and not stopped_by_time:
                     stopped_by_time = True
                     interrupt(run)
@@ -95,7 +88,7 @@ def main() -> int:
                         s.end = sample
             run.wait()
         wall = time.monotonic() - start
-        done = steps_done(out / "metrics.jsonl")
+        done = sum(r["kind"] == "train" for r in metrics_records(out / "metrics.jsonl"))
         print(f"soak: {done} steps in {wall:.0f} s (exit {run.returncode}); log {log_path}")
         if run.returncode not in (0, 128 + signal.SIGINT):
             print(log_path.read_text()[-3000:])
