@@ -143,8 +143,8 @@ def worker_main(args: argparse.Namespace) -> None:
     from areal_servers.trainer.__main__ import add_trainer_args, config_from_args
     from areal_servers.trainer.engine import TrainerEngine, init_distributed
 
+    from areal_grpc.batch import groups_to_batch
     from areal_grpc.cli import base_parser
-    from areal_grpc.trajectory import groups_to_batch
 
     torch.set_num_threads(1)
     parser = base_parser("bench-worker", "", 0)

@@ -8,6 +8,8 @@ body keeps it a cycle.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,3 +97,17 @@ def test_no_module_imports_itself_round_a_cycle():
             # A package's __init__ importing its own submodules is how packages re-export.
             todo += [d for d in g.get(m, ()) if not (m and d.startswith(f"{m}."))]
     assert cycles == []
+
+
+def test_the_coordinator_starts_without_importing_torch_or_transformers():
+    """Its children (which need them) start seconds sooner, and it holds none of their memory."""
+    code = (
+        "import sys\n"
+        "from areal_grpc.coordinator.__main__ import prepared_source\n"
+        "assert prepared_source('builtin:micro') == 'builtin:micro'\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"

@@ -10,13 +10,9 @@ from arealgrpc.v1 import common_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_grpc.batch import batch_to_trajectories, groups_to_batch, trajectories_to_batch
 from areal_grpc.errors import FieldError
-from areal_grpc.trajectory import (
-    batch_to_trajectories,
-    groups_to_batch,
-    trajectories_to_batch,
-    validate_trajectory,
-)
+from areal_grpc.trajectory import validate_trajectory
 
 
 def make_traj(prompt: list[int], completion: list[int], reward: float = 1.0, version: int = 3):

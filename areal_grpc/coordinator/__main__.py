@@ -48,7 +48,7 @@ from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHo
 from areal_grpc.coordinator.slurm import check_slurm
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.launch import Child, LaunchError
-from areal_grpc.model import resolve_source
+from areal_grpc.model_source import locate_source, ready_source
 from areal_grpc.paths import check_replaceable
 from areal_grpc.server import set_default_channel_options, start_server
 
@@ -150,7 +150,7 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
     if cfg.launcher.mode in ("local", "slurm"):
         # A GGUF file or named model is converted here, once, and every child loads the
         # same converted directory (Ray nodes and attached servers resolve it themselves).
-        source = await asyncio.to_thread(resolve_source, cfg.model.source)
+        source = await asyncio.to_thread(prepared_source, cfg.model.source)
         if source != cfg.model.source:
             print(f"model: {cfg.model.source} -> {source}", flush=True)
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=source))
@@ -307,6 +307,17 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
         set_default_channel_options(previous_channels)
 
 
+def prepared_source(source: str) -> str:
+    """The source every child of the run loads (a GGUF file or named model converted first)."""
+    ready = ready_source(source)
+    if ready is not None:
+        return ready
+    # Seconds of torch and transformers imports, paid only for a conversion not yet cached.
+    from areal_grpc.model import resolve_source
+
+    return resolve_source(source)
+
+
 def check_launch(cfg: RunConfig) -> None:
     """What would stop the run at launch, found before anything starts (FieldError).
 
@@ -352,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if cfg.launcher.mode in ("local", "ray", "slurm"):
             try:
-                resolve_source(cfg.model.source, convert=False)
+                locate_source(cfg.model.source)
             except ValueError as exc:
                 raise FieldError("model.source", str(exc)) from None
         if cfg.launcher.mode == "ray":

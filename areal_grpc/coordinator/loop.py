@@ -2,7 +2,7 @@
 
 Per run::
 
-    connect -> (resume) -> eval@0 -> [rollout streams run in the background] ->
+    connect -> (resume) -> [rollout streams run in the background] -> eval@0 ->
     for each step: wait for B fresh groups (oldest first) -> dispatch by tokens over the
                    trainer ranks -> TrainStep on all ranks -> pause submissions ->
                    fleet weight sync (version V+1 everywhere) -> version bump -> resume ->
@@ -238,9 +238,12 @@ class Coordinator:
             if not resumed:
                 self.pool.start_at(self.trainers.version)
             self.run_log.first_step = self.pool.global_step
+            # The first batch's rollouts share the servers with the first evaluation (same
+            # weights: nothing trains or syncs until the evaluation is done) instead of
+            # waiting for it.
+            self.fleet.start()
             if cfg.eval.every_steps > 0 and not resumed:
                 await self._evaluate(self.pool.global_step)
-            self.fleet.start()
             if progress is not None:
                 progress.start(self.pool.global_step, cfg.total_steps)
             while True:

@@ -9,8 +9,10 @@ oversubscribed by every process assuming it owns all cores. Attach mode uses the
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -94,6 +96,17 @@ def rollout_argv(cfg: RunConfig, index: int) -> list[str]:
     )
 
 
+def cuda_device_count() -> int:
+    """The GPUs torch would use here; torch is imported only where a GPU may be."""
+    # The coordinator otherwise never imports torch: that takes it seconds of both cores
+    # while its children start. Without NVIDIA (or ROCm) device files there is no GPU.
+    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def local_trainer_device(cfg: RunConfig, rank: int) -> str:
     """Rank ``rank``'s device when every rank runs on this machine: a GPU each, or the CPU.
 
@@ -103,9 +116,7 @@ def local_trainer_device(cfg: RunConfig, rank: int) -> str:
     t = cfg.trainer
     if t.device == "cpu":
         return "cpu"
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = cuda_device_count()
     if gpus >= t.ranks:
         return f"cuda:{rank}"
     if t.device == "cuda":

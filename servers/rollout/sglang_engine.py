@@ -67,7 +67,8 @@ from transformers import ByT5Tokenizer
 from areal_grpc import tracing
 from areal_grpc.config import LoraSettings
 from areal_grpc.errors import PreconditionError
-from areal_grpc.model import builtin_spec, is_builtin, lora_config, qwen2_config
+from areal_grpc.model import lora_config, qwen2_config
+from areal_grpc.model_source import builtin_spec, is_builtin
 from areal_grpc.paths import remove_owned, replace_dir, write_marker
 
 log = logging.getLogger(__name__)

@@ -45,6 +45,7 @@ from areal_servers.trainer.weight_publisher import (
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weight_sync_pb2
 from opentelemetry import trace
 
+from areal_grpc.batch import groups_to_batch
 from areal_grpc.durations import duration, seconds
 from areal_grpc.errors import (
     AbortedError,
@@ -57,7 +58,6 @@ from areal_grpc.errors import (
     status_proto,
 )
 from areal_grpc.paths import check_replaceable, open_roots, resolve_inside
-from areal_grpc.trajectory import groups_to_batch
 
 log = logging.getLogger(__name__)
 

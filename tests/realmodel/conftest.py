@@ -20,7 +20,8 @@ from areal_servers.rollout.weight_sync import build_weight_sync_service
 from areal_servers.trainer.service import TrainerService
 from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
-from areal_grpc.model import NAMED_MODELS, load_tokenizer, resolve_source
+from areal_grpc.model import load_tokenizer, resolve_source
+from areal_grpc.model_source import NAMED_MODELS
 from areal_grpc.server import BackgroundServer, service
 
 REAL_MODEL = "smollm2-135m-instruct"

@@ -16,9 +16,10 @@ from areal_servers.rollout.workflows import (
     prompt_ids_of,
 )
 
-import areal_grpc.model as model_mod
+import areal_grpc.model_source as model_source
 from areal_grpc.errors import FieldError
-from areal_grpc.model import load_tokenizer, named_model_file, resolve_source
+from areal_grpc.model import load_tokenizer, resolve_source
+from areal_grpc.model_source import named_model_file
 from areal_grpc.paths import MARKER_NAME
 
 from .conftest import REAL_MODEL
@@ -58,9 +59,9 @@ def test_bad_sources_name_what_is_accepted(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"\.gguf file"):
         resolve_source(str(not_gguf))
     monkeypatch.setitem(
-        model_mod.NAMED_MODELS,
+        model_source.NAMED_MODELS,
         "absent",
-        model_mod.NamedModel("areal_no_such_package", "x.gguf", "pip install something"),
+        model_source.NamedModel("areal_no_such_package", "x.gguf", "pip install something"),
     )
     with pytest.raises(ValueError, match=r"not installed.*pip install something"):
         resolve_source("absent")
@@ -130,6 +131,6 @@ def test_chat_on_without_a_template_is_a_field_error() -> None:
 
 def test_the_cache_directory_is_configurable(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AREAL_MODEL_CACHE", str(tmp_path))
-    assert model_mod.model_cache_dir() == tmp_path
+    assert model_source.model_cache_dir() == tmp_path
     monkeypatch.delenv("AREAL_MODEL_CACHE")
-    assert model_mod.model_cache_dir() == Path(os.path.expanduser("~/.cache/areal-grpc/models"))
+    assert model_source.model_cache_dir() == Path(os.path.expanduser("~/.cache/areal-grpc/models"))

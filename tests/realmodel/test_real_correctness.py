@@ -33,8 +33,8 @@ from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2,
 from arealgrpc.v1 import weight_sync_pb2 as wpb
 from torch.distributed.tensor import DTensor
 
+from areal_grpc.batch import groups_to_batch
 from areal_grpc.model import load_tokenizer
-from areal_grpc.trajectory import groups_to_batch
 from areal_grpc.weight_transfer import free_port
 
 TIMEOUT = 300.0

@@ -11,12 +11,13 @@ from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer, item_to_struct
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
+from areal_grpc.batch import groups_to_batch
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_model, load_tokenizer
 from areal_grpc.rewards import first_char_reward
 from areal_grpc.server import ServerOptions, aio_channel, service, start_server
 from areal_grpc.tasks import task_dataset
-from areal_grpc.trajectory import groups_to_batch, validate_group
+from areal_grpc.trajectory import validate_group
 
 TOK = load_tokenizer("builtin:micro")
 

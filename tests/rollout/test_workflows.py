@@ -17,10 +17,10 @@ from areal_servers.rollout.workflows import (
 )
 from arealgrpc.v1 import common_pb2
 
+from areal_grpc.batch import groups_to_batch
 from areal_grpc.errors import FieldError
 from areal_grpc.model import load_model, load_tokenizer
 from areal_grpc.tasks import task_dataset
-from areal_grpc.trajectory import groups_to_batch
 
 TOK = load_tokenizer("builtin:micro")
 

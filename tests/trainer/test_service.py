@@ -29,10 +29,10 @@ from areal_servers.trainer.microbatch import MicroBatchSpec
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weight_sync_pb2
 from safetensors.torch import load_file
 
+from areal_grpc.batch import batch_to_trajectories, groups_to_batch
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import sync_channel
-from areal_grpc.trajectory import batch_to_trajectories, groups_to_batch
 
 MODEL = "builtin:micro"
 LR = 1e-5
