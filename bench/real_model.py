@@ -21,9 +21,9 @@ Cases (one ``RESULT`` line each, medians where a case repeats):
   schedule, same reward, same loss code). Both clocks start at process start (model loading
   included). A side that never reaches the target reports ``inf``. Each side's step is
   profiled (generating, training, syncing). ``--target-seeds n`` runs both sides with seeds
-  0..n-1 (``model.seed``: the data order and the sampling; the plain loop takes the same
-  seed) and compares the medians: one run per side mostly measures which drew the luckier
-  first steps (README "Train a real model").
+  0..n-1 (``--target-first-seed`` moves the range; ``model.seed``: the data order and the
+  sampling; the plain loop takes the same seed) and compares the medians: one run per side
+  mostly measures which drew the luckier first steps (README "Train a real model").
 * ``real_model_memory``: peak RSS of the whole mesh (coordinator + every child, summed over
   the process tree, sampled every 0.5 s) during that run, vs the plain loop's peak.
 * ``real_model_rollout``: generated tokens/s through ``RunEpisodes`` on a rollout server
@@ -375,7 +375,7 @@ def time_to_target(tmp: Path, args: argparse.Namespace) -> None:
     of ``--target-seeds``; the medians of each side's times are compared."""
     mix = {k: float(v) for k, _, v in (p.partition("=") for p in args.target_mix.split(","))}
     times: dict[str, list[float]] = {"mesh": [], "plain loop": []}
-    for seed in range(args.target_seeds):
+    for seed in range(args.target_first_seed, args.target_first_seed + args.target_seeds):
         overrides = {
             "total_steps": args.target_steps,
             "eval.every_steps": args.target_eval_every,
@@ -552,6 +552,9 @@ def main() -> int:
     parser.add_argument("--target-eval-every", type=int, default=4)
     parser.add_argument(
         "--target-seeds", type=int, default=1, help="runs of each side (seeds 0..n-1); medians"
+    )
+    parser.add_argument(
+        "--target-first-seed", type=int, default=0, help="the first seed of --target-seeds"
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the baselines")
     parser.add_argument("--repeats", type=int, default=3)
