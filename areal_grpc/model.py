@@ -25,10 +25,10 @@ from areal_grpc.config import LoraSettings
 from areal_grpc.model_source import (
     TinyModelSpec,
     builtin_spec,
-    cached_conversion,
     conversion_dir,
     conversion_lock,
     is_builtin,
+    is_converted,
     locate_source,
     model_cache_dir,
     ready_source,
@@ -48,14 +48,13 @@ def convert_gguf(gguf: Path, cache: Path | None = None) -> Path:
     whole (written aside, then renamed) and carries the project's marker.
     """
     cache = cache or model_cache_dir()
-    done = cached_conversion(gguf, cache)
-    if done is not None:
-        return done
+    # The key hashes the whole file: computed once.
+    target = conversion_dir(gguf, cache)
+    if is_converted(target):
+        return target
     with conversion_lock(cache / ".convert.lock"):
-        done = cached_conversion(gguf, cache)
-        if done is not None:
-            return done
-        target = conversion_dir(gguf, cache)
+        if is_converted(target):
+            return target
         log.info("converting %s to a Hugging Face checkpoint in %s (once)", gguf, target)
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantized = transformers.AutoModelForCausalLM.from_pretrained(

@@ -33,10 +33,10 @@ __all__ = [
     "NamedModel",
     "TinyModelSpec",
     "builtin_spec",
-    "cached_conversion",
     "conversion_dir",
     "conversion_lock",
     "is_builtin",
+    "is_converted",
     "locate_source",
     "model_cache_dir",
     "named_model_file",
@@ -150,10 +150,9 @@ def conversion_dir(gguf: Path, cache: Path | None = None) -> Path:
     return cache / f"{gguf.stem}-{_file_digest(gguf)}"
 
 
-def cached_conversion(gguf: Path, cache: Path | None = None) -> Path | None:
-    """The finished conversion of ``gguf``, or None when it has not been converted yet."""
-    target = conversion_dir(gguf, cache)
-    return target if (target / "config.json").is_file() else None
+def is_converted(target: Path) -> bool:
+    """Whether the conversion at ``target`` (a :func:`conversion_dir`) is finished."""
+    return (target / "config.json").is_file()
 
 
 def locate_source(source: str) -> str:
@@ -184,5 +183,5 @@ def ready_source(source: str) -> str | None:
     located = locate_source(source)
     if not located.endswith(".gguf"):
         return located
-    done = cached_conversion(Path(located))
-    return None if done is None else str(done)
+    target = conversion_dir(Path(located))
+    return str(target) if is_converted(target) else None

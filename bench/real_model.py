@@ -551,7 +551,10 @@ def main() -> int:
     parser.add_argument("--target-steps", type=int, default=24)
     parser.add_argument("--target-eval-every", type=int, default=4)
     parser.add_argument(
-        "--target-seeds", type=int, default=1, help="runs of each side (seeds 0..n-1); medians"
+        "--target-seeds",
+        type=int,
+        default=1,
+        help="runs of each side (n seeds from --target-first-seed); medians",
     )
     parser.add_argument(
         "--target-first-seed", type=int, default=0, help="the first seed of --target-seeds"
