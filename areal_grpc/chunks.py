@@ -16,7 +16,7 @@ import grpc
 import torch
 from arealgrpc.v1 import tensor_pb2
 
-from areal_grpc.checksum import crc32c_at
+from areal_grpc.checksum import crc32c
 from areal_grpc.errors import FieldError, abort_with, invalid_argument
 from areal_grpc.host_memory import empty_buffer
 from areal_grpc.tensor_codec import (
@@ -98,7 +98,6 @@ def iter_chunk_views(
         shape = list(t.shape)
         raw = byte_view(t)
         nbytes = raw.numel()
-        base = raw.data_ptr()
         mem = memoryview(raw.numpy()) if nbytes else memoryview(b"")
         count = max(1, -(-nbytes // max_chunk_bytes))
         for k in range(count):
@@ -113,7 +112,7 @@ def iter_chunk_views(
                 shape=shape if k == 0 else (),
                 offset=start,
                 data=mem[start:end],
-                crc32c=crc32c_at(base + start, end - start),
+                crc32c=crc32c(mem[start:end]),
             )
 
 
@@ -236,7 +235,7 @@ class StateDictAssembler:
         if n:
             start = p.next_offset
             p.mem[start : start + n] = data
-            got = crc32c_at(p.buffer.data_ptr() + start, n)
+            got = crc32c(p.mem[start : start + n])
         else:
             got = 0
         if got != chunk.crc32c:

@@ -14,16 +14,13 @@ from __future__ import annotations
 import hmac
 import socket
 import struct
-import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from areal_grpc import tensor_codec as tc
-from areal_grpc.checksum import crc32c_at
+from areal_grpc.checksum import crc32c
 from areal_grpc.errors import DataLossError, DeadlineError, DeniedError, PreconditionError
 
 __all__ = [
@@ -32,7 +29,6 @@ __all__ = [
     "MAGIC",
     "TOKEN_BYTES",
     "Frame",
-    "FrameFeed",
     "accept",
     "frames_of",
     "receive_tensors",
@@ -40,14 +36,17 @@ __all__ = [
     "send_frames",
     "send_preamble",
     "send_tensor",
+    "send_tensors",
     "tune",
 ]
 
 MAGIC = b"AREALSK1"
 TOKEN_BYTES = 32
 END_INDEX = 0xFFFFFFFF
-# Large enough that a frame's header and CRC cost nothing next to its payload.
-DEFAULT_FRAME_BYTES = 16 << 20
+# The sender's frame size: large enough that a header costs nothing next to its payload,
+# small enough to stay in cache between being checksummed and being copied into the socket
+# (at 16 MiB each frame is read from memory twice).
+DEFAULT_FRAME_BYTES = 1 << 20
 # Socket buffers asked for on both ends (the kernel may cap them).
 SOCKET_BUFFER_BYTES = 8 << 20
 
@@ -76,82 +75,54 @@ Frame = tuple[bytes, memoryview]
 
 
 def _iter_frames(index: int, tensor: torch.Tensor, frame_bytes: int) -> Iterator[Frame]:
-    data = tc.byte_view(tensor)
-    view = memoryview(data.numpy())  # type: ignore[arg-type]
-    base = data.data_ptr()
+    # Lazily: a frame is checksummed just before it is sent, so the kernel's copy finds it in
+    # cache (a separate pass, or a thread ahead of the sender, reads memory twice).
+    view = _view(tensor)
     n = len(view)
     if n == 0:
         yield _FRAME.pack(index, 0, 0, 0), view
         return
     for offset in range(0, n, frame_bytes):
-        size = min(frame_bytes, n - offset)
-        header = _FRAME.pack(index, offset, size, crc32c_at(base + offset, size))
-        yield header, view[offset : offset + size]
+        part = view[offset : offset + frame_bytes]
+        yield _FRAME.pack(index, offset, len(part), crc32c(part)), part
 
 
 def frames_of(index: int, tensor: torch.Tensor, frame_bytes: int) -> list[Frame]:
-    """One tensor as (header, payload) frames of at most ``frame_bytes``, CRCs computed once
-    (the payloads are views of the tensor's memory: keep it alive while they are sent)."""
+    """One tensor as (header, payload) frames of at most ``frame_bytes`` (the payloads are
+    views of the tensor's memory: keep it alive while they are sent)."""
     return list(_iter_frames(index, tensor, frame_bytes))
 
 
-class FrameFeed:
-    """The frames of some tensors, checksummed by a thread of its own while any number of
-    senders iterate over them: a frame's CRC overlaps with sending the frames before it."""
-
-    def __init__(self, tensors: Sequence[tuple[int, torch.Tensor]], frame_bytes: int) -> None:
-        self._frames: list[Frame] = []
-        self._done = False
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        # The payloads are views of these tensors' memory.
-        self._tensors = list(tensors)
-        threading.Thread(
-            target=self._run, args=(frame_bytes,), name="frame-crc", daemon=True
-        ).start()
-
-    def _run(self, frame_bytes: int) -> None:
-        try:
-            for index, tensor in self._tensors:
-                for frame in _iter_frames(index, tensor, frame_bytes):
-                    with self._cond:
-                        self._frames.append(frame)
-                        self._cond.notify_all()
-        except BaseException as exc:  # handed to the senders
-            self._error = exc
-        finally:
-            with self._cond:
-                self._done = True
-                self._cond.notify_all()
-
-    def __iter__(self) -> Iterator[Frame]:
-        i = 0
-        while True:
-            with self._cond:
-                while i >= len(self._frames) and not self._done:
-                    self._cond.wait()
-                if i >= len(self._frames):
-                    if self._error is not None:
-                        raise self._error
-                    return
-                frame = self._frames[i]
-            yield frame
-            i += 1
+def _send_frame(sock: socket.socket, header: bytes, payload: memoryview) -> None:
+    # One call for both: with TCP_NODELAY a header sent on its own is a packet of its own.
+    sent = sock.sendmsg([header, payload])
+    if sent < len(header):
+        sock.sendall(header[sent:])
+        sent = len(header)
+    if sent - len(header) < len(payload):
+        sock.sendall(payload[sent - len(header) :])
 
 
 def send_frames(sock: socket.socket, frames: Iterable[Frame]) -> int:
     """Sends frames; the payload bytes sent."""
     sent = 0
     for header, payload in frames:
-        sock.sendall(header)
-        sock.sendall(payload)
+        _send_frame(sock, header, payload)
         sent += len(payload)
     return sent
 
 
+def send_tensors(
+    sock: socket.socket, tensors: Iterable[tuple[int, torch.Tensor]], frame_bytes: int
+) -> int:
+    """Sends (index, tensor) pairs as frames of at most ``frame_bytes``; the payload bytes
+    sent."""
+    return sum(send_frames(sock, _iter_frames(i, t, frame_bytes)) for i, t in tensors)
+
+
 def send_tensor(sock: socket.socket, index: int, tensor: torch.Tensor, frame_bytes: int) -> int:
     """Sends one tensor as frames of at most ``frame_bytes``; the payload bytes sent."""
-    return send_frames(sock, frames_of(index, tensor, frame_bytes))
+    return send_tensors(sock, [(index, tensor)], frame_bytes)
 
 
 def send_end(sock: socket.socket) -> None:
@@ -159,7 +130,9 @@ def send_end(sock: socket.socket) -> None:
     sock.sendall(_FRAME.pack(END_INDEX, 0, 0, 0))
 
 
-def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float, crc: int = -1) -> int:
+    """Fills ``view``; with ``crc`` >= 0, returns the CRC-32C extended over it, computed on each
+    piece as it arrives (still in cache), else -1."""
     got = 0
     while got < len(view):
         sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -169,7 +142,10 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
             raise DeadlineError("the side channel stalled past the update's deadline") from None
         if n == 0:
             raise DataLossError(f"the side channel closed {len(view) - got} bytes short of a frame")
+        if crc >= 0:
+            crc = crc32c(view[got : got + n], crc)
         got += n
+    return crc
 
 
 def _frames(sock: socket.socket, deadline: float) -> Iterator[tuple[int, int, int, int]]:
@@ -216,36 +192,20 @@ def receive_tensors(
             f"the side channel carries version {got_version}, the update announced {version}"
         )
     views = [_view(t) for t in dests]
-    total = 0
     frames = _frames(conn, deadline)
-    # Each frame's CRC is checked by a thread of its own while the next frame arrives; a
-    # mismatch found late still fails the transfer before anything is installed.
-    with ThreadPoolExecutor(1, thread_name_prefix="frame-crc") as checker:
-        checks: deque[tuple[Future[int], int, int, int]] = deque()
-        total = _read_frames(conn, frames, views, dests, max_frame_bytes, deadline, checker, checks)
-        while checks:
-            _check(checks.popleft())
+    total = _read_frames(conn, frames, views, max_frame_bytes, deadline)
     end_index, _, size, _ = next(frames)
     if end_index != END_INDEX or size:
         raise DataLossError("the side channel sent more frames than the tensors announced")
     return total
 
 
-def _check(item: tuple[Future[int], int, int, int]) -> None:
-    future, crc, index, offset = item
-    if future.result() != crc:
-        raise DataLossError(f"tensor {index}: CRC-32C mismatch in the frame at {offset}")
-
-
 def _read_frames(
     conn: socket.socket,
     frames: Iterator[tuple[int, int, int, int]],
     views: list[memoryview],
-    dests: Sequence[torch.Tensor],
     max_frame_bytes: int,
     deadline: float,
-    checker: ThreadPoolExecutor,
-    checks: deque[tuple[Future[int], int, int, int]],
 ) -> int:
     total = 0
     for index, view in enumerate(views):
@@ -262,12 +222,9 @@ def _read_frames(
                     f"tensor {index}: a {size}-byte frame at byte {offset} overruns the frame "
                     f"limit {max_frame_bytes} or the tensor's {len(view)} bytes"
                 )
-            part = view[offset : offset + size]
-            _recv_into(conn, part, deadline)
-            address = dests[index].data_ptr() + offset
-            checks.append((checker.submit(crc32c_at, address, size), crc, index, offset))
-            while checks and checks[0][0].done():
-                _check(checks.popleft())
+            got = _recv_into(conn, view[offset : offset + size], deadline, crc=0)
+            if got != crc:
+                raise DataLossError(f"tensor {index}: CRC-32C mismatch in the frame at {offset}")
             expected += size
             total += size
             if expected == len(view):

@@ -2,16 +2,24 @@
 
 One rollout server process (builtin:micro), an in-process CoordinatorService with it
 registered, and ``areal-gateway`` as its own process. At each concurrency ``n`` (1, 8, 32),
-``n`` concurrent clients each hold one RL session and send chat completions through the
-``openai`` package, and ``n`` clients send the same prompt ids straight to the rollout server
-with ``Generate``, for ``--seconds`` each, in ``--rounds`` windows taking turns (both sides
-warmed up first). Every completion asks for the same
-``--max-tokens`` at temperature 1. Prints, per ``n``,
+``n`` concurrent clients each hold one RL session and send chat completions to the gateway,
+and ``n`` clients send the same prompt ids straight to the rollout server with ``Generate``,
+for ``--seconds`` each, in ``--rounds`` windows taking turns (all sides warmed up first).
+Every completion asks for the same ``--max-tokens`` at temperature 1.
 
-    RESULT bench=gateway_throughput_<n> value=<gateway completions/s> unit=completions/s
-           baseline=<direct completions/s> ratio=<value / baseline> target=0.9
-    RESULT bench=gateway_p99_<n> value=<gateway p99 s> unit=s baseline=<direct p99 s>
-           ratio=<value / baseline> target=none
+The gateway is driven two ways, as separate sides: by plain HTTP requests (aiohttp, as
+serving benchmarks such as vLLM's drive an OpenAI endpoint), which measures the gateway; and
+by the ``openai`` package, which measures what an agent written against it sees. The client
+processes share the 2 cores with the servers here, and the ``openai`` package spends several
+times the gateway's own CPU per completion, so its side reads the client library as much as
+the gateway (the CPU lines printed say how much). Prints, per ``n``,
+
+    RESULT bench=gateway_throughput_<n> value=<gateway completions/s, HTTP driver>
+           unit=completions/s baseline=<direct completions/s> ratio=<value / baseline>
+           target=0.9
+    RESULT bench=gateway_openai_throughput_<n> (the same through the ``openai`` package)
+    RESULT bench=gateway_p99_<n> value=<gateway p99 s, HTTP driver> unit=s
+           baseline=<direct p99 s> ratio=<value / baseline> target=none
 
     .venv/bin/python bench/gateway.py [--seconds 10] [--concurrency 1 8 32]
 """
@@ -28,6 +36,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
 import httpx
 import openai
 import psutil
@@ -84,36 +93,60 @@ async def measure(args: argparse.Namespace, gateway: str, rollout: str, pids: li
     def cpu() -> list[float]:
         return [sum(p.cpu_times()[:2]) for p in procs]
 
-    async def gateway_calls(n: int) -> tuple[list[Call], Callable[[], Awaitable[None]]]:
-        """``n`` sessions' call functions, and what ends the sessions (each has a lease)."""
+    async def gateway_calls(
+        n: int, driver: str
+    ) -> tuple[list[Call], Callable[[], Awaitable[None]]]:
+        """``n`` sessions' call functions through ``driver`` (``http`` or ``openai``), and what
+        ends the sessions (each has a lease)."""
         sids = [
             (await http.post(f"{gateway}/rl/sessions", json={})).json()["session_id"]
             for _ in range(n)
         ]
-        clients = [
-            openai.AsyncOpenAI(
+        body = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+        }
+        closers: list[Callable[[], Awaitable[None]]] = []
+
+        def openai_call(sid: str) -> Call:
+            c = openai.AsyncOpenAI(
                 base_url=f"{gateway}/v1",
                 api_key="x",
                 max_retries=0,
                 default_headers={"X-Session-Id": sid},
             )
-            for sid in sids
-        ]
+            closers.append(c.close)
 
-        def call_of(c: openai.AsyncOpenAI) -> Call:
             async def call() -> None:
-                await c.chat.completions.create(
-                    model=MODEL, messages=MESSAGES, max_tokens=args.max_tokens, temperature=1.0
-                )
+                await c.chat.completions.create(**body)
 
             return call
 
+        def http_call(sid: str) -> Call:
+            s = aiohttp.ClientSession(
+                f"{gateway}/", headers={"X-Session-Id": sid, "Authorization": "Bearer x"}
+            )
+            closers.append(s.close)
+
+            async def call() -> None:
+                async with s.post("v1/chat/completions", json=body) as r:
+                    reply = await r.json()
+                    if r.status != 200 or not reply["choices"]:
+                        raise RuntimeError(f"gateway answered {r.status}: {reply}")
+
+            return call
+
+        calls = [(openai_call if driver == "openai" else http_call)(sid) for sid in sids]
+
         async def end() -> None:
-            for sid, c in zip(sids, clients, strict=True):
-                await c.close()
+            for close in closers:
+                await close()
+            for sid in sids:
                 await http.delete(f"{gateway}/rl/sessions/{sid}")
 
-        return [call_of(c) for c in clients], end
+        return calls, end
 
     async def call_direct() -> None:
         await direct.generate(prompt, sampling, timeout_s=60)
@@ -122,18 +155,18 @@ async def measure(args: argparse.Namespace, gateway: str, rollout: str, pids: li
         if side == "direct":
             return await load([call_direct] * n, seconds)
         # Fresh sessions per window (outside its time): a lease lasts a minute.
-        calls, end = await gateway_calls(n)
+        calls, end = await gateway_calls(n, side)
         try:
             return await load(calls, seconds)
         finally:
             await end()
 
-    sides = ("direct", "gateway")
+    sides = ("direct", "http", "openai")
     for n in args.concurrency:
         for side in sides:
             await window(side, n, 2.0)  # warm-up
         # Short windows taking turns, in alternating order: a slower or faster stretch of
-        # this shared machine falls on both sides alike.
+        # this shared machine falls on all sides alike.
         taken = dict.fromkeys(sides, 0.0)
         lat: dict[str, list[float]] = {side: [] for side in sides}
         spent = {side: [0.0] * len(procs) for side in sides}
@@ -145,12 +178,14 @@ async def measure(args: argparse.Namespace, gateway: str, rollout: str, pids: li
                 spent[side] = [t + u for t, u in zip(spent[side], used, strict=True)]
                 taken[side] += seconds
                 lat[side] += latencies
-        g_rate, g_lat = len(lat["gateway"]) / taken["gateway"], lat["gateway"]
-        d_rate, d_lat = len(lat["direct"]) / taken["direct"], lat["direct"]
+        rate = {side: len(lat[side]) / taken[side] for side in sides}
         print(
-            f"n={n:>2}: gateway {g_rate:.1f}/s p50 {p(g_lat, 0.5) * 1e3:.0f} ms p99 "
-            f"{p(g_lat, 0.99) * 1e3:.0f} ms | direct {d_rate:.1f}/s p50 "
-            f"{p(d_lat, 0.5) * 1e3:.0f} ms p99 {p(d_lat, 0.99) * 1e3:.0f} ms",
+            f"n={n:>2}: "
+            + " | ".join(
+                f"{side} {rate[side]:.1f}/s p50 {p(lat[side], 0.5) * 1e3:.0f} ms "
+                f"p99 {p(lat[side], 0.99) * 1e3:.0f} ms"
+                for side in sides
+            ),
             flush=True,
         )
         for side in sides:
@@ -161,8 +196,15 @@ async def measure(args: argparse.Namespace, gateway: str, rollout: str, pids: li
                 f"{sum(spent[side]) / taken[side]:.2f} of {os.cpu_count()} cores",
                 flush=True,
             )
-        result(f"gateway_throughput_{n}", g_rate, "completions/s", d_rate, "0.9")
-        result(f"gateway_p99_{n}", p(g_lat, 0.99), "s", p(d_lat, 0.99), "none")
+        result(f"gateway_throughput_{n}", rate["http"], "completions/s", rate["direct"], "0.9")
+        result(
+            f"gateway_openai_throughput_{n}",
+            rate["openai"],
+            "completions/s",
+            rate["direct"],
+            "0.9",
+        )
+        result(f"gateway_p99_{n}", p(lat["http"], 0.99), "s", p(lat["direct"], 0.99), "none")
     await http.aclose()
     await direct.close()
 

@@ -166,6 +166,15 @@ def test_crc_helpers_match_google_crc32c():
     assert crc32c(bytearray(data)) == want
     assert crc32c(memoryview(data)[10:]) == google_crc32c.value(data[10:])
     assert crc32c(b"") == 0
+    # In pieces, each extending the CRC of the ones before (as the side channel checks a
+    # frame while it arrives), it is the CRC of the whole.
+    crc = 0
+    for start in range(0, len(data), 777):
+        crc = crc32c(memoryview(data)[start : start + 777], crc)
+    assert crc == want
+    # Tensor memory as it is (what the chunk streams and the side channel checksum).
+    t = torch.arange(1000, dtype=torch.float32)
+    assert crc32c(memoryview(t.numpy()).cast("B")) == google_crc32c.value(t.numpy().tobytes())
 
 
 # --- TensorProto validation ---------------------------------------------------------------

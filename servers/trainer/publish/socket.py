@@ -104,15 +104,15 @@ class SocketTransport(Transport):
             if t.plan is not None
         )
 
-        # Checksummed once (by the feed's thread, ahead of the senders), written to every
-        # connection at once (each in its own thread).
-        framed = side_channel.FrameFeed(
-            [(index + k, t) for k, t in enumerate(bucket.values())], frame_bytes
-        )
+        # Written to every connection at once, each in its own thread, which checksums each
+        # frame just before sending it (in cache for the copy that follows).
+        tensors = [(index + k, t) for k, t in enumerate(bucket.values())]
 
         async def write(t: Target) -> None:
             try:
-                sent = await asyncio.to_thread(side_channel.send_frames, self._socks[id(t)], framed)
+                sent = await asyncio.to_thread(
+                    side_channel.send_tensors, self._socks[id(t)], tensors, frame_bytes
+                )
             except OSError as exc:
                 await self._lost(t, exc)
                 return
