@@ -137,18 +137,26 @@ def grpc_server_main(fast: bool, ready: Any) -> None:
             return struct.pack("<QQQ", len(sd), nbytes(sd), _digest(sd))
         return _summary(sd)
 
+    decode = CHUNK_SERIALIZERS[1] if fast else _naive_decode
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Push": grpc.stream_unary_rpc_method_handler(
+                sink, request_deserializer=decode, response_serializer=bytes
+            )
+        },
+    )
+    _serve(handler, fast, ready)
+
+
+def _serve(handler: grpc.GenericRpcHandler, fast: bool, ready: Any) -> None:
+    """Serves ``handler`` until killed, after sending the port to ``ready``.
+
+    A bare grpc.aio server: start_server (areal_grpc.server) takes no extra channel
+    arguments, and health/reflection play no part here.
+    """
+
     async def main() -> None:
-        decode = CHUNK_SERIALIZERS[1] if fast else _naive_decode
-        handler = grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "Push": grpc.stream_unary_rpc_method_handler(
-                    sink, request_deserializer=decode, response_serializer=bytes
-                )
-            },
-        )
-        # A bare grpc.aio server: start_server (areal_grpc.server) takes no extra channel
-        # arguments, and health/reflection play no part here.
         options = server_options(ServerOptions())
         if fast:
             options += stream_channel_options()
@@ -200,18 +208,10 @@ def grpc_ceiling_server_main(ready: Any) -> None:
             got += len(msg)
         return struct.pack("<QQd", int(meta["tensors"]), got, time.process_time())
 
-    async def main() -> None:
-        handler = grpc.method_handlers_generic_handler(
-            SERVICE, {"Drain": grpc.stream_unary_rpc_method_handler(drain)}
-        )
-        server = grpc.aio.server(options=server_options(ServerOptions()) + stream_channel_options())
-        server.add_generic_rpc_handlers((handler,))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        ready.send(port)
-        await server.wait_for_termination()
-
-    asyncio.run(main())
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE, {"Drain": grpc.stream_unary_rpc_method_handler(drain)}
+    )
+    _serve(handler, True, ready)
 
 
 def grpc_ceiling_push(port: int, messages: list[bytes], tensors: int) -> bytes:
