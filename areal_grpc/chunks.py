@@ -103,6 +103,7 @@ def iter_chunk_views(
         for k in range(count):
             start = k * max_chunk_bytes
             end = min(nbytes, start + max_chunk_bytes)
+            data = mem[start:end]
             yield ChunkView(
                 name=name,
                 tensor_index=index,
@@ -111,8 +112,8 @@ def iter_chunk_views(
                 dtype=dtype if k == 0 else 0,
                 shape=shape if k == 0 else (),
                 offset=start,
-                data=mem[start:end],
-                crc32c=crc32c(mem[start:end]),
+                data=data,
+                crc32c=crc32c(data),
             )
 
 

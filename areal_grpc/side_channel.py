@@ -130,9 +130,11 @@ def send_end(sock: socket.socket) -> None:
     sock.sendall(_FRAME.pack(END_INDEX, 0, 0, 0))
 
 
-def _recv_into(sock: socket.socket, view: memoryview, deadline: float, crc: int = -1) -> int:
-    """Fills ``view``; with ``crc`` >= 0, returns the CRC-32C extended over it, computed on each
-    piece as it arrives (still in cache), else -1."""
+def _recv_into(
+    sock: socket.socket, view: memoryview, deadline: float, crc: int | None = None
+) -> int | None:
+    """Fills ``view``; given the ``crc`` of the bytes before it, returns the CRC-32C extended
+    over it, computed on each piece as it arrives (still in cache)."""
     got = 0
     while got < len(view):
         sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -142,7 +144,7 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float, crc: int 
             raise DeadlineError("the side channel stalled past the update's deadline") from None
         if n == 0:
             raise DataLossError(f"the side channel closed {len(view) - got} bytes short of a frame")
-        if crc >= 0:
+        if crc is not None:
             crc = crc32c(view[got : got + n], crc)
         got += n
     return crc

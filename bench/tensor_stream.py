@@ -170,12 +170,17 @@ def _serve(handler: grpc.GenericRpcHandler, fast: bool, ready: Any) -> None:
     asyncio.run(main())
 
 
-def grpc_push(port: int, sd: dict[str, torch.Tensor], fast: bool, verify: bool = False) -> bytes:
-    """Client side: one stream of the whole state dict; returns the server's answer."""
+def _channel(port: int, fast: bool) -> grpc.Channel:
+    """A channel to a benchmark server, with the fast path's options when ``fast``."""
     extra = stream_channel_options() if fast else []
-    channel = grpc.insecure_channel(
+    return grpc.insecure_channel(
         f"127.0.0.1:{port}", options=channel_options(ChannelOptions(extra=extra))
     )
+
+
+def grpc_push(port: int, sd: dict[str, torch.Tensor], fast: bool, verify: bool = False) -> bytes:
+    """Client side: one stream of the whole state dict; returns the server's answer."""
+    channel = _channel(port, fast)
     try:
         encode = CHUNK_SERIALIZERS[0] if fast else _naive_encode
         call = channel.stream_unary(
@@ -216,9 +221,7 @@ def grpc_ceiling_server_main(ready: Any) -> None:
 
 def grpc_ceiling_push(port: int, messages: list[bytes], tensors: int) -> bytes:
     """Client side: one stream of pre-serialised messages; returns the server's answer."""
-    channel = grpc.insecure_channel(
-        f"127.0.0.1:{port}", options=channel_options(ChannelOptions(extra=stream_channel_options()))
-    )
+    channel = _channel(port, True)
     try:
         call = channel.stream_unary(f"/{SERVICE}/Drain")
         total = sum(len(m) for m in messages)
@@ -453,11 +456,10 @@ def main() -> None:
         if case is base:
             continue
         value = total / statistics.median(case.seconds) / 1e6
-        name = {"side_channel": "tensor_stream_side_channel"}.get(case.name, case.name)
-        if case.name == "grpc_ceiling":
-            name, target = "tensor_stream_grpc_ceiling", "none"
-        else:
-            target = "0.9" if case.name == "side_channel" else "0.8"
+        name, target = {
+            "side_channel": ("tensor_stream_side_channel", "0.9"),
+            "grpc_ceiling": ("tensor_stream_grpc_ceiling", "none"),
+        }.get(case.name, (case.name, "0.8"))
         print(
             f"RESULT bench={name} value={value:.0f} unit=MB/s baseline={base_mbs:.0f} "
             f"ratio={value / base_mbs:.2f} target={target}"
