@@ -15,6 +15,7 @@ global batch has no trajectories is INVALID_ARGUMENT on every rank.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pickle
 import time
@@ -35,7 +36,7 @@ from areal_servers.trainer.engine import (
     init_distributed,
     resolve_device,
 )
-from areal_servers.trainer.publish.base import PublisherConfig, TensorMeta
+from areal_servers.trainer.publish.base import PublisherConfig
 from areal_servers.trainer.weight_publisher import (
     METHODS,
     PublishSession,
@@ -167,6 +168,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         self._ready: Future[TrainerEngine] = self._executor.submit(self._build)
         # Rank 0's sender; it keeps the distributed weight group between publications.
         self.publisher = WeightPublisher(cfg.weights, device=self.device)
+        self._model_config_json: str | None = None
         self.roots = open_roots(cfg.path_roots, "trainer")
         # Why the process group broke (None while it works). A collective that failed
         # unexpectedly (a peer died, a timeout) leaves the ranks at different points of the
@@ -208,7 +210,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             await asyncio.wait_for(asyncio.to_thread(self._executor.shutdown, wait=True), timeout_s)
         except TimeoutError:
             log.warning("a collective call is still running after %.0fs; exiting anyway", timeout_s)
-        self.publisher.close()
+        await self.publisher.aclose()
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         """Runs ``fn`` on the torch worker thread once the engine is ready."""
@@ -497,35 +499,39 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         wcfg = self.cfg.weights
         bucket_bytes = request.bucket_bytes or wcfg.bucket_bytes
         timeout_s = seconds(request.timeout) or wcfg.timeout_s
+        # Rank 0 negotiates with the servers at once, while its torch thread lists the
+        # tensors; a session that cannot be made still lets every rank join the gathers.
+        session: PublishSession | None = None
+        refused: Exception | None = None
+        with contextlib.suppress(Exception):  # _run reports a failed build
+            await asyncio.wrap_future(self._ready)
+        if self.engine is not None and self.engine.rank == 0 and self.broken is None:
+            try:
+                session = self.publisher.session(
+                    addresses,
+                    methods,
+                    bucket_bytes=bucket_bytes,
+                    timeout_s=timeout_s,
+                    config_json=self._config_json(),
+                )
+                session.begin()
+            except Exception as exc:
+                refused = exc
+        used: list[bool] = []
 
         def job() -> trainer_pb2.PublishWeightsResponse:
             engine = self.engine
             assert engine is not None
             start = time.monotonic()
             version = engine.version
-            factory = None
-            if engine.rank == 0:
-                config_json = engine.model.config.to_json_string()
-
-                def factory(metas: list[TensorMeta], buckets: list[list[int]]) -> PublishSession:
-                    return self.publisher.session(
-                        addresses,
-                        methods,
-                        version,
-                        metas,
-                        buckets,
-                        bucket_bytes=bucket_bytes,
-                        timeout_s=timeout_s,
-                        config_json=config_json,
-                    )
-
+            used.append(True)
             self._busy = True
             try:
-                results, stats = run_publication(
-                    engine.model, engine.rank, loop, factory, bucket_bytes
-                )
+                results, stats = run_publication(engine.model, version, loop, session, bucket_bytes)
             finally:
                 self._busy = False
+            if refused is not None:
+                raise RuntimeError(f"publishing failed on rank 0: {refused!r}") from refused
             elapsed = time.monotonic() - start
             ok = sum(r.ok for r in results)
             if engine.rank == 0:
@@ -555,7 +561,18 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
                 total_bytes=stats.total_bytes,
             )
 
-        return await self._unary(context, job)
+        try:
+            return await self._unary(context, job)
+        finally:
+            if session is not None and not used:
+                await session.abandon()
+
+    def _config_json(self) -> str:
+        """The model's config as JSON (DISK writes it beside each version), made once."""
+        if self._model_config_json is None:
+            assert self.engine is not None
+            self._model_config_json = self.engine.model.config.to_json_string()
+        return self._model_config_json
 
     async def GetTrainerStatus(
         self, request: trainer_pb2.GetTrainerStatusRequest, context: grpc.aio.ServicerContext

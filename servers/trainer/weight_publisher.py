@@ -3,14 +3,16 @@
 Every rank runs :func:`gather_buckets` (the FSDP all-gathers are collective): parameters are
 materialised one at a time with ``DTensor.full_tensor()`` and grouped into buckets of at most
 ``bucket_bytes``; only rank 0 keeps them. Rank 0 hands each bucket to a :class:`PublishSession`
-as soon as it is gathered, with at most one bucket in flight while the next is gathered, so
-the full model never exists twice on rank 0 (at most two buckets do, plus, for DISK, the
-buckets whose shard files are still being written: ``disk_writers`` at most).
+as soon as it is gathered (a transport queues it behind the one it is sending), then waits
+for the bucket before it to be sent before gathering more, so the full model never exists
+twice on rank 0: at most two buckets do (one being sent, one gathered or queued behind it), plus, for
+DISK, the buckets whose shard files are still being written (``disk_writers`` at most).
 
-A session negotiates with every rollout server (methods in the caller's preference order),
-then moves each bucket by the plan each server accepted, through that method's transport
-(:mod:`areal_servers.trainer.publish`: ``stream``, ``disk``, ``distributed``, one module each
-behind one interface).
+A session negotiates with every rollout server (methods in the caller's preference order;
+begun as the request arrives, while the torch thread lists the tensors), then moves each
+bucket by the plan each server accepted, through that method's transport
+(:mod:`areal_servers.trainer.publish`: ``stream``, ``socket``, ``shared_memory``, ``disk``,
+``distributed``, one module each behind one interface).
 
 A server that fails (refuses, times out, drops) is reported failed with the gRPC status, and
 the others go on. Nothing here raises for a server's failure; a broken DISTRIBUTED group's
@@ -111,11 +113,12 @@ def published_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, owners[name]) for name in model.state_dict() if name in owners]
 
 
-def tensor_metas(model: torch.nn.Module) -> list[TensorMeta]:
-    """The metadata of :func:`published_tensors`."""
-    return [
-        TensorMeta(name, t.dtype, [int(d) for d in t.shape]) for name, t in published_tensors(model)
-    ]
+def tensor_metas(
+    model: torch.nn.Module, items: Sequence[tuple[str, torch.Tensor]] | None = None
+) -> list[TensorMeta]:
+    """The metadata of :func:`published_tensors` (``items``: those already listed)."""
+    items = published_tensors(model) if items is None else items
+    return [TensorMeta(name, t.dtype, [int(d) for d in t.shape]) for name, t in items]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -134,13 +137,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_buckets(
-    model: torch.nn.Module, buckets: Sequence[Sequence[int]], keep: bool
+    items: Sequence[tuple[str, torch.Tensor]], buckets: Sequence[Sequence[int]], keep: bool
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Full tensors bucket by bucket (collective: every rank must iterate all of it).
+    """Full tensors of :func:`published_tensors`' ``items``, bucket by bucket (collective:
+    every rank must iterate all of it).
 
     ``keep`` False (ranks other than 0) yields empty dicts: the rank only joins the gathers.
     """
-    items = published_tensors(model)
     with torch.no_grad():
         for bucket in buckets:
             out: dict[str, torch.Tensor] = {}
@@ -188,31 +191,55 @@ class WeightPublisher:
         # A STREAM publication allocates and frees a ~1 MiB message buffer per chunk; keep
         # freed ones mapped instead of faulting fresh pages in for every message.
         tune_malloc()
+        # Channels to the rollout servers, kept between publications on the server's event
+        # loop (a fresh one costs a connection and an HTTP/2 handshake before Negotiate).
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """The kept channel to ``address`` (call on the server's event loop).
+
+        A channel whose server went away (TRANSIENT_FAILURE) is replaced: a server restarted
+        at the same address is reached at once, not after the old channel's reconnect backoff.
+        """
+        channel = self._channels.get(address)
+        if channel is not None and channel.get_state() in _GONE:
+            _close_later(channel)
+            channel = None
+        if channel is None:
+            # The process default carries the run's TLS and token (set from the server flags).
+            opts = default_channel_options(extra=stream_channel_options())
+            channel = self._channels[address] = aio_channel(address, opts)
+        return channel
 
     def session(
         self,
         addresses: Sequence[str],
         methods: Sequence[int],
-        version: int,
-        metas: Sequence[TensorMeta],
-        buckets: Sequence[Sequence[int]],
         *,
         bucket_bytes: int,
         timeout_s: float,
         config_json: str | None = None,
     ) -> PublishSession:
-        """A session publishing ``version`` (run its coroutines on one event loop)."""
+        """A publication to ``addresses`` (make it and run its coroutines on one event loop)."""
+        known = set(addresses)
+        for address in [a for a, c in self._channels.items() if a not in known]:
+            if self._channels[address].get_state() in _GONE:
+                _close_later(self._channels.pop(address))
         return PublishSession(
             self,
+            [self.channel(a) for a in addresses],
             list(addresses),
             list(methods) or list(default_methods(self.device)),
-            version,
-            list(metas),
-            [list(b) for b in buckets],
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s,
             config_json=config_json,
         )
+
+    async def aclose(self) -> None:
+        """Leaves the weight group and closes the kept channels."""
+        self.close()
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
     def close(self) -> None:
         """Leaves the weight group."""
@@ -221,17 +248,30 @@ class WeightPublisher:
         self.group = None
 
 
+# Channel states of a server that is gone (or of a channel closed under us).
+_GONE = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+
+
+def _close_later(channel: grpc.aio.Channel) -> None:
+    """Closes a channel no call uses any more, without waiting for it."""
+    task = asyncio.ensure_future(channel.close())
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)
+
+
+_CLOSING: set[asyncio.Future[None]] = set()
+
+
 class PublishSession:
-    """One publication from rank 0: ``open``, ``send_bucket`` per bucket, ``close``."""
+    """One publication from rank 0: ``begin`` (negotiation), ``open`` once the version and the
+    tensors are known, ``send_bucket`` per bucket, ``close``."""
 
     def __init__(
         self,
         publisher: WeightPublisher,
+        channels: list[grpc.aio.Channel],
         addresses: list[str],
         methods: list[int],
-        version: int,
-        metas: list[TensorMeta],
-        buckets: list[list[int]],
         *,
         bucket_bytes: int,
         timeout_s: float,
@@ -240,17 +280,13 @@ class PublishSession:
         self.publisher = publisher
         self.cfg = publisher.config
         self.methods = methods
-        self.version = version
         self.ctx = PublishContext(
             cfg=self.cfg,
-            version=version,
-            metas=metas,
-            bucket_count=len(buckets),
             bucket_bytes=bucket_bytes,
             config_json=config_json,
             deadline=time.monotonic() + timeout_s,
         )
-        self.stats = SessionStats(tensor_count=len(metas), total_bytes=self.ctx.total_bytes)
+        self.stats = SessionStats()
         self._start = time.monotonic()
         self.distributed = DistributedTransport(self.ctx, publisher)
         self.transports: dict[int, Transport] = {
@@ -260,19 +296,15 @@ class PublishSession:
             pb.TRANSFER_METHOD_DISK: DiskTransport(self.ctx),
             pb.TRANSFER_METHOD_DISTRIBUTED: self.distributed,
         }
-        self.targets: list[Target] = []
-        # The process default carries the run's TLS and token (set from the server flags).
-        opts = default_channel_options(extra=stream_channel_options())
-        for address in addresses:
-            channel = aio_channel(address, opts)
-            self.targets.append(
-                Target(
-                    TargetResult(address),
-                    weight_sync_pb2_grpc.WeightSyncServiceStub(channel),
-                    channel,
-                )
-            )
+        self.targets = [
+            Target(TargetResult(a), weight_sync_pb2_grpc.WeightSyncServiceStub(c), c)
+            for a, c in zip(addresses, channels, strict=True)
+        ]
         self._tensor_index = 0
+        self._negotiation: asyncio.Future[None] | None = None
+        self._opened = False
+        # Each transport's latest send: a transport gets its buckets one at a time, in order.
+        self._sending: dict[int, asyncio.Future[None]] = {}
 
     def _of(self, method: int) -> list[Target]:
         return [t for t in self.targets if t.alive and t.result.method == method]
@@ -301,18 +333,29 @@ class PublishSession:
         target.plan = reply
         target.result.method = reply.plan.method
         target.result.policy_version = reply.policy_version
-        if reply.policy_version >= self.version:
-            target.result.fail(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"serves version {reply.policy_version}, not older than "
-                f"the published {self.version}",
-            )
+        if self._opened:
+            self._check_version(target)
+
+    def _check_version(self, target: Target) -> None:
+        """Fails a server that already serves the published version or a newer one."""
+        if target.plan is not None:
+            served = target.plan.policy_version
+            if served >= self.ctx.version:
+                target.result.fail(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"serves version {served}, not older than the published {self.ctx.version}",
+                )
 
     def _fresh_group_params(self) -> tuple[int, str]:
         return (free_port(self.cfg.master_address), f"areal-weights-{uuid.uuid4().hex[:8]}")
 
-    async def open(self) -> None:
-        """Negotiates with every server and starts each method's transfer."""
+    def begin(self) -> None:
+        """Starts negotiating with every server (before the version and tensors are known:
+        it overlaps the trainer's preparation); :meth:`open` waits for it."""
+        if self._negotiation is None:
+            self._negotiation = asyncio.ensure_future(self._negotiate_all())
+
+    async def _negotiate_all(self) -> None:
         addresses = [t.result.address for t in self.targets]
         cache = self.publisher.group
         dist = self.distributed
@@ -324,11 +367,26 @@ class PublishSession:
         await asyncio.gather(
             *(self._negotiate(t, self.methods, i + 1, world) for i, t in enumerate(self.targets))
         )
+
+    async def open(self, version: int, metas: list[TensorMeta], buckets: list[list[int]]) -> None:
+        """Publishes ``version`` (``metas`` in ``buckets``): waits for the negotiation, then
+        starts each method's transfer."""
+        self.ctx.version = version
+        self.ctx.metas = metas
+        self.ctx.bucket_count = len(buckets)
+        self.stats = SessionStats(tensor_count=len(metas), total_bytes=self.ctx.total_bytes)
+        self._opened = True
+        self.begin()
+        assert self._negotiation is not None
+        await self._negotiation
+        for t in self.targets:
+            self._check_version(t)
         # Distributed ranks must be exactly 1..n for the servers that took DISTRIBUTED; when
         # some did not (or a cached group is gone on a server), renegotiate those with a fresh
         # group until the set is consistent.
+        dist = self.distributed
         offered = {t.result.address: i + 1 for i, t in enumerate(self.targets)}
-        offered_world = world
+        offered_world = len(self.targets) + 1
         while True:
             members = self._of(pb.TRANSFER_METHOD_DISTRIBUTED)
             if not members:
@@ -352,21 +410,44 @@ class PublishSession:
         for method, transport in self.transports.items():
             await transport.open(self._of(method))
 
+    async def abandon(self) -> None:
+        """Ends a session that was never opened (its negotiation is stopped or awaited)."""
+        if self._negotiation is not None:
+            self._negotiation.cancel()
+            with contextlib.suppress(BaseException):
+                await self._negotiation
+
     async def send_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
-        """Moves one gathered bucket by every method in use (servers in parallel)."""
-        await asyncio.gather(
-            *(t.send(bucket, self._tensor_index) for t in self.transports.values())
-        )
+        """Moves one gathered bucket by every method in use (servers in parallel).
+
+        May be called before the previous bucket's call returned: each transport still gets
+        its buckets one at a time and in order, and starts the next one as soon as it is
+        done with the previous one, without waiting for the caller.
+        """
+        index = self._tensor_index
         self._tensor_index += len(bucket)
+
+        async def send(transport: Transport, previous: asyncio.Future[None] | None) -> None:
+            if previous is not None and not transport.pipelined:
+                await asyncio.wait([previous])  # its outcome is on the targets' results
+            await transport.send(bucket, index)
+
+        sends = []
+        for method, transport in self.transports.items():
+            # Tasks start in the order they are made: a pipelined transport sees its buckets
+            # in order.
+            task = asyncio.ensure_future(send(transport, self._sending.get(method)))
+            self._sending[method] = task
+            sends.append(task)
+        await asyncio.gather(*sends)
 
     async def close(self) -> list[TargetResult]:
         """Finishes every transfer and returns one result per server (request order)."""
+        await asyncio.gather(*self._sending.values(), return_exceptions=True)
         await asyncio.gather(*(t.close() for t in self.transports.values()))
         for t in self.targets:
             if t.plan is None and not t.result.error:
                 t.result.fail(grpc.StatusCode.INTERNAL, "no plan")
-            with contextlib.suppress(Exception):
-                await t.channel.close()
         self.stats.elapsed_s = time.monotonic() - self._start
         for t in self.targets:
             if t.result.ok:
@@ -377,37 +458,31 @@ class PublishSession:
 
 def run_publication(
     model: torch.nn.Module,
-    rank: int,
+    version: int,
     loop: asyncio.AbstractEventLoop | None,
-    session_factory: object | None,
+    session: PublishSession | None,
     bucket_bytes: int,
 ) -> tuple[list[TargetResult], SessionStats]:
-    """Body of a publication on one rank's torch thread (collective over the trainer group).
+    """Body of a publication of ``version`` on one rank's torch thread (collective over the
+    trainer group).
 
-    ``session_factory(metas, buckets)`` (rank 0 only) returns a :class:`PublishSession`
-    whose coroutines run on ``loop``; other ranks pass None and only join the gathers.
+    Rank 0 passes its :class:`PublishSession` (made, and best begun, on ``loop``, where its
+    coroutines run); other ranks pass None and only join the gathers.
     """
-    metas = tensor_metas(model)
+    items = published_tensors(model)
+    metas = tensor_metas(model, items)
     buckets = plan_buckets([m.nbytes for m in metas], bucket_bytes)
-    session: PublishSession | None = None
     broken: BaseException | None = None
 
     def call(coro: object) -> Future[object]:
         assert loop is not None
         return asyncio.run_coroutine_threadsafe(coro, loop)  # type: ignore[arg-type]
 
-    if rank == 0 and session_factory is not None and loop is not None:
-
-        async def make() -> PublishSession:
-            # On the event loop: the session's grpc.aio channels belong to it.
-            return session_factory(metas, buckets)  # type: ignore[operator,no-any-return]
-
-        try:
-            session = call(make()).result()  # type: ignore[assignment]
-        except BaseException as exc:  # keep gathering: the other ranks wait in the gathers
-            broken = exc
-
-    opened: Future[object] | None = call(session.open()) if session is not None else None
+    if session is not None and loop is None:
+        raise ValueError("a session needs the event loop it runs on")
+    opened: Future[object] | None = (
+        call(session.open(version, metas, buckets)) if session is not None else None
+    )
     pending: Future[object] | None = None
 
     def settle(fut: Future[object] | None) -> None:
@@ -419,17 +494,18 @@ def run_publication(
         except BaseException as exc:  # keep gathering: the other ranks wait in the gathers
             broken, session = exc, None
 
-    for bucket in gather_buckets(model, buckets, keep=session is not None):
+    for bucket in gather_buckets(items, buckets, keep=session is not None):
         if session is None:
             continue
-        # Negotiation overlaps the first gather; at most one bucket is in flight while the
-        # next one is gathered.
+        # Negotiation overlaps the first gather. A bucket is handed over as soon as it is
+        # gathered (the transports queue it behind the one they are sending), and the next
+        # one is gathered once the previous one is sent: at most two buckets at a time.
         settle(opened)
         opened = None
-        settle(pending)
-        pending = None
         if session is not None:
-            pending = call(session.send_bucket(bucket))
+            sent = call(session.send_bucket(bucket))
+            settle(pending)
+            pending = sent
         del bucket
     settle(opened)
     settle(pending)

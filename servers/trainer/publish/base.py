@@ -127,12 +127,13 @@ class PublishContext:
     """What one publication is: shared by the session and its transports."""
 
     cfg: PublisherConfig
-    version: int
-    metas: list[TensorMeta]
-    bucket_count: int
     bucket_bytes: int
     config_json: str | None
     deadline: float
+    # Known once the session opens (negotiation starts before: offers do not depend on them).
+    version: int = 0
+    metas: list[TensorMeta] = field(default_factory=list)
+    bucket_count: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -154,6 +155,10 @@ class Transport(ABC):
     """
 
     method: ClassVar[int]
+    # True: ``send`` may be called for the next bucket before the previous call returned (the
+    # transport keeps the buckets in order itself, and starts each one as soon as the one
+    # before is done); False: the session waits for the previous call first.
+    pipelined: ClassVar[bool] = False
 
     def __init__(self, ctx: PublishContext) -> None:
         self.ctx = ctx
