@@ -40,12 +40,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from areal_servers.rollout.__main__ import (
-    DEFAULT_PORT,
-    add_rollout_args,
-    create_engine,
-    rollout_services,
-)
+from areal_servers.rollout.__main__ import DEFAULT_PORT, add_rollout_args
+from areal_servers.rollout.build import create_engine, rollout_services
 from areal_servers.rollout.engine import (
     EngineStatus,
     FinishReason,
@@ -250,7 +246,7 @@ def add_delay_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 async def build(args: argparse.Namespace) -> Sequence[Service]:
-    """The services of ``areal-rollout`` (servers/rollout/__main__.py) over a LatencyEngine."""
+    """The services of ``areal-rollout`` (servers/rollout/build.py) over a LatencyEngine."""
     run = run_config_from_args(args, ROLLOUT_SECTIONS)
     torch.set_num_threads(run.rollout.torch_threads)
     delay = LogNormalDelay(args.delay_median_s, args.delay_sigma, args.delay_cap)

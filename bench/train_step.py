@@ -140,7 +140,8 @@ def trainer_flags(args: argparse.Namespace) -> list[str]:
 
 def worker_main(args: argparse.Namespace) -> None:
     """One rank of the in-process baseline: TrainerEngine.train_step, no gRPC."""
-    from areal_servers.trainer.__main__ import add_trainer_args, config_from_args
+    from areal_servers.trainer.__main__ import add_trainer_args
+    from areal_servers.trainer.build import config_from_args
     from areal_servers.trainer.engine import TrainerEngine, init_distributed
 
     from areal_grpc.batch import groups_to_batch

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from areal_servers.rollout.__main__ import add_rollout_args
-from areal_servers.trainer.__main__ import add_trainer_args, config_from_args
+from areal_servers.trainer.__main__ import add_trainer_args
+from areal_servers.trainer.build import config_from_args
 
 from areal_grpc.cli import base_parser
 from areal_grpc.config import RunConfig, load_config
@@ -56,7 +57,7 @@ def test_ppo_minibatches_and_epochs_reach_the_trainer_engine():
 def test_the_engine_dataclasses_default_to_what_a_default_run_gives_them():
     """Built directly (tests, benches, embedding), a trainer or rollout engine trains and
     serves like one a default run starts: no second set of defaults to drift."""
-    from areal_servers.rollout.__main__ import hf_engine_config
+    from areal_servers.rollout.build import hf_engine_config
     from areal_servers.rollout.hf_engine import HFEngineConfig
     from areal_servers.trainer.engine import EngineConfig
 

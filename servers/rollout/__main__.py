@@ -12,25 +12,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-import torch
-from areal_servers.rollout.engine import InferenceEngine
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
-from areal_servers.rollout.receive.base import WeightSyncConfig
-from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
-from areal_servers.rollout.weight_sync import build_weight_sync_service
-from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
-
 from areal_grpc.cli import base_parser, serve_main
-from areal_grpc.config import RunConfig
-from areal_grpc.model import load_tokenizer
-from areal_grpc.server import Service, service
-from areal_grpc.server_config import (
-    ROLLOUT_SECTIONS,
-    add_run_config_args,
-    max_new_tokens,
-    run_config_from_args,
-    weights_root,
-)
+from areal_grpc.server import Service
+from areal_grpc.server_config import ROLLOUT_SECTIONS, add_run_config_args, run_config_from_args
 
 DEFAULT_PORT = 50061
 
@@ -46,73 +30,13 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
-    """The engine the run config asks for."""
-    r = run.rollout
-    if r.engine == "sglang":
-        from areal_servers.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-
-        return SGLangEngine(
-            SGLangEngineConfig(
-                model=run.model.source,
-                url=sglang_url,
-                seed=run.model.seed,
-                launch=not sglang_url,
-                lora=run.model.lora,
-            )
-        )
-    return HFEngine(hf_engine_config(run))
-
-
-def hf_engine_config(run: RunConfig) -> HFEngineConfig:
-    """The ``hf`` engine's settings from the run config."""
-    r = run.rollout
-    return HFEngineConfig(
-        model=run.model.source,
-        seed=run.model.seed,
-        device=r.device,
-        max_running_requests=r.max_running_requests,
-        max_batch_tokens=r.max_batch_tokens,
-        lora=run.model.lora,
-    )
-
-
-def create_rollout_servicer(run: RunConfig, engine: InferenceEngine) -> RolloutServicer:
-    """The RolloutService handlers over ``engine``, with the run config's defaults."""
-    config = RolloutServiceConfig(
-        default_workflow=run.rollout.workflow,
-        default_workflow_params=dict(run.rollout.workflow_params),
-        default_max_new_tokens=max_new_tokens(run),
-    )
-    return RolloutServicer(engine, load_tokenizer(run.model.source), config)
-
-
-async def rollout_services(
-    run: RunConfig, engine: InferenceEngine, host: str = "127.0.0.1"
-) -> list[Service]:
-    """RolloutService and WeightSyncService over ``engine`` (started first if it must be);
-    ``host``: the interface the server binds, where SOCKET listeners bind too."""
-    rollout = create_rollout_servicer(run, engine)
-    # The sglang engine launches or attaches to its server and waits until it is healthy.
-    await engine.start()
-    tls = bool(run.security.tls_cert and run.security.tls_key)
-    ws = WeightSyncConfig(
-        disk_root=weights_root(run),
-        methods=run.weight_sync.accepted_methods(),
-        # The side channel is plaintext: under TLS it is not offered.
-        socket_host=None if tls else host,
-    )
-    return [
-        service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
-        build_weight_sync_service(engine, ws),
-    ]
-
-
 async def build(args: argparse.Namespace) -> Sequence[Service]:
     """The services of a rollout server."""
+    # The run config is checked before torch is imported: a bad setting answers at once.
     run = run_config_from_args(args, ROLLOUT_SECTIONS)
-    torch.set_num_threads(run.rollout.torch_threads)
-    return await rollout_services(run, create_engine(run, args.sglang_url), args.host)
+    from areal_servers.rollout.build import serve_run
+
+    return await serve_run(run, args.sglang_url, args.host)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,30 +23,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-import torch
-from areal_servers.trainer.algorithm import (
-    NormConfig,
-    PPOConfig,
-    RejectionConfig,
-    RewardConfig,
-)
-from areal_servers.trainer.engine import DistConfig, EngineConfig, OptimConfig
-from areal_servers.trainer.microbatch import MicroBatchSpec
-from areal_servers.trainer.publish.base import PublisherConfig
-from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
-from arealgrpc.v1 import trainer_pb2, trainer_pb2_grpc
-
 from areal_grpc.cli import base_parser, serve_main
-from areal_grpc.config import NormSettings, RejectionSettings, RunConfig
-from areal_grpc.server import Service, service
-from areal_grpc.server_config import (
-    TRAINER_SECTIONS,
-    add_run_config_args,
-    max_new_tokens,
-    run_config_from_args,
-    trainer_path_roots,
-    weights_root,
-)
+from areal_grpc.server import Service
+from areal_grpc.server_config import TRAINER_SECTIONS, add_run_config_args, run_config_from_args
 from areal_grpc.shared_memory import release_own
 
 DEFAULT_PORT = 50071
@@ -65,124 +44,13 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> None:
     add_run_config_args(parser)
 
 
-def _norm(n: NormSettings) -> NormConfig | None:
-    """The engine's normalisation for the run config's (None: none at all)."""
-    if n.mean_level == "none" and n.std_level == "none":
-        return None
-    return NormConfig(
-        mean_level=None if n.mean_level == "none" else n.mean_level,  # type: ignore[arg-type]
-        std_level=None if n.std_level == "none" else n.std_level,  # type: ignore[arg-type]
-        mean_leave1out=n.mean_leave1out,
-        std_unbiased=n.std_unbiased,
-        eps=n.eps,
-    )
-
-
-def _rejection(r: RejectionSettings) -> RejectionConfig | None:
-    """The engine's rejection rule for the run config's (None: no behaviour weight)."""
-    if r.metric == "none":
-        return None
-    return RejectionConfig(
-        metric=r.metric,  # type: ignore[arg-type]
-        level=r.level,  # type: ignore[arg-type]
-        action=r.action,  # type: ignore[arg-type]
-        agg=r.agg,  # type: ignore[arg-type]
-        lower=r.lower,
-        upper=r.upper,
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> TrainerServiceConfig:
-    """The service config this rank's command line describes."""
-    return service_config(run_config_from_args(args, TRAINER_SECTIONS), args)
-
-
-def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceConfig:
-    """The service config of this rank: the run config's trainer settings and its own flags."""
-    t, p, w = run.trainer, run.trainer.ppo, run.weight_sync
-    mixed = {"auto": None, "on": True, "off": False}[t.mixed_precision]
-    device = args.device or (None if t.device == "auto" else t.device)
-    engine = EngineConfig(
-        model=run.model.source,
-        seed=run.model.seed,
-        lora=run.model.lora,
-        fsdp=t.fsdp,
-        mixed_precision=mixed,
-        device=device,
-        dtype=t.dtype,  # type: ignore[arg-type]
-        optim=OptimConfig(
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            warmup_steps=t.warmup_steps,
-            schedule=t.lr_schedule,  # type: ignore[arg-type]
-            total_steps=run.total_steps,
-            min_lr_ratio=t.min_lr_ratio,
-            max_grad_norm=t.grad_clip,
-        ),
-        ppo=PPOConfig(
-            eps_clip=p.eps_clip,
-            eps_clip_higher=p.eps_clip_higher,
-            c_clip=p.c_clip,
-            rejection=_rejection(p.rejection),
-            kl_ctl=p.kl_ctl,
-            kl_estimator=p.kl_estimator,  # type: ignore[arg-type]
-            kl_loss_coef=p.kl_loss_coef,
-            kl_loss_estimator=p.kl_loss_estimator,  # type: ignore[arg-type]
-            n_minibatches=p.n_minibatches,
-            epochs=p.epochs,
-            prox_logp_method=p.prox_logp_method,  # type: ignore[arg-type]
-            importance_sampling_level=p.importance_sampling_level,  # type: ignore[arg-type]
-            loss_agg=p.loss_agg,  # type: ignore[arg-type]
-            loss_constant_len=p.loss_constant_len or max_new_tokens(run),
-            # Log-probs are recomputed under the temperature the rollouts sampled with
-            # (greedy, 0, samples nothing to correct: 1).
-            temperature=run.rollout.sampling.temperature or 1.0,
-            reward=RewardConfig(
-                bias=p.reward_bias,
-                scale=p.reward_scale,
-                clip=p.reward_clip,
-                overlong_max_len=p.overlong_max_len,
-                overlong_cache=p.overlong_cache,
-                overlong_factor=p.overlong_factor,
-            ),
-            reward_norm=_norm(p.reward_norm),
-            adv_norm=_norm(p.adv_norm),
-        ),
-        microbatch=MicroBatchSpec(max_tokens_per_mb=t.max_tokens_per_mb),
-    )
-    dist_cfg = DistConfig(
-        backend=None if t.backend == "auto" else t.backend,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        rank=args.rank,
-        world_size=args.world_size,
-        timeout_s=t.collective_timeout_s,
-    )
-    host = args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-    weights = PublisherConfig(
-        disk_root=weights_root(run),
-        keep_versions=w.keep_versions,
-        bucket_bytes=max(1, int(w.bucket_mb * (1 << 20))),
-        master_address=w.master_addr or host,
-        backend=None if w.backend == "auto" else w.backend,
-        timeout_s=w.timeout_s,
-        group_timeout_s=min(300.0, w.timeout_s),
-    )
-    return TrainerServiceConfig(
-        engine=engine,
-        dist=dist_cfg,
-        distributed=t.fsdp,
-        path_roots=tuple(trainer_path_roots(run)),
-        weights=weights,
-    )
-
-
 async def build(args: argparse.Namespace) -> Sequence[Service]:
     """The services of a trainer rank (the engine builds in the background)."""
+    # The run config is checked before torch is imported: a bad setting answers at once.
     run = run_config_from_args(args, TRAINER_SECTIONS)
-    torch.set_num_threads(run.trainer.torch_threads)
-    servicer = TrainerService(service_config(run, args))
-    return [service(servicer, trainer_pb2_grpc.add_TrainerServiceServicer_to_server, trainer_pb2)]
+    from areal_servers.trainer.build import trainer_services
+
+    return trainer_services(run, args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

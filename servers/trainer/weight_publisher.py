@@ -5,8 +5,9 @@ materialised one at a time with ``DTensor.full_tensor()`` and grouped into bucke
 ``bucket_bytes``; only rank 0 keeps them. Rank 0 hands each bucket to a :class:`PublishSession`
 as soon as it is gathered (a transport queues it behind the one it is sending), then waits
 for the bucket before it to be sent before gathering more, so the full model never exists
-twice on rank 0: at most two buckets do (one being sent, one gathered or queued behind it), plus, for
-DISK, the buckets whose shard files are still being written (``disk_writers`` at most).
+twice on rank 0: at most two buckets do (one being sent, one gathered or queued behind it),
+plus, for DISK, the buckets whose shard files are still being written (``disk_writers`` at
+most).
 
 A session negotiates with every rollout server (methods in the caller's preference order;
 begun as the request arrives, while the torch thread lists the tensors), then moves each
