@@ -103,15 +103,19 @@ def published_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     same in every process from the start. Works the same on every rank without
     communication (DTensor shapes are global), so all ranks agree on the order of the gathers.
     """
+    # state_dict() first: an FSDP2 model that a forward left unsharded (a root module keeps
+    # its parameters gathered after a forward without backward) is resharded by its hook, so
+    # the parameters read next are the sharded ones, not unsharded ones about to be freed.
+    names = list(model.state_dict())
     if is_lora(model):
         trained = adapter_names(model)
         params = dict(model.named_parameters())
-        return [(name, params[name]) for name in model.state_dict() if name in trained]
+        return [(name, params[name]) for name in names if name in trained]
     owners: dict[str, torch.Tensor] = dict(model.named_parameters())
     owners.update(dict(model.named_buffers()))
     # state_dict() lists tied weights under every name; named_parameters() only once (e.g.
     # lm_head.weight tied to embed_tokens): receivers tie them again themselves.
-    return [(name, owners[name]) for name in model.state_dict() if name in owners]
+    return [(name, owners[name]) for name in names if name in owners]
 
 
 def tensor_metas(

@@ -8,12 +8,13 @@ those of one plain (unsharded) process trained on the whole batch.
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import socket
 import traceback
 
 import pytest
 import torch
-from areal_servers.trainer.algorithm import PPOConfig, token_logprobs
+from areal_servers.trainer.algorithm import PPOConfig, token_logprobs, trainable_mask
 from areal_servers.trainer.engine import (
     DistConfig,
     EngineConfig,
@@ -23,6 +24,10 @@ from areal_servers.trainer.engine import (
     lr_factor,
 )
 from areal_servers.trainer.microbatch import MicroBatchSpec
+from areal_servers.trainer.weight_publisher import gather_buckets, published_tensors, tensor_metas
+from torch.distributed.tensor import DTensor
+
+from areal_grpc.weight_transfer import plan_buckets
 
 MODEL = "builtin:micro"
 
@@ -306,3 +311,63 @@ def test_loglinear_skips_the_proximal_pass_and_metrics_trains_as_recompute_and_m
     assert 0.005 < r_met.extra["prox_approx_abs_error"] < 0.2
     assert r_met.extra["prox_approx_weight_error"] > 0
     assert "prox_approx_abs_error" not in r_rec.extra and "prox_approx_abs_error" not in r_log.extra
+
+
+def _publish_after_forward_main(port: int, batch, out: mp.Queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        init_distributed(DistConfig("gloo", "127.0.0.1", port, 0, 1, timeout_s=120))
+        engine = TrainerEngine(config(fsdp=True))
+        # A forward without backward (as a recomputation of log-probs is) leaves the root
+        # module's parameters unsharded.
+        mask = trainable_mask(batch["loss_mask"], batch["attention_mask"])
+        with torch.no_grad():
+            engine._forward_logprobs(
+                engine.model,
+                {
+                    "input_ids": batch["input_ids"],
+                    "attention_mask": batch["attention_mask"],
+                    "train_mask": mask,
+                },
+            )
+        items = published_tensors(engine.model)
+        sharded = all(isinstance(t, DTensor) for _, t in items)
+        buckets = plan_buckets([m.nbytes for m in tensor_metas(engine.model, items)], 1 << 20)
+        gathered = gather_buckets(items, buckets, keep=True)
+        published = {k: v.clone() for bucket in gathered for k, v in bucket.items()}
+        full = params(engine)
+        same = sorted(published) == sorted(k for k in full if k in published) and all(
+            torch.equal(published[k], full[k]) for k in published
+        )
+        # The model still runs: nothing left its parameters' storage unusable.
+        with torch.no_grad():
+            engine._forward_logprobs(
+                engine.model,
+                {
+                    "input_ids": batch["input_ids"],
+                    "attention_mask": batch["attention_mask"],
+                    "train_mask": mask,
+                },
+            )
+        out.put((sharded, same, len(published)))
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        out.put(traceback.format_exc())
+
+
+def test_weights_published_after_a_forward_are_the_sharded_parameters(make_batch):
+    # published_tensors used to read the parameters before state_dict() (whose hook
+    # reshards a model a forward left unsharded): it got the unsharded ones, about to be freed.
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_publish_after_forward_main, args=(free_port(), make_batch(), out))
+    proc.start()
+    try:
+        got = out.get(timeout=120)
+    except queue.Empty:
+        raise AssertionError(f"the rank died (exit code {proc.exitcode})") from None
+    finally:
+        proc.join(timeout=30)
+    assert not isinstance(got, str), got
+    sharded, same, count = got
+    assert sharded and same and count > 0
