@@ -321,15 +321,13 @@ def _publish_after_forward_main(port: int, batch, out: mp.Queue) -> None:
         # A forward without backward (as a recomputation of log-probs is) leaves the root
         # module's parameters unsharded.
         mask = trainable_mask(batch["loss_mask"], batch["attention_mask"])
+        inputs = {
+            "input_ids": batch["input_ids"],
+            "attention_mask": batch["attention_mask"],
+            "train_mask": mask,
+        }
         with torch.no_grad():
-            engine._forward_logprobs(
-                engine.model,
-                {
-                    "input_ids": batch["input_ids"],
-                    "attention_mask": batch["attention_mask"],
-                    "train_mask": mask,
-                },
-            )
+            engine._forward_logprobs(engine.model, inputs)
         items = published_tensors(engine.model)
         sharded = all(isinstance(t, DTensor) for _, t in items)
         buckets = plan_buckets([m.nbytes for m in tensor_metas(engine.model, items)], 1 << 20)
@@ -341,14 +339,7 @@ def _publish_after_forward_main(port: int, batch, out: mp.Queue) -> None:
         )
         # The model still runs: nothing left its parameters' storage unusable.
         with torch.no_grad():
-            engine._forward_logprobs(
-                engine.model,
-                {
-                    "input_ids": batch["input_ids"],
-                    "attention_mask": batch["attention_mask"],
-                    "train_mask": mask,
-                },
-            )
+            engine._forward_logprobs(engine.model, inputs)
         out.put((sharded, same, len(published)))
         torch.distributed.destroy_process_group()
     except BaseException:
