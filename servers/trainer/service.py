@@ -517,14 +517,12 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
                 session.begin()
             except Exception as exc:
                 refused = exc
-        used: list[bool] = []
 
         def job() -> trainer_pb2.PublishWeightsResponse:
             engine = self.engine
             assert engine is not None
             start = time.monotonic()
             version = engine.version
-            used.append(True)
             self._busy = True
             try:
                 results, stats = run_publication(engine.model, version, loop, session, bucket_bytes)
@@ -564,8 +562,8 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         try:
             return await self._unary(context, job)
         finally:
-            if session is not None and not used:
-                await session.abandon()
+            if session is not None:
+                await session.abandon()  # when no job opened it (cancelled, refused)
 
     def _config_json(self) -> str:
         """The model's config as JSON (DISK writes it beside each version), made once."""

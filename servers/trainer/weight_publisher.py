@@ -200,16 +200,9 @@ class WeightPublisher:
         # loop (a fresh one costs a connection and an HTTP/2 handshake before Negotiate).
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        """The kept channel to ``address`` (call on the server's event loop).
-
-        A channel whose server went away (TRANSIENT_FAILURE) is replaced: a server restarted
-        at the same address is reached at once, not after the old channel's reconnect backoff.
-        """
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        """The kept channel to ``address``, made if there is none (on the server's loop)."""
         channel = self._channels.get(address)
-        if channel is not None and channel.get_state() in _GONE:
-            _close_later(channel)
-            channel = None
         if channel is None:
             # The process default carries the run's TLS and token (set from the server flags).
             opts = default_channel_options(extra=stream_channel_options())
@@ -226,13 +219,13 @@ class WeightPublisher:
         config_json: str | None = None,
     ) -> PublishSession:
         """A publication to ``addresses`` (make it and run its coroutines on one event loop)."""
-        known = set(addresses)
-        for address in [a for a, c in self._channels.items() if a not in known]:
-            if self._channels[address].get_state() in _GONE:
-                _close_later(self._channels.pop(address))
+        # Channels whose server went away are dropped: a server restarted at the same address
+        # is reached at once, not after the old channel's reconnect backoff.
+        for address in [a for a, c in self._channels.items() if c.get_state() in _GONE]:
+            _close_later(self._channels.pop(address))
         return PublishSession(
             self,
-            [self.channel(a) for a in addresses],
+            [self._channel(a) for a in addresses],
             list(addresses),
             list(methods) or list(default_methods(self.device)),
             bucket_bytes=bucket_bytes,
@@ -416,8 +409,9 @@ class PublishSession:
             await transport.open(self._of(method))
 
     async def abandon(self) -> None:
-        """Ends a session that was never opened (its negotiation is stopped or awaited)."""
-        if self._negotiation is not None:
+        """Ends a session if it was never opened (its negotiation is stopped); an opened one
+        is left to its publication."""
+        if self._negotiation is not None and not self._opened:
             self._negotiation.cancel()
             with contextlib.suppress(BaseException):
                 await self._negotiation
