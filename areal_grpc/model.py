@@ -196,6 +196,27 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return base.model.layers  # type: ignore[return-value]
 
 
+# transformers takes a boolean [B, S] ``logits_to_keep`` (and flattens the positions it keeps)
+# only since it has ``slice_logits_to_keep``; older releases raise IndexError on one.
+_MASK_LOGITS_TO_KEEP = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+
+
+def masked_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    keep: torch.Tensor,
+) -> torch.Tensor:
+    """The logits at the positions where the boolean ``keep`` [B, S] is set, [N, V]."""
+    if _MASK_LOGITS_TO_KEEP:
+        # Only the kept positions go through the vocabulary projection.
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep
+        ).logits
+    # An older transformers: every position's logits, then the mask (same values, more memory).
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[keep]
+
+
 def _load_base(source: str, seed: int, dtype: torch.dtype) -> PreTrainedModel:
     if is_builtin(source):
         spec = builtin_spec(source)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -75,13 +76,20 @@ from teardown import exit_on_sigterm
 
 from areal_grpc.data import load_file, write_arithmetic
 from areal_grpc.launch import python_module_argv, start_child, stop_children
-from areal_grpc.model import load_model, load_tokenizer, resolve_source
+from areal_grpc.model import load_model, load_tokenizer, masked_logits, resolve_source
 from areal_grpc.rewards import gsm8k_reward
 from areal_grpc.server import aio_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "smollm2_arith.yaml"
 BENCH = Path(__file__).resolve().parent
+# Where the mesh's servers and every baseline keep the model (``--device``).
+DEVICE = "cpu"
+
+
+def named(case: str) -> str:
+    """A case's RESULT name: on a GPU the same case is another one (``_gpu``)."""
+    return case if DEVICE == "cpu" else f"{case}_gpu"
 
 
 class TreeRSS:
@@ -138,6 +146,8 @@ def example_config(
     cfg["data"]["path"] = str(data / "train.jsonl")
     cfg["data"]["eval_path"] = str(data / "test.jsonl")
     cfg["output"] = {**cfg.get("output", {}), "dir": str(tmp / "run"), "progress_bar": False}
+    # What "auto" picks on such a machine, said outright (the plain loop takes the same).
+    cfg["rollout"]["device"] = cfg["trainer"]["device"] = DEVICE
     for dotted, value in overrides.items():
         node = cfg
         *parents, leaf = dotted.split(".")
@@ -209,6 +219,7 @@ def completions(
 ) -> list[list[int]]:
     """``n`` sampled (or greedy, temperature 0) completions per prompt, cut after end-of-turn."""
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     kwargs: dict[str, Any] = (
@@ -268,7 +279,7 @@ def plain_loop(config: Path, target: float, threads: int) -> None:
     torch.manual_seed(seed)
     model_dir = resolve_source(cfg["model"]["source"])
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir)
+    model = load_model(model_dir).to(DEVICE)
     train_items = load_file(cfg["data"]["path"], "data.path")
     random.Random(seed).shuffle(train_items)
     eval_items = load_file(cfg["data"]["eval_path"], "data.eval_path")[: cfg["eval"]["max_prompts"]]
@@ -317,8 +328,12 @@ def plain_loop(config: Path, target: float, threads: int) -> None:
             attn[i, : len(r)] = 1
             loss_mask[i, : len(r)] = torch.tensor(m, dtype=torch.bool)
         loss_mask[:, 0] = False
+        ids, attn, loss_mask = ids.to(DEVICE), attn.to(DEVICE), loss_mask.to(DEVICE)
         adv = compute_advantages(
-            torch.tensor(rewards), loss_mask, ppo, group_index=torch.tensor(groups)
+            torch.tensor(rewards, device=DEVICE),
+            loss_mask,
+            ppo,
+            group_index=torch.tensor(groups, device=DEVICE),
         )
         model.train()
         opt.zero_grad(set_to_none=True)
@@ -326,9 +341,7 @@ def plain_loop(config: Path, target: float, threads: int) -> None:
         def forward(
             keep: torch.Tensor, ids: torch.Tensor = ids, attn: torch.Tensor = attn
         ) -> torch.Tensor:
-            return model(
-                input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=keep
-            ).logits
+            return masked_logits(model, ids, attn, keep)
 
         logp, _ = masked_token_logprobs(forward, ids, loss_mask, temperature)
         # On-policy: the behaviour and proximal policies are the weights being trained.
@@ -355,6 +368,7 @@ def run_plain(config: Path, target: float, threads: int) -> dict[str, Any]:
             str(config),
             f"--target-accuracy={target}",
             f"--threads={threads}",
+            f"--device={DEVICE}",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -404,7 +418,7 @@ def time_to_target(tmp: Path, args: argparse.Namespace) -> None:
     print(f"time to target: seconds per seed {times}")
     ours, base = statistics.median(times["mesh"]), statistics.median(times["plain loop"])
     ratio = ours / base if math.isfinite(base) else math.nan
-    result("real_model_time_to_target", ours, "s", base, "1.0", ratio=ratio)
+    result(named("real_model_time_to_target"), ours, "s", base, "1.0", ratio=ratio)
 
 
 def step_profile(train: list[dict[str, Any]]) -> str:
@@ -446,12 +460,13 @@ def rollout_case(model_dir: str, threads: int, repeats: int) -> None:
             "--log-level=WARNING",
             f"model.source={model_dir}",
             f"rollout.torch_threads={threads}",
+            f"rollout.device={DEVICE}",
         ),
         env={"OMP_NUM_THREADS": str(threads)},
         ready_timeout_s=300,
     )
     torch.set_num_threads(threads)
-    model = load_model(model_dir)
+    model = load_model(model_dir).to(DEVICE)
     model.eval()
     params = {"chat_template": "on", "system_prompt": system, "reward_fn": "gsm8k"}
 
@@ -480,6 +495,7 @@ def rollout_case(model_dir: str, threads: int, repeats: int) -> None:
 
     def generate_round() -> tuple[int, float]:
         ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+        ids, mask = ids.to(DEVICE), mask.to(DEVICE)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
@@ -517,29 +533,33 @@ def rollout_case(model_dir: str, threads: int, repeats: int) -> None:
         f"rollout: RunEpisodes {value:.0f} tok/s, model.generate {base:.0f} tok/s "
         f"({len(items)} prompts x {groups} x {new} tokens, {threads} thread(s), {repeats} rounds)"
     )
-    result("real_model_rollout", value, "tok/s", base, "0.9")
+    result(named("real_model_rollout"), value, "tok/s", base, "0.9")
 
 
 # ------------------------------------------------------------------ the existing benchmarks
 
 
 def relabel(argv: list[str], renames: dict[str, str]) -> None:
-    """Runs another benchmark of this directory and re-prints its RESULT lines renamed."""
-    proc = subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, check=False
+    """Runs another benchmark of this directory and re-prints its RESULT lines renamed.
+
+    Its other lines are passed on as they come, so a run cut short still shows how far it got.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, text=True, bufsize=1
     )
-    lines = proc.stdout.splitlines()
-    for line in lines:
-        if not line.startswith("RESULT"):
-            print("  " + line, flush=True)
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        raise RuntimeError(f"{argv[0]} failed ({proc.returncode})")
-    for line in lines:
+    assert proc.stdout is not None
+    results = []
+    for line in proc.stdout:
         if line.startswith("RESULT"):
-            name = re.search(r"bench=(\S+)", line)
-            if name and name.group(1) in renames:
-                print(line.replace(f"bench={name.group(1)}", f"bench={renames[name.group(1)]}"))
+            results.append(line.rstrip("\n"))
+        else:
+            print("  " + line, end="", flush=True)
+    if proc.wait() != 0:
+        raise RuntimeError(f"{argv[0]} failed ({proc.returncode})")
+    for line in results:
+        name = re.search(r"bench=(\S+)", line)
+        if name and name.group(1) in renames:
+            print(line.replace(f"bench={name.group(1)}", f"bench={renames[name.group(1)]}"))
 
 
 def main() -> int:
@@ -562,19 +582,42 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the baselines")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--skip", default="", help="comma-separated: learning,target,rollout,train,sync"
+        "--skip",
+        default="",
+        help="comma-separated: learning,target,rollout,train,sync; plain: the learning run's "
+        "plain loop (and with it the memory case)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cuda: the mesh's servers and the baselines on one GPU (cases named *_gpu; "
+        "the train case is skipped there)",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep the runs' data, configs and logs here (default: a temp dir)",
     )
     parser.add_argument("--plain-loop", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     if args.plain_loop:
         plain_loop(args.plain_loop, args.target_accuracy, args.threads)
         return 0
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     skip = set(filter(None, args.skip.split(",")))
+    if DEVICE != "cpu":
+        # bench/train_step.py runs its ranks on the CPU only.
+        skip.add("train")
     model_dir = resolve_source("smollm2-135m-instruct")
     print(f"model: {model_dir}; {os.cpu_count()} CPU(s)", flush=True)
-    with tempfile.TemporaryDirectory(prefix="bench-real-model-") as tmp_name:
-        tmp = Path(tmp_name)
+    with contextlib.ExitStack() as stack:
+        if args.workdir:
+            tmp = args.workdir
+            tmp.mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-real-model-")))
         if "learning" not in skip:
             overrides: dict[str, Any] = {}
             if args.quick:
@@ -590,27 +633,27 @@ def main() -> int:
                 f"{ {k: round(v, 2) for k, v in mesh['per_process_gib'].items()} }"
             )
             print(f"mesh: {step_profile(mesh['train'])}")
-            plain_cfg = config
-            if args.quick:
-                plain_cfg = example_config(
-                    tmp / "plain", {"total_steps": 3, "eval.every_steps": 0, "eval.max_prompts": 10}
-                )
-            plain = run_plain(plain_cfg, args.target_accuracy, args.threads)
-            print(
-                f"plain loop: {plain['wall_s']:.0f} s wall; evaluations "
-                f"{[(e['step'], e['accuracy'], round(e['wall_s'])) for e in plain['evals']]}"
-            )
             if not args.quick:
                 first, last = mesh["evals"][0]["accuracy"], mesh["evals"][-1]["accuracy"]
                 print(f"learning: {first:.3f} -> {last:.3f} in {mesh['wall_s'] / 60:.1f} min")
-                result("real_model_learning", last, "accuracy", first, "0.5", ratio=last - first)
-            result(
-                "real_model_memory",
-                mesh["peak_gib"],
-                "GiB",
-                plain["peak_gib"],
-                "2.0",
-            )
+                result(
+                    named("real_model_learning"), last, "accuracy", first, "0.5", ratio=last - first
+                )
+            if "plain" not in skip:
+                plain_cfg = config
+                if args.quick:
+                    plain_cfg = example_config(
+                        tmp / "plain",
+                        {"total_steps": 3, "eval.every_steps": 0, "eval.max_prompts": 10},
+                    )
+                plain = run_plain(plain_cfg, args.target_accuracy, args.threads)
+                print(
+                    f"plain loop: {plain['wall_s']:.0f} s wall; evaluations "
+                    f"{[(e['step'], e['accuracy'], round(e['wall_s'])) for e in plain['evals']]}"
+                )
+                result(
+                    named("real_model_memory"), mesh["peak_gib"], "GiB", plain["peak_gib"], "2.0"
+                )
         if "target" not in skip and not args.quick:
             time_to_target(tmp / "target", args)
         if "rollout" not in skip:
@@ -632,9 +675,14 @@ def main() -> int:
             )
         if "sync" not in skip:
             relabel(
-                [str(BENCH / "weight_sync.py"), f"--model={model_dir}", f"--reps={args.repeats}"],
+                [
+                    str(BENCH / "weight_sync.py"),
+                    f"--model={model_dir}",
+                    f"--reps={args.repeats}",
+                    f"--device={DEVICE}",
+                ],
                 {
-                    f"weight_sync_{m}": f"real_model_sync_{m}"
+                    named(f"weight_sync_{m}"): named(f"real_model_sync_{m}")
                     for m in ("shared_memory", "socket", "stream", "disk", "distributed")
                 },
             )

@@ -30,7 +30,9 @@ Each method runs ``KEEP_VERSIONS`` times unmeasured (the steady state of a long 
 comment in ``main``), then ``--reps`` times; then its baseline, likewise (in a block of its
 own). Each method prints
 ``RESULT bench=weight_sync_<method> value=<s> unit=s baseline=<s> ratio=<r> target=1.3``
-(medians).
+(medians). ``--device cuda`` puts the trainer and the rollout servers on one GPU (the cases
+are then named ``weight_sync_<method>_gpu``; the baselines stay the CPU ones above, on the same
+bytes: the floor of getting them from one process to another once they are off the GPU).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def published_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------- rollout child
 
 
-def serve_rollout(model: str, disk_root: str) -> None:
+def serve_rollout(model: str, disk_root: str, device: str = "cpu") -> None:
     """Child mode: a rollout server with WeightSyncService; prints LISTENING host:port."""
     from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
     from areal_servers.rollout.receive.base import WeightSyncConfig
@@ -117,7 +119,7 @@ def serve_rollout(model: str, disk_root: str) -> None:
     torch.set_num_threads(1)
 
     async def main() -> None:
-        engine = HFEngine(HFEngineConfig(model=model, device="cpu"))
+        engine = HFEngine(HFEngineConfig(model=model, device=device))
         rollout = RolloutServicer(engine, load_tokenizer(model))
         services = [
             service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
@@ -311,10 +313,16 @@ def main() -> int:
         "--model", help="a model source instead of the random-init one (e.g. a real model)"
     )
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the trainer and the rollout servers keep the model (cuda: one GPU for both, "
+        "so DISTRIBUTED runs over gloo: NCCL cannot join two processes on one GPU)",
+    )
     parser.add_argument("--serve-rollout", nargs=2, metavar=("MODEL", "DISK_ROOT"))
     args = parser.parse_args()
     if args.serve_rollout:
-        serve_rollout(*args.serve_rollout)
+        serve_rollout(*args.serve_rollout, device=args.device)
         return 0
     torch.set_num_threads(1)
     methods = [m for m in args.methods.split(",") if m]
@@ -346,6 +354,8 @@ def main() -> int:
                 f"weight_sync.disk_root={weights_root}",
                 f"output.dir={base}",
                 f"weight_sync.keep_versions={KEEP_VERSIONS}",
+                f"trainer.device={args.device}",
+                "weight_sync.backend=gloo",
             ),
             log_dir=base / "logs",
             env={"OMP_NUM_THREADS": "1"},
@@ -359,7 +369,7 @@ def main() -> int:
                 version = train_one_step(trainer.address, step, version)
                 step += 1
 
-            print("trainer: 1 rank (FSDP2 over gloo)")
+            print(f"trainer: 1 rank (FSDP2) on {args.device}; rollout servers on {args.device}")
             baselines = {
                 "shared_memory": ("memcpy", lambda: memcpy_baseline(sd)),
                 "socket": ("raw TCP copy", lambda: tcp_baseline(sd)),
@@ -378,6 +388,7 @@ def main() -> int:
                         "--serve-rollout",
                         str(model_dir),
                         str(weights_root),
+                        f"--device={args.device}",
                     ],
                     log_dir=base / "logs",
                     ready_timeout_s=300,
@@ -413,8 +424,10 @@ def main() -> int:
                     f"{[round(b, 3) for b in bases]} s",
                     flush=True,
                 )
+                # Named apart on a GPU: the same method is another case there.
+                name = f"weight_sync_{method}" + ("" if args.device == "cpu" else "_gpu")
                 print(
-                    f"RESULT bench=weight_sync_{method} value={value:.3f} unit=s "
+                    f"RESULT bench={name} value={value:.3f} unit=s "
                     f"baseline={baseline:.3f} ratio={value / baseline:.2f} target={TARGET}",
                     flush=True,
                 )

@@ -69,6 +69,7 @@ from areal_grpc.model import (
     is_lora,
     load_model,
     load_tokenizer,
+    masked_logits,
     save_pretrained,
 )
 from areal_grpc.paths import check_replaceable, remove_owned, replace_dir, write_marker
@@ -368,12 +369,7 @@ class TrainerEngine:
         """Log-probs and entropies of the trained tokens of ``mb`` (0 elsewhere), [B, S]."""
 
         def forward(keep: torch.Tensor) -> torch.Tensor:
-            return model(
-                input_ids=mb["input_ids"],
-                attention_mask=mb["attention_mask"],
-                use_cache=False,
-                logits_to_keep=keep,
-            ).logits
+            return masked_logits(model, mb["input_ids"], mb["attention_mask"], keep)
 
         return masked_token_logprobs(
             forward, mb["input_ids"], mb["train_mask"], self.cfg.ppo.temperature

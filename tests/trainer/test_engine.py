@@ -362,3 +362,25 @@ def test_weights_published_after_a_forward_are_the_sharded_parameters(make_batch
     assert not isinstance(got, str), got
     sharded, same, count = got
     assert sharded and same and count > 0
+
+
+@pytest.mark.parametrize("transformers_slices_masks", [True, False])
+def test_masked_logits_are_the_full_logits_at_the_kept_positions(
+    monkeypatch: pytest.MonkeyPatch, transformers_slices_masks: bool
+) -> None:
+    """The trainer's logits at the trained positions, on a transformers that slices a boolean
+    ``logits_to_keep`` itself and on an older one that raises IndexError on one (5.17 did)."""
+    import areal_grpc.model as model_mod
+
+    monkeypatch.setattr(model_mod, "_MASK_LOGITS_TO_KEEP", transformers_slices_masks)
+    torch.manual_seed(0)
+    model = model_mod.load_model("builtin:micro").eval()
+    ids = torch.randint(5, 300, (3, 9))
+    attn = torch.ones_like(ids)
+    attn[2, :3] = 0  # one left-padded row
+    keep = torch.rand(3, 9) > 0.5
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        got = model_mod.masked_logits(model, ids, attn, keep)
+    assert got.shape == (int(keep.sum()), full.shape[-1])
+    torch.testing.assert_close(got, full[keep])
