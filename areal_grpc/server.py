@@ -138,6 +138,8 @@ def server_options(opts: ServerOptions) -> list[tuple[str, Any]]:
         ("grpc.max_send_message_length", opts.max_message_bytes),
         ("grpc.keepalive_time_ms", int(opts.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(opts.keepalive_timeout_s * 1000)),
+        # gRPC's core times a ping out after this (default 60 s), keepalive pings included.
+        ("grpc.http2.ping_timeout_ms", int(opts.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.http2.max_pings_without_data", 0),
@@ -206,6 +208,9 @@ def channel_options(opts: ChannelOptions | None = None) -> list[tuple[str, Any]]
         ("grpc.max_send_message_length", opts.max_message_bytes),
         ("grpc.keepalive_time_ms", int(opts.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(opts.keepalive_timeout_s * 1000)),
+        # gRPC's core times a ping out after this (default 60 s), keepalive pings included:
+        # without it a frozen peer holds a call for keepalive_time_s + 60 s.
+        ("grpc.http2.ping_timeout_ms", int(opts.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 1),

@@ -261,3 +261,30 @@ def test_unparsable_request_bytes_are_invalid_argument_for_any_handler():
         stub = rollout_pb2_grpc.RolloutServiceStub(ch)
         ok = stub.Generate(rollout_pb2.GenerateRequest(input_ids=[3]), timeout=10)
         assert list(ok.completions[0].output_ids) == [3]
+
+
+def test_a_frozen_peer_fails_an_open_call_once_a_keepalive_ping_goes_unanswered(tmp_path):
+    """A peer that stops answering (SIGSTOP: its kernel still takes the bytes) fails a call in
+    flight UNAVAILABLE after keepalive_time_s + keepalive_timeout_s, not at the call's deadline
+    (gRPC's core gives every ping 60 s unless told otherwise: a frozen rollout server held a
+    weight update for 70 s)."""
+    child = start_child(
+        "coordinator",
+        python_module_argv("areal_grpc.coordinator.serve", "--port", "0"),
+        log_dir=tmp_path,
+    )
+    try:
+        opts = ChannelOptions(keepalive_time_s=1.0, keepalive_timeout_s=1.0)
+        with sync_channel(child.address, opts) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            # A stream that stays open (Watch is not retried, unlike Check).
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=40)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            child.process.send_signal(signal.SIGSTOP)
+            with pytest.raises(grpc.RpcError) as err:
+                next(watch)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "ping timeout" in (err.value.details() or "").lower(), err.value.details()
+    finally:
+        child.process.send_signal(signal.SIGCONT)
+        stop_children([child])
