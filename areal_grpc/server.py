@@ -232,6 +232,48 @@ def aio_channel(address: str, opts: ChannelOptions | None = None) -> grpc.aio.Ch
     )
 
 
+# Channel states of a server that is gone (or of a channel closed under us).
+_GONE = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+
+
+class ChannelCache:
+    """asyncio channels kept per address between calls (use it on one event loop).
+
+    A repeated exchange (a weight update every step) then skips the connection set-up.
+    :meth:`prune` before each exchange replaces the channels whose server went away: a server
+    restarted at the same address is reached at once, not after the old channel's reconnect
+    backoff.
+    """
+
+    def __init__(self, extra: Sequence[tuple[str, Any]] = ()) -> None:
+        """``extra``: channel arguments added to the process's default options, which each
+        channel takes as it is made (they carry the run's TLS and token)."""
+        self._extra = list(extra)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Future[None]] = set()
+
+    def prune(self) -> None:
+        """Drops the channels whose server went away (call it before an exchange, while no
+        call uses them: they are closed without waiting)."""
+        for gone in [a for a, c in self._channels.items() if c.get_state() in _GONE]:
+            task = asyncio.ensure_future(self._channels.pop(gone).close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        """The kept channel to ``address``, made if there is none."""
+        channel = self._channels.get(address)
+        if channel is None:
+            opts = default_channel_options(extra=self._extra)
+            channel = self._channels[address] = aio_channel(address, opts)
+        return channel
+
+    async def aclose(self) -> None:
+        """Closes every channel."""
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), *self._closing, return_exceptions=True)
+
+
 def sync_channel(address: str, opts: ChannelOptions | None = None) -> grpc.Channel:
     """A blocking channel to ``address`` (host:port); ``opts`` default to the process's."""
     opts = opts if opts is not None else _default_channel_options

@@ -10,7 +10,8 @@ What runs (all on this machine, loopback):
   trainer's default).
 * Per method, one rollout server process (hf engine + RolloutService + WeightSyncService),
   updated repeatedly as in a training run: the trainer takes a tiny step (not timed), then the
-  coordinator's ``clients.fleet.update_fleet_weights`` moves the new version by that method.
+  coordinator's ``clients.fleet.update_fleet_weights`` moves the new version by that method,
+  over channels kept from one update to the next (as the coordinator keeps them).
   The time is the whole fleet update (pause, negotiate, gather, transfer, swap into the served
   model, confirm, resume).
 
@@ -168,23 +169,40 @@ def train_one_step(address: str, step: int = 0, version: int = 0) -> int:
         return int(version)
 
 
-def time_sync(trainer: str, rollout: str, method: str) -> float:
-    """One fleet update by ``method`` into the rollout server; seconds."""
-    from areal_clients.fleet import update_fleet_weights
+class Fleet:
+    """The coordinator's side of the updates: one event loop, channels kept between updates
+    (as ``python -m areal_grpc.coordinator`` keeps them from one step to the next)."""
 
-    start = time.perf_counter()
-    result = asyncio.run(
-        update_fleet_weights([trainer], [rollout], methods=(method,), timeout_s=600)
-    )
-    elapsed = time.perf_counter() - start
-    if result.failed_servers or result.servers[0].method != method:
-        raise RuntimeError(f"{method} sync failed: {result.servers}")
-    print(
-        f"  {method}: version {result.version}: fleet update {elapsed:.3f} s, of which "
-        f"PublishWeights on rank 0 {result.publish_elapsed_s:.3f} s",
-        flush=True,
-    )
-    return elapsed
+    def __init__(self) -> None:
+        from areal_grpc.server import ChannelCache
+
+        self.loop = asyncio.new_event_loop()
+        self.channels = ChannelCache()
+
+    def time_sync(self, trainer: str, rollout: str, method: str) -> float:
+        """One fleet update by ``method`` into the rollout server; seconds."""
+        from areal_clients.fleet import update_fleet_weights
+
+        start = time.perf_counter()
+        result = self.loop.run_until_complete(
+            update_fleet_weights(
+                [trainer], [rollout], methods=(method,), timeout_s=600, channels=self.channels
+            )
+        )
+        elapsed = time.perf_counter() - start
+        if result.failed_servers or result.servers[0].method != method:
+            raise RuntimeError(f"{method} sync failed: {result.servers}")
+        print(
+            f"  {method}: version {result.version}: fleet update {elapsed:.3f} s, of which "
+            f"PublishWeights on rank 0 {result.publish_elapsed_s:.3f} s",
+            flush=True,
+        )
+        return elapsed
+
+    def close(self) -> None:
+        """Closes the channels and the loop."""
+        self.loop.run_until_complete(self.channels.aclose())
+        self.loop.close()
 
 
 # ---------------------------------------------------------------------------- baselines
@@ -361,6 +379,7 @@ def main() -> int:
             env={"OMP_NUM_THREADS": "1"},
             ready_timeout_s=300,
         )
+        fleet = Fleet()
         try:
             step, version = 0, 0
 
@@ -403,10 +422,10 @@ def main() -> int:
                     warm = []
                     for _ in range(KEEP_VERSIONS):
                         train()
-                        warm.append(time_sync(trainer.address, rollout.address, method))
+                        warm.append(fleet.time_sync(trainer.address, rollout.address, method))
                     for _ in range(args.reps):
                         train()  # not timed: only makes the next version
-                        syncs.append(time_sync(trainer.address, rollout.address, method))
+                        syncs.append(fleet.time_sync(trainer.address, rollout.address, method))
                 finally:
                     stop_children([rollout])
                 # The baseline in a block of its own, after the syncs, likewise warmed up:
@@ -432,6 +451,7 @@ def main() -> int:
                     flush=True,
                 )
         finally:
+            fleet.close()
             stop_children([trainer])
     return 0
 

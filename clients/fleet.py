@@ -45,7 +45,7 @@ from google.rpc import status_pb2
 from areal_grpc.durations import duration, seconds
 from areal_grpc.errors import REFUSALS, UnavailableError, code_of, describe, status_proto_of
 from areal_grpc.launch import ROLLOUT_SERVICE, check_health
-from areal_grpc.server import aio_channel
+from areal_grpc.server import ChannelCache
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ async def update_fleet_weights(
     bucket_bytes: int = 0,
     control_timeout_s: float = 30.0,
     health_timeout_s: float | None = None,
+    channels: ChannelCache | None = None,
 ) -> FleetUpdateResult:
     """Pause all rollout servers, publish from every trainer rank, confirm, resume.
 
@@ -172,6 +173,8 @@ async def update_fleet_weights(
     calls each get ``control_timeout_s``, but never more than ``timeout_s``: a server that
     stalls gets the update's own deadline; with ``health_timeout_s`` one that also fails a
     health check is given up on sooner (see the module doc).
+    ``channels``: where the calls take their channels, kept for the next update (None: made
+    for this one and closed after it).
     Raises ValueError for bad arguments and :class:`FleetUpdateError` when a trainer rank
     fails (after resuming the paused servers on their old weights).
     """
@@ -185,9 +188,10 @@ async def update_fleet_weights(
     if unknown:
         raise ValueError(f"methods must be a subset of {sorted(METHODS)}: {unknown}")
     servers = {a: ServerUpdate(a) for a in rollout_addresses}
-    channels = {a: aio_channel(a) for a in [*rollout_addresses, *trainer_addresses]}
+    kept = channels if channels is not None else ChannelCache()
+    kept.prune()
     try:
-        rollout = {a: rollout_pb2_grpc.RolloutServiceStub(channels[a]) for a in rollout_addresses}
+        rollout = {a: rollout_pb2_grpc.RolloutServiceStub(kept.get(a)) for a in rollout_addresses}
 
         def control(a: str, call: Awaitable[T]) -> Awaitable[T]:
             return _answer_or_stall(call, a, health_timeout_s)
@@ -229,7 +233,7 @@ async def update_fleet_weights(
             )
 
             async def publish(a: str) -> trainer_pb2.PublishWeightsResponse:
-                stub = trainer_pb2_grpc.TrainerServiceStub(channels[a])
+                stub = trainer_pb2_grpc.TrainerServiceStub(kept.get(a))
                 return await stub.PublishWeights(request, timeout=timeout_s + control_timeout_s)
 
             replies = await _each(trainer_addresses, publish)
@@ -334,7 +338,8 @@ async def update_fleet_weights(
                 log.warning("weight update of %s failed: %s", s.address, s.error)
         return result
     finally:
-        await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
+        if channels is None:
+            await kept.aclose()
 
 
 __all__ = [

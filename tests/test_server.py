@@ -19,6 +19,7 @@ from areal_grpc.errors import FieldError, abort_with, field_violations, invalid_
 from areal_grpc.launch import health_status, python_module_argv, start_child, stop_children
 from areal_grpc.server import (
     BackgroundServer,
+    ChannelCache,
     ChannelOptions,
     ServerOptions,
     Service,
@@ -288,3 +289,37 @@ def test_a_frozen_peer_fails_an_open_call_once_a_keepalive_ping_goes_unanswered(
     finally:
         child.process.send_signal(signal.SIGCONT)
         stop_children([child])
+
+
+def test_kept_channels_are_reused_and_one_whose_server_went_away_is_replaced():
+    """A server restarted at the same address is reached through a fresh channel at once, not
+    through the old one's reconnect backoff; live ones are reused across exchanges."""
+
+    async def body():
+        cache = ChannelCache()
+        first = await _start()
+        try:
+            channel = cache.get(first.address)
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            await stub.GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=10)
+            cache.prune()
+            assert cache.get(first.address) is channel  # still serving: kept
+            port = first.port
+        finally:
+            await first.stop(0)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=10)
+        second = await _start(port=port)
+        try:
+            cache.prune()
+            fresh = cache.get(second.address)
+            assert fresh is not channel
+            reply = await rollout_pb2_grpc.RolloutServiceStub(fresh).GetRolloutStatus(
+                rollout_pb2.GetRolloutStatusRequest(), timeout=10
+            )
+            assert reply is not None
+        finally:
+            await cache.aclose()
+            await second.stop(0)
+
+    run(body())

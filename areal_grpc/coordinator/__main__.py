@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import errno
+import functools
 import logging
 import signal
 import socket
@@ -50,7 +51,7 @@ from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.launch import Child, LaunchError
 from areal_grpc.model_source import locate_source, ready_source
 from areal_grpc.paths import check_replaceable
-from areal_grpc.server import set_default_channel_options, start_server
+from areal_grpc.server import ChannelCache, set_default_channel_options, start_server
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -163,6 +164,8 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
     # Every channel this process opens (health probes, rollout and trainer clients, the fleet
     # update) speaks the run's TLS and token; restored at the end for in-process callers.
     previous_channels = set_default_channel_options(run_channel_options(cfg.security))
+    # The weight updates' channels, kept from one step's update to the next.
+    sync_channels = ChannelCache()
     try:
         # Children start in a thread so the event loop keeps handling signals meanwhile; on
         # Ctrl-C the thread stops between children and the finally below stops the rest.
@@ -212,7 +215,9 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             mesh.rollout_addresses,
             mesh.trainer_addresses,
             out_dir,
-            weight_sync=fleet_weight_sync if sync else None,
+            weight_sync=functools.partial(fleet_weight_sync, channels=sync_channels)
+            if sync
+            else None,
             # Attach mode (None): the ranks' own supervisor restarts them; the coordinator
             # waits for them.
             restart_trainers=restart_trainers if cfg.launcher.mode != "attach" else None,
@@ -297,6 +302,7 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             await server.stop(0)
         if coordinator is not None:
             await coordinator.close()
+        await sync_channels.aclose()
         if servicer is not None and servicer.hooks.fleet is not None:
             servicer.hooks.fleet.close()  # a server still starting must not outlive the run
         # A Ray mesh has no local children but actors, a placement group and maybe Ray.

@@ -21,6 +21,7 @@ from areal_grpc.config import WeightSyncConfig
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.rollout_fleet import Endpoint, RolloutFleet
 from areal_grpc.coordinator.trainer_group import TrainerGroup
+from areal_grpc.server import ChannelCache
 
 __all__ = [
     "SyncOutcome",
@@ -67,8 +68,10 @@ async def fleet_weight_sync(
     methods: Sequence[str],
     timeout_s: float = 600.0,
     health_timeout_s: float | None = None,
+    channels: ChannelCache | None = None,
 ) -> SyncOutcome:
-    """One fleet weight update (pause rollouts -> publish on every rank -> resume)."""
+    """One fleet weight update (pause rollouts -> publish on every rank -> resume);
+    ``channels`` keeps the update's channels for the next one (None: made for this one)."""
     if not fleet_available():
         raise WeightSyncUnavailable("areal_clients.fleet is not installed")
     from areal_clients.fleet import update_fleet_weights
@@ -79,6 +82,7 @@ async def fleet_weight_sync(
         methods=methods,
         timeout_s=timeout_s,
         health_timeout_s=health_timeout_s,
+        channels=channels,
     )
     return SyncOutcome(
         int(result.version), [str(a) for a in result.failed_servers], int(result.total_bytes)

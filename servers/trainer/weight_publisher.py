@@ -54,7 +54,7 @@ from areal_grpc.chunk_wire import stream_channel_options
 from areal_grpc.errors import status_proto_of
 from areal_grpc.host_memory import tune_malloc
 from areal_grpc.model import adapter_names, is_lora
-from areal_grpc.server import aio_channel, default_channel_options
+from areal_grpc.server import ChannelCache
 from areal_grpc.weight_transfer import (
     cuda_uuid,
     free_port,
@@ -198,16 +198,7 @@ class WeightPublisher:
         tune_malloc()
         # Channels to the rollout servers, kept between publications on the server's event
         # loop (a fresh one costs a connection and an HTTP/2 handshake before Negotiate).
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        """The kept channel to ``address``, made if there is none (on the server's loop)."""
-        channel = self._channels.get(address)
-        if channel is None:
-            # The process default carries the run's TLS and token (set from the server flags).
-            opts = default_channel_options(extra=stream_channel_options())
-            channel = self._channels[address] = aio_channel(address, opts)
-        return channel
+        self._channels = ChannelCache(extra=stream_channel_options())
 
     def session(
         self,
@@ -219,13 +210,10 @@ class WeightPublisher:
         config_json: str | None = None,
     ) -> PublishSession:
         """A publication to ``addresses`` (make it and run its coroutines on one event loop)."""
-        # Channels whose server went away are dropped: a server restarted at the same address
-        # is reached at once, not after the old channel's reconnect backoff.
-        for address in [a for a, c in self._channels.items() if c.get_state() in _GONE]:
-            _close_later(self._channels.pop(address))
+        self._channels.prune()
         return PublishSession(
             self,
-            [self._channel(a) for a in addresses],
+            [self._channels.get(a) for a in addresses],
             list(addresses),
             list(methods) or list(default_methods(self.device)),
             bucket_bytes=bucket_bytes,
@@ -236,28 +224,13 @@ class WeightPublisher:
     async def aclose(self) -> None:
         """Leaves the weight group and closes the kept channels."""
         self.close()
-        channels, self._channels = list(self._channels.values()), {}
-        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+        await self._channels.aclose()
 
     def close(self) -> None:
         """Leaves the weight group."""
         if self.group is not None and self.group.group is not None:
             self.group.group.close()
         self.group = None
-
-
-# Channel states of a server that is gone (or of a channel closed under us).
-_GONE = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
-
-
-def _close_later(channel: grpc.aio.Channel) -> None:
-    """Closes a channel no call uses any more, without waiting for it."""
-    task = asyncio.ensure_future(channel.close())
-    _CLOSING.add(task)
-    task.add_done_callback(_CLOSING.discard)
-
-
-_CLOSING: set[asyncio.Future[None]] = set()
 
 
 class PublishSession:
