@@ -21,7 +21,10 @@ the gateway (the CPU lines printed say how much). Prints, per ``n``,
     RESULT bench=gateway_p99_<n> value=<gateway p99 s, HTTP driver> unit=s
            baseline=<direct p99 s> ratio=<value / baseline> target=none
 
-    .venv/bin/python bench/gateway.py [--seconds 10] [--concurrency 1 8 32]
+    .venv/bin/python bench/gateway.py [--seconds 10] [--concurrency 1 8 32] [--model M]
+
+``--model smollm2-135m-instruct`` measures the same at the real model's scale (its own chat
+template; the rollout server's CPU per completion is then several times the gateway's).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import statistics
 import tempfile
@@ -82,7 +86,8 @@ def p(values: list[float], q: float) -> float:
 
 
 async def measure(args: argparse.Namespace, gateway: str, rollout: str, pids: list[int]) -> None:
-    renderer = ChatRenderer(load_tokenizer(MODEL))
+    renderer = ChatRenderer(load_tokenizer(args.model))
+    suffix = "" if args.model == MODEL else "_" + re.sub(r"\W+", "_", args.model).strip("_")
     prompt = renderer.encode(renderer.text(MESSAGES))
     sampling = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens)
     direct = RolloutClient(rollout)
@@ -103,7 +108,7 @@ async def measure(args: argparse.Namespace, gateway: str, rollout: str, pids: li
             for _ in range(n)
         ]
         body = {
-            "model": MODEL,
+            "model": args.model,
             "messages": MESSAGES,
             "max_tokens": args.max_tokens,
             "temperature": 1.0,
@@ -196,15 +201,16 @@ async def measure(args: argparse.Namespace, gateway: str, rollout: str, pids: li
                 f"{sum(spent[side]) / taken[side]:.2f} of {os.cpu_count()} cores",
                 flush=True,
             )
-        result(f"gateway_throughput_{n}", rate["http"], "completions/s", rate["direct"], "0.9")
+        tag = f"{n}{suffix}"
+        result(f"gateway_throughput_{tag}", rate["http"], "completions/s", rate["direct"], "0.9")
         result(
-            f"gateway_openai_throughput_{n}",
+            f"gateway_openai_throughput_{tag}",
             rate["openai"],
             "completions/s",
             rate["direct"],
             "0.9",
         )
-        result(f"gateway_p99_{n}", p(lat["http"], 0.99), "s", p(lat["direct"], 0.99), "none")
+        result(f"gateway_p99_{tag}", p(lat["http"], 0.99), "s", p(lat["direct"], 0.99), "none")
     await http.aclose()
     await direct.close()
 
@@ -215,13 +221,21 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="turns the seconds are cut into")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--model",
+        default=MODEL,
+        help="model source of the rollout server and the gateway; results of any other than "
+        f"{MODEL} carry its name (gateway_throughput_8_smollm2_135m_instruct)",
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         logs = Path(tmp)
         rollout = start_child(
             "rollout",
-            python_module_argv("areal_servers.rollout", "--port", "0", f"model.source={MODEL}"),
+            python_module_argv(
+                "areal_servers.rollout", "--port", "0", f"model.source={args.model}"
+            ),
             log_dir=logs,
         )
         # Room for every session of the largest concurrency (no training consumes groups).
@@ -244,7 +258,7 @@ def main() -> int:
                     "areal_clients.gateway",
                     "--coordinator",
                     running.address,
-                    f"model.source={MODEL}",
+                    f"model.source={args.model}",
                 ),
                 log_dir=logs,
             )
