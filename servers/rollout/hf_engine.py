@@ -145,9 +145,12 @@ class HFEngine(InferenceEngine):
         # What a weight update must bring: every tensor, or with LoRA the adapters only (the
         # base weights are frozen, the same as the trainer's).
         self.adapters_only = is_lora(self._model)
-        self._required = (
-            adapter_names(self._model) if self.adapters_only else set(self._model.state_dict())
-        )
+        # The state dict's tensors (parameters as their Parameter objects): an update replaces
+        # a parameter's data, never the object, so this is read once instead of through
+        # state_dict() (three times per update, ~0.5 ms each for 100 tensors).
+        self._state = self._model.state_dict(keep_vars=True)
+        self._params = dict(self._model.named_parameters(remove_duplicate=False))
+        self._required = adapter_names(self._model) if self.adapters_only else set(self._state)
         self._model.requires_grad_(False)
         log.info("hf engine: %s on %s", self.model_name, self.device)
         tokenizer = load_tokenizer(self.config.model) if model is None else None
@@ -364,7 +367,7 @@ class HFEngine(InferenceEngine):
     def _prepare_state_dict(
         self, state_dict: Mapping[str, torch.Tensor], owned: bool = False
     ) -> dict[str, torch.Tensor]:
-        current = self._model.state_dict()
+        current = self._state
         unexpected = sorted(set(state_dict) - set(current))
         if unexpected:
             raise ValueError(f"state dict has unknown tensors: {unexpected[:5]}")
@@ -398,7 +401,7 @@ class HFEngine(InferenceEngine):
         # install: ``prepared`` is private to the engine; parameters take its tensors as their
         # data (no copy; a tied parameter is one object, so its ties hold). Buffers are copied.
         # Returns the replaced parameter data that nothing in the model still uses.
-        params = dict(self._model.named_parameters(remove_duplicate=False)) if install else {}
+        params = self._params if install else {}
         replaced: dict[str, torch.Tensor] = {}
         with self._model_lock:
             if version <= self._version:
@@ -406,7 +409,7 @@ class HFEngine(InferenceEngine):
                     f"weights version {version} is not newer than the served version "
                     f"{self._version}"
                 )
-            current = self._model.state_dict()
+            current = self._state
             with torch.no_grad():
                 for name, tensor in prepared.items():
                     param = params.get(name)
@@ -420,7 +423,7 @@ class HFEngine(InferenceEngine):
         log.info("hf engine now serves policy version %d", version)
         # A tied or shared storage may still be in use (or be listed twice): handed back once,
         # and only when no parameter or buffer of the model points into it any more.
-        live = {t.untyped_storage().data_ptr() for t in self._model.state_dict().values()}
+        live = {t.untyped_storage().data_ptr() for t in self._state.values()}
         spare: dict[str, torch.Tensor] = {}
         for name, old in replaced.items():
             ptr = old.untyped_storage().data_ptr()

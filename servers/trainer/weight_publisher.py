@@ -27,6 +27,7 @@ import contextlib
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from areal_servers.trainer.publish.shared_memory import SharedMemoryTransport
 from areal_servers.trainer.publish.socket import SocketTransport
 from areal_servers.trainer.publish.stream import StreamTransport
 from arealgrpc.v1 import weight_sync_pb2, weight_sync_pb2_grpc
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from areal_grpc.chunk_wire import stream_channel_options
@@ -96,6 +98,24 @@ def default_methods(device: torch.device) -> tuple[int, ...]:
     )
 
 
+def _published_names(model: torch.nn.Module) -> list[str]:
+    """The names :func:`published_tensors` lists, in state-dict order."""
+    names = list(model.state_dict())
+    if is_lora(model):
+        trained = adapter_names(model)
+        return [name for name in names if name in trained]
+    # state_dict() lists tied weights under every name; named_parameters() only once (e.g.
+    # lm_head.weight tied to embed_tokens): receivers tie them again themselves.
+    owners = {name for name, _ in model.named_parameters()}
+    owners.update(name for name, _ in model.named_buffers())
+    return [name for name in names if name in owners]
+
+
+# Per model: the names never change between publications, and listing them through
+# state_dict() (hooks, a DTensor per FSDP2 parameter) cost 2-5 ms of every update.
+_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, list[str]] = weakref.WeakKeyDictionary()
+
+
 def published_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter or buffer) in state-dict order; tied duplicates are left out.
 
@@ -103,19 +123,18 @@ def published_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     same in every process from the start. Works the same on every rank without
     communication (DTensor shapes are global), so all ranks agree on the order of the gathers.
     """
-    # state_dict() first: an FSDP2 model that a forward left unsharded (a root module keeps
-    # its parameters gathered after a forward without backward) is resharded by its hook, so
-    # the parameters read next are the sharded ones, not unsharded ones about to be freed.
-    names = list(model.state_dict())
-    if is_lora(model):
-        trained = adapter_names(model)
-        params = dict(model.named_parameters())
-        return [(name, params[name]) for name in names if name in trained]
+    # Reshard first: an FSDP2 root module keeps its parameters gathered after a forward
+    # without backward, and the parameters read next must be the sharded ones, not unsharded
+    # ones about to be freed.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    names = _NAMES.get(model)
+    if names is None:
+        names = _NAMES[model] = _published_names(model)
     owners: dict[str, torch.Tensor] = dict(model.named_parameters())
     owners.update(dict(model.named_buffers()))
-    # state_dict() lists tied weights under every name; named_parameters() only once (e.g.
-    # lm_head.weight tied to embed_tokens): receivers tie them again themselves.
-    return [(name, owners[name]) for name in names if name in owners]
+    return [(name, owners[name]) for name in names]
 
 
 def tensor_metas(

@@ -318,6 +318,8 @@ def _publish_after_forward_main(port: int, batch, out: mp.Queue) -> None:
         torch.set_num_threads(1)
         init_distributed(DistConfig("gloo", "127.0.0.1", port, 0, 1, timeout_s=120))
         engine = TrainerEngine(config(fsdp=True))
+        # An earlier publication (the listing of names is kept per model).
+        published_tensors(engine.model)
         # A forward without backward (as a recomputation of log-probs is) leaves the root
         # module's parameters unsharded.
         mask = trainable_mask(batch["loss_mask"], batch["attention_mask"])
