@@ -366,6 +366,66 @@ def test_weights_published_after_a_forward_are_the_sharded_parameters(make_batch
     assert sharded and same and count > 0
 
 
+def _bucketed_gather_main(port: int, rank: int, world: int, out: mp.Queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        init_distributed(DistConfig("gloo", "127.0.0.1", port, rank, world, timeout_s=120))
+        engine = TrainerEngine(config(fsdp=True))
+        items = published_tensors(engine.model)
+        expected = {
+            name: t.full_tensor() if isinstance(t, DTensor) else t.detach() for name, t in items
+        }
+        sizes = [m.nbytes for m in tensor_metas(engine.model, items)]
+        for bucket_bytes in (1 << 30, 64 << 10):  # one bucket; many
+            buckets = plan_buckets(sizes, bucket_bytes)
+            got: list[tuple[str, torch.Tensor]] = []
+            for bucket in gather_buckets(items, buckets, keep=rank == 0):
+                got += bucket.items()
+            if rank == 0:
+                out.put(
+                    (
+                        len(buckets),
+                        [name for name, _ in got] == [name for name, _ in items],
+                        [
+                            name
+                            for name, t in got
+                            if not (t.is_contiguous() and torch.equal(t, expected[name]))
+                        ],
+                        sum(t.shape[0] % world != 0 for _, t in items if t.dim()),
+                    )
+                )
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        out.put(traceback.format_exc())
+
+
+def test_bucketed_gathers_on_three_ranks_give_each_parameters_full_tensor() -> None:
+    """A bucket's sharded parameters are gathered in one collective and cut apart again:
+    every tensor equals its own ``full_tensor()``, rows split unevenly over 3 ranks included."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port, world = free_port(), 3
+    procs = [
+        ctx.Process(target=_bucketed_gather_main, args=(port, rank, world, out))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        results = [out.get(timeout=120) for _ in range(2)]
+    except queue.Empty:
+        raise AssertionError(f"a rank died (exit codes {[p.exitcode for p in procs]})") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+    for got in results:
+        assert not isinstance(got, str), got
+    assert results[0][0] == 1 and results[1][0] > 1  # one bucket, then many
+    for _, in_order, wrong, uneven in results:
+        assert in_order and wrong == []
+        assert uneven > 0  # the model has tensors whose rows 3 ranks do not split evenly
+
+
 @pytest.mark.parametrize("transformers_slices_masks", [True, False])
 def test_masked_logits_are_the_full_logits_at_the_kept_positions(
     monkeypatch: pytest.MonkeyPatch, transformers_slices_masks: bool
