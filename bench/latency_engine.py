@@ -189,13 +189,13 @@ class LatencyEngine(InferenceEngine):
         finally:
             await inner.aclose()
 
-    async def pause(self) -> int:
+    async def pause(self, wait: bool = True) -> int:
         """Stops the delay clocks and pauses the inner engine."""
         paused, resumed = self._events()
         self._paused = True
         resumed.clear()
         paused.set()
-        return await self.inner.pause()
+        return await self.inner.pause(wait)
 
     async def resume(self) -> None:
         """Resumes the inner engine and the delay clocks."""

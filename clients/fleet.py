@@ -3,7 +3,9 @@
 ``update_fleet_weights`` runs the protocol of DESIGN.md §3 step 5:
 
 1. pause every rollout server (``PauseGeneration``; in-flight requests end interrupted and
-   resume later from their partial output);
+   resume later from their partial output). The call returns without waiting for the decode
+   step in progress: that step ends while the weights travel, and the server swaps them in
+   only after it;
 2. ``PublishWeights`` on every trainer rank at once (the full-parameter gather is collective;
    rank 0 sends, by the method each server negotiated);
 3. confirm: each server must report the published version (``GetRolloutStatus``);
@@ -200,8 +202,11 @@ async def update_fleet_weights(
         async def pause(a: str) -> rollout_pb2.PauseGenerationResponse:
             return await control(
                 a,
+                # Not waiting for the decode step in progress: it ends while the trainer
+                # gathers and sends, and the server swaps only after it.
                 rollout[a].PauseGeneration(
-                    rollout_pb2.PauseGenerationRequest(), timeout=control_timeout_s
+                    rollout_pb2.PauseGenerationRequest(return_immediately=True),
+                    timeout=control_timeout_s,
                 ),
             )
 

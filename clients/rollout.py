@@ -117,11 +117,13 @@ class RolloutClient:
         )
 
     async def pause(
-        self, timeout_s: float = DEFAULT_TIMEOUT_S
+        self, timeout_s: float = DEFAULT_TIMEOUT_S, *, return_immediately: bool = False
     ) -> rollout_pb2.PauseGenerationResponse:
-        """Interrupts generation at the next token boundary."""
+        """Interrupts generation at the next token boundary (``return_immediately``: see
+        ``PauseGenerationRequest``)."""
         return await self.stub.PauseGeneration(
-            rollout_pb2.PauseGenerationRequest(), timeout=timeout_s
+            rollout_pb2.PauseGenerationRequest(return_immediately=return_immediately),
+            timeout=timeout_s,
         )
 
     async def resume(

@@ -250,10 +250,13 @@ class InferenceEngine(abc.ABC):
         )
 
     @abc.abstractmethod
-    async def pause(self) -> int:
+    async def pause(self, wait: bool = True) -> int:
         """Stops decoding at the next token boundary; returns how many requests it interrupted.
 
-        Requests submitted while paused wait until :meth:`resume`.
+        Requests submitted while paused wait until :meth:`resume`. ``wait`` False: returns
+        once no new step will start, with the number of requests running then; those end
+        INTERRUPTED when the step in progress ends, and :meth:`load_weights` swaps only after
+        that (an engine that cannot tell waits anyway).
         """
 
     @abc.abstractmethod

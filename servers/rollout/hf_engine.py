@@ -268,8 +268,12 @@ class HFEngine(InferenceEngine):
             if not req.done:
                 self._cancel(req)
 
-    async def pause(self) -> int:
-        """Interrupts running requests at the next token boundary; returns how many."""
+    async def pause(self, wait: bool = True) -> int:
+        """Interrupts running requests at the next token boundary; returns how many.
+
+        ``wait`` False: returns at once, with the requests running now; the decode loop (or
+        a weight swap, whichever comes first) interrupts them when the step in progress ends.
+        """
         fut: concurrent.futures.Future[int] = concurrent.futures.Future()
         with self._cond:
             self._paused = True
@@ -279,6 +283,9 @@ class HFEngine(InferenceEngine):
             else:
                 self._pause_waiters.append(fut)
                 self._cond.notify_all()
+            running = len(self._batch.requests) + len(self._admitting)
+        if not wait:
+            return 0 if fut.done() else running
         return await asyncio.wrap_future(fut)
 
     async def resume(self) -> None:
@@ -409,6 +416,11 @@ class HFEngine(InferenceEngine):
                     f"weights version {version} is not newer than the served version "
                     f"{self._version}"
                 )
+            with self._cond:
+                # A pause that did not wait may not have reached the decode loop yet: its
+                # requests end here, on the old weights, before any step runs on the new ones.
+                if self._pause_waiters:
+                    self._interrupt_all_locked()
             current = self._state
             with torch.no_grad():
                 for name, tensor in prepared.items():

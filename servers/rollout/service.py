@@ -371,7 +371,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.PauseGenerationResponse:
         """Interrupts running generations at the next token boundary."""
-        interrupted = await self.engine.pause()
+        interrupted = await self.engine.pause(wait=not request.return_immediately)
         return rollout_pb2.PauseGenerationResponse(
             interrupted_requests=interrupted, policy_version=self.engine.version
         )

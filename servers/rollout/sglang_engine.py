@@ -397,8 +397,9 @@ class SGLangEngine(InferenceEngine):
             raise SGLangError(f"/generate finished with unknown reason {kind!r}")
         yield TokenEvent(finish=finish)
 
-    async def pause(self) -> int:
-        """``POST /pause_generation {}``: SGLang aborts in-flight requests."""
+    async def pause(self, wait: bool = True) -> int:
+        """``POST /pause_generation {}``: SGLang aborts in-flight requests (always waited for:
+        SGLang's reply is what says they ended)."""
         self._paused = True
         self._resumed.clear()
         interrupted = self._running

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 import pytest
 import torch
@@ -186,6 +187,86 @@ async def test_pause_interrupts_and_resume_continues_with_both_versions(engine):
         assert len(res.output_logprobs) == len(res.output_versions) == 150
         v = res.output_versions
         assert v == sorted(v) and v[0] == 0 and v[-1] == 1
+        split = v.index(1)
+        new_ref = recompute_logprobs(
+            new_model, prompt + res.output_ids[:split], res.output_ids[split:], 1.0
+        )
+        assert torch.allclose(new_ref, torch.tensor(res.output_logprobs[split:]), atol=1e-4)
+
+
+async def test_pause_without_waiting_interrupts_before_a_weight_swap_takes_effect(engine):
+    """pause(wait=False) returns with the running count while a step may still be decoding; a
+    swap right after it still ends those requests on the old weights first: every token after
+    the version split matches the new model recomputed over the whole prefix (a step on the
+    new weights over the old KV cache would not)."""
+    cfg = SamplingConfig(max_new_tokens=120, ignore_eos=True)
+    prompts = [[21, 22, 23 + i] for i in range(5)]
+    for round_ in range(2):  # the step in progress at the pause differs from round to round
+        new_model = load_model("builtin:micro", seed=3 + round_)
+        tasks = [asyncio.create_task(generate_resumable(engine, p, cfg)) for p in prompts]
+        await wait_for_tokens(engine, (round_ * 120 + 8) * len(prompts))
+        assert await engine.pause(wait=False) == len(prompts)
+        assert engine.status().paused
+        await engine.load_weights(new_model.state_dict(), version=round_ + 1)
+        await engine.resume()
+        results = await asyncio.gather(*tasks)
+        for prompt, res in zip(prompts, results, strict=True):
+            v = res.output_versions
+            assert len(res.output_ids) == 120 and v == sorted(v)
+            assert v[0] == round_ and v[-1] == round_ + 1
+            split = v.index(round_ + 1)
+            new_ref = recompute_logprobs(
+                new_model, prompt + res.output_ids[:split], res.output_ids[split:], 1.0
+            )
+            assert torch.allclose(new_ref, torch.tensor(res.output_logprobs[split:]), atol=1e-4)
+
+
+class _WatchedLock:
+    """A reentrant lock that counts the threads waiting for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.waiting = 0
+
+    def __enter__(self) -> None:
+        self.waiting += 1
+        self._lock.acquire()
+        self.waiting -= 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+async def test_a_swap_that_overtakes_the_decode_loop_still_interrupts_first(engine):
+    """The race pause(wait=False) opens: the decode loop has passed its pause check and waits
+    for the model, a swap takes the model first. The swap must end the batch's requests on
+    the old weights, or the loop's step would run the new weights over the old KV cache."""
+    lock = _WatchedLock()
+    engine._model_lock = lock  # the decode loop takes it afresh each step
+    cfg = SamplingConfig(max_new_tokens=60, ignore_eos=True)
+    prompts = [[31, 32, 33 + i] for i in range(4)]
+    new_model = load_model("builtin:micro", seed=9)
+    tasks = [asyncio.create_task(generate_resumable(engine, p, cfg)) for p in prompts]
+    await wait_for_tokens(engine, 8 * len(prompts))
+    held, swap = threading.Event(), threading.Event()
+
+    def overtake() -> None:
+        with lock:  # the loop ends its step, passes its pause check, then waits here
+            held.set()
+            swap.wait()
+            engine._load_blocking(new_model.state_dict(), 1)
+
+    worker = asyncio.create_task(asyncio.to_thread(overtake))
+    await asyncio.to_thread(held.wait)
+    while lock.waiting == 0:
+        await asyncio.sleep(0.001)
+    assert await engine.pause(wait=False) == len(prompts)
+    swap.set()
+    await worker
+    await engine.resume()
+    for prompt, res in zip(prompts, await asyncio.gather(*tasks), strict=True):
+        v = res.output_versions
+        assert len(res.output_ids) == 60 and v == sorted(v) and v[0] == 0 and v[-1] == 1
         split = v.index(1)
         new_ref = recompute_logprobs(
             new_model, prompt + res.output_ids[:split], res.output_ids[split:], 1.0

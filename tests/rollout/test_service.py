@@ -127,7 +127,10 @@ async def test_run_episodes_64_prompts_x4_out_of_order_each_task_once():
     assert batch["input_ids"].shape[0] == 256
 
 
-async def test_pause_version_change_resume_mixes_versions_without_loss():
+@pytest.mark.parametrize("return_immediately", [False, True])
+async def test_pause_version_change_resume_mixes_versions_without_loss(return_immediately):
+    """Either pause (waited, or returning at once as the fleet's does) ends the 12 running
+    requests before the new weights serve; the episodes resume on them and lose nothing."""
     async with rollout_server() as (stub, servicer):
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -138,7 +141,9 @@ async def test_pause_version_change_resume_mixes_versions_without_loss():
 
         call = stub.RunEpisodes(requests())
         await wait_status(stub, lambda st: st.generated_tokens >= 12 * 8)
-        paused = await stub.PauseGeneration(rollout_pb2.PauseGenerationRequest())
+        paused = await stub.PauseGeneration(
+            rollout_pb2.PauseGenerationRequest(return_immediately=return_immediately)
+        )
         assert paused.interrupted_requests == 12
         assert (await wait_status(stub, lambda st: True)).paused
         await servicer.engine.load_weights(load_model("builtin:micro", seed=5).state_dict(), 1)

@@ -153,8 +153,10 @@ class GenerateStreamResponse(_message.Message):
     def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., output_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PauseGenerationRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("return_immediately",)
+    RETURN_IMMEDIATELY_FIELD_NUMBER: _ClassVar[int]
+    return_immediately: bool
+    def __init__(self, return_immediately: _Optional[bool] = ...) -> None: ...
 
 class PauseGenerationResponse(_message.Message):
     __slots__ = ("interrupted_requests", "policy_version")

@@ -283,11 +283,21 @@ export interface GenerateStreamResponse {
 
 /** Request to pause generation. */
 export interface PauseGenerationRequest {
+  /**
+   * Return as soon as no new decoding step will start, without waiting for the step in
+   * progress to end. Its requests still end INTERRUPTED before any weight update takes effect
+   * (the update waits for the step), so a caller that pauses for an update can move the bytes
+   * while the step finishes. False: return once every running request is interrupted.
+   */
+  returnImmediately: boolean;
 }
 
 /** Result of pausing. */
 export interface PauseGenerationResponse {
-  /** Requests that were decoding and have been interrupted. */
+  /**
+   * Requests that were decoding and have been interrupted (with return_immediately: those
+   * running when the pause was asked, which end INTERRUPTED when the step in progress ends).
+   */
   interruptedRequests: number;
   /** Policy version served. */
   policyVersion: number;
@@ -1755,11 +1765,14 @@ export const GenerateStreamResponse: MessageFns<GenerateStreamResponse> = {
 };
 
 function createBasePauseGenerationRequest(): PauseGenerationRequest {
-  return {};
+  return { returnImmediately: false };
 }
 
 export const PauseGenerationRequest: MessageFns<PauseGenerationRequest> = {
-  encode(_: PauseGenerationRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+  encode(message: PauseGenerationRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.returnImmediately !== false) {
+      writer.uint32(8).bool(message.returnImmediately);
+    }
     return writer;
   },
 
@@ -1776,6 +1789,14 @@ export const PauseGenerationRequest: MessageFns<PauseGenerationRequest> = {
       while (reader.pos < end) {
         const tag = reader.uint32();
         switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.returnImmediately = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1788,20 +1809,30 @@ export const PauseGenerationRequest: MessageFns<PauseGenerationRequest> = {
     }
   },
 
-  fromJSON(_: any): PauseGenerationRequest {
-    return {};
+  fromJSON(object: any): PauseGenerationRequest {
+    return {
+      returnImmediately: isSet(object.returnImmediately)
+        ? globalThis.Boolean(object.returnImmediately)
+        : isSet(object.return_immediately)
+        ? globalThis.Boolean(object.return_immediately)
+        : false,
+    };
   },
 
-  toJSON(_: PauseGenerationRequest): unknown {
+  toJSON(message: PauseGenerationRequest): unknown {
     const obj: any = {};
+    if (message.returnImmediately !== false) {
+      obj.returnImmediately = message.returnImmediately;
+    }
     return obj;
   },
 
   create<I extends Exact<DeepPartial<PauseGenerationRequest>, I>>(base?: I): PauseGenerationRequest {
     return PauseGenerationRequest.fromPartial(base ?? ({} as any));
   },
-  fromPartial<I extends Exact<DeepPartial<PauseGenerationRequest>, I>>(_: I): PauseGenerationRequest {
+  fromPartial<I extends Exact<DeepPartial<PauseGenerationRequest>, I>>(object: I): PauseGenerationRequest {
     const message = createBasePauseGenerationRequest();
+    message.returnImmediately = object.returnImmediately ?? false;
     return message;
   },
 };
