@@ -285,7 +285,7 @@ class HFEngine(InferenceEngine):
                 self._cond.notify_all()
             running = len(self._batch.requests) + len(self._admitting)
         if not wait:
-            return 0 if fut.done() else running
+            return fut.result() if fut.done() else running
         return await asyncio.wrap_future(fut)
 
     async def resume(self) -> None:
