@@ -226,12 +226,15 @@ class _WatchedLock:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
+        self._count = threading.Lock()  # two threads may enter at once: no lost update
         self.waiting = 0
 
     def __enter__(self) -> None:
-        self.waiting += 1
+        with self._count:
+            self.waiting += 1
         self._lock.acquire()
-        self.waiting -= 1
+        with self._count:
+            self.waiting -= 1
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
