@@ -150,6 +150,19 @@ def run_channel_options(sec: SecurityConfig) -> ChannelOptions:
     return ChannelOptions(tls=tls, auth_token=load_auth_token(sec.auth_token_file))
 
 
+def plaintext_weights_warning(sec: SecurityConfig, methods: Sequence[str]) -> str | None:
+    """The warning for a run under TLS whose weight updates may take ``distributed``, which
+    no TLS covers; None for any other run."""
+    if not (sec.tls_cert and sec.tls_key) or "distributed" not in methods:
+        return None
+    return (
+        "weight_sync: the distributed method (gloo, NCCL) is not encrypted, so under TLS the "
+        "weights travel in the clear to any server that takes it (shared_memory stays on the "
+        "host; socket and stream stay inside TLS); list weight_sync.methods without "
+        "distributed to keep every update inside TLS"
+    )
+
+
 def serve_main(
     parser: argparse.ArgumentParser, build: BuildServices, argv: Sequence[str] | None = None
 ) -> int:

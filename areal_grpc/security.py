@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,19 @@ class ServerTls:
             require_client_auth=client_ca is not None,
         )
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same certificate (and client check) for a plain TLS socket (the SOCKET side
+        channel)."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        # No session tickets: each connection is used once, and a ticket the client never
+        # reads makes its close a reset, which can cut off data not yet read on this side.
+        ctx.num_tickets = 0
+        if self.client_ca_file:
+            ctx.load_verify_locations(self.client_ca_file)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
 
 @dataclass
 class ClientTls:
@@ -59,6 +73,15 @@ class ClientTls:
             private_key=Path(self.key_file).read_bytes() if self.key_file else None,
             certificate_chain=Path(self.cert_file).read_bytes() if self.cert_file else None,
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same trust (and client certificate) for a plain TLS socket; it checks the
+        server's name as gRPC does."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.load_verify_locations(self.ca_file)
+        if self.cert_file and self.key_file:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
 
 
 TOKEN_ENV = "AREAL_AUTH_TOKEN"

@@ -6,13 +6,15 @@ commit); the bytes go over one plain TCP connection, sender to receiver, in larg
 (see ``UpdateFromSocketRequest`` in weight_sync.proto for the layout). Both ends work on the
 tensors' own memory: the sender writes each frame's payload from the tensor, the receiver
 reads it with ``recv_into`` into the tensor that will be served, and the CRC of a frame is
-computed on that memory in place. Blocking calls: run them in a thread.
+computed on that memory in place. With TLS (:func:`accept` and :func:`connect` given an
+``ssl.SSLContext``) the same bytes travel inside it. Blocking calls: run them in a thread.
 """
 
 from __future__ import annotations
 
 import hmac
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -30,6 +32,7 @@ __all__ = [
     "TOKEN_BYTES",
     "Frame",
     "accept",
+    "connect",
     "frames_of",
     "receive_tensors",
     "send_end",
@@ -94,6 +97,11 @@ def frames_of(index: int, tensor: torch.Tensor, frame_bytes: int) -> list[Frame]
 
 
 def _send_frame(sock: socket.socket, header: bytes, payload: memoryview) -> None:
+    if isinstance(sock, ssl.SSLSocket):
+        # No sendmsg on TLS: the header is a record of its own (a few dozen bytes a frame).
+        sock.sendall(header)
+        sock.sendall(payload)
+        return
     # One call for both: with TCP_NODELAY a header sent on its own is a packet of its own.
     sent = sock.sendmsg([header, payload])
     if sent < len(header):
@@ -130,6 +138,10 @@ def send_end(sock: socket.socket) -> None:
     sock.sendall(_FRAME.pack(END_INDEX, 0, 0, 0))
 
 
+def _left(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
+
+
 def _recv_into(
     sock: socket.socket, view: memoryview, deadline: float, crc: int | None = None
 ) -> int | None:
@@ -137,11 +149,14 @@ def _recv_into(
     over it, computed on each piece as it arrives (still in cache)."""
     got = 0
     while got < len(view):
-        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        sock.settimeout(_left(deadline))
         try:
             n = sock.recv_into(view[got:], len(view) - got)
         except TimeoutError:
             raise DeadlineError("the side channel stalled past the update's deadline") from None
+        except OSError as exc:
+            # A reset connection, a TLS record that fails its check: the bytes did not arrive.
+            raise DataLossError(f"the side channel broke: {exc}") from None
         if n == 0:
             raise DataLossError(f"the side channel closed {len(view) - got} bytes short of a frame")
         if crc is not None:
@@ -157,15 +172,49 @@ def _frames(sock: socket.socket, deadline: float) -> Iterator[tuple[int, int, in
         yield _FRAME.unpack(header)
 
 
-def accept(listener: socket.socket, deadline: float) -> socket.socket:
-    """The sender's connection (DeadlineError when none arrives in time)."""
-    listener.settimeout(max(0.001, deadline - time.monotonic()))
+def accept(
+    listener: socket.socket, deadline: float, tls: ssl.SSLContext | None = None
+) -> socket.socket:
+    """The sender's connection, its TLS handshake done when ``tls`` is given (DeadlineError
+    when none arrives in time; DeniedError when the handshake fails: no TLS, an untrusted or
+    missing client certificate)."""
+    listener.settimeout(_left(deadline))
     try:
         conn, _ = listener.accept()
     except TimeoutError:
         raise DeadlineError("no side-channel connection arrived in time") from None
     tune(conn)
-    return conn
+    if tls is None:
+        return conn
+    conn.settimeout(_left(deadline))
+    try:
+        return tls.wrap_socket(conn, server_side=True)
+    except TimeoutError:
+        conn.close()
+        raise DeadlineError("the side channel's TLS handshake did not finish in time") from None
+    except (ssl.SSLError, OSError) as exc:
+        conn.close()
+        raise DeniedError(f"the side channel's TLS handshake failed: {exc}") from None
+
+
+def connect(
+    host: str,
+    port: int,
+    timeout_s: float,
+    tls: ssl.SSLContext | None = None,
+    server_name: str | None = None,
+) -> socket.socket:
+    """A tuned connection to a receiver's listener, inside TLS when ``tls`` is given (the
+    receiver's certificate checked against ``server_name``, else ``host``)."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    tune(sock)
+    if tls is None:
+        return sock
+    try:
+        return tls.wrap_socket(sock, server_hostname=server_name or host)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def receive_tensors(

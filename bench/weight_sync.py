@@ -34,6 +34,9 @@ own). Each method prints
 (medians). ``--device cuda`` puts the trainer and the rollout servers on one GPU (the cases
 are then named ``weight_sync_<method>_gpu``; the baselines stay the CPU ones above, on the same
 bytes: the floor of getting them from one process to another once they are off the GPU).
+``--tls`` runs the trainer, the rollout servers and the coordinator's channels under TLS (a
+throwaway CA; SOCKET's side channel then speaks TLS too): the cases are named
+``weight_sync_<method>_tls``, against the same plaintext floors, which gives the price of TLS.
 """
 
 from __future__ import annotations
@@ -106,8 +109,24 @@ def published_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------- rollout child
 
 
-def serve_rollout(model: str, disk_root: str, device: str = "cpu") -> None:
-    """Child mode: a rollout server with WeightSyncService; prints LISTENING host:port."""
+def make_pki(d: Path) -> dict[str, str]:
+    """A throwaway CA and one certificate for 127.0.0.1 (every process of the run)."""
+    import trustme
+
+    ca = trustme.CA()
+    node = ca.issue_cert("127.0.0.1")
+    files = {"ca": d / "ca.pem", "cert": d / "node.pem", "key": d / "node.key"}
+    ca.cert_pem.write_to_path(files["ca"])
+    node.cert_chain_pems[0].write_to_path(files["cert"])
+    node.private_key_pem.write_to_path(files["key"])
+    return {k: str(v) for k, v in files.items()}
+
+
+def serve_rollout(
+    model: str, disk_root: str, device: str = "cpu", pki: dict[str, str] | None = None
+) -> None:
+    """Child mode: a rollout server with WeightSyncService (under TLS with ``pki``); prints
+    LISTENING host:port."""
     from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
     from areal_servers.rollout.receive.base import WeightSyncConfig
     from areal_servers.rollout.service import RolloutServicer
@@ -115,9 +134,11 @@ def serve_rollout(model: str, disk_root: str, device: str = "cpu") -> None:
     from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 
     from areal_grpc.model import load_tokenizer
+    from areal_grpc.security import ServerTls
     from areal_grpc.server import ServerOptions, serve_until_signal, service, start_server
 
     torch.set_num_threads(1)
+    tls = ServerTls(pki["cert"], pki["key"]) if pki else None
 
     async def main() -> None:
         engine = HFEngine(HFEngineConfig(model=model, device=device))
@@ -125,10 +146,11 @@ def serve_rollout(model: str, disk_root: str, device: str = "cpu") -> None:
         services = [
             service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
             build_weight_sync_service(
-                engine, WeightSyncConfig(disk_root=disk_root, socket_host="127.0.0.1")
+                engine,
+                WeightSyncConfig(disk_root=disk_root, socket_host="127.0.0.1", socket_tls=tls),
             ),
         ]
-        running = await start_server(services, ServerOptions(port=0))
+        running = await start_server(services, ServerOptions(port=0, tls=tls))
         print(f"LISTENING {running.address}", flush=True)
         await serve_until_signal(running)
 
@@ -337,15 +359,34 @@ def main() -> int:
         help="where the trainer and the rollout servers keep the model (cuda: one GPU for both, "
         "so DISTRIBUTED runs over gloo: NCCL cannot join two processes on one GPU)",
     )
+    parser.add_argument(
+        "--tls", action="store_true", help="every process and channel under TLS (a throwaway CA)"
+    )
     parser.add_argument("--serve-rollout", nargs=2, metavar=("MODEL", "DISK_ROOT"))
+    parser.add_argument("--pki", help=argparse.SUPPRESS)  # child mode: the run's PEM files
     args = parser.parse_args()
     if args.serve_rollout:
-        serve_rollout(*args.serve_rollout, device=args.device)
+        pki = (
+            dict(zip(("ca", "cert", "key"), args.pki.split(","), strict=True)) if args.pki else None
+        )
+        serve_rollout(*args.serve_rollout, device=args.device, pki=pki)
         return 0
     torch.set_num_threads(1)
     methods = [m for m in args.methods.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
         base = Path(tmp)
+        tls_argv: list[str] = []
+        pki_argv: list[str] = []
+        if args.tls:
+            from areal_grpc.security import ClientTls
+            from areal_grpc.server import ChannelOptions, set_default_channel_options
+
+            pki = make_pki(base)
+            tls_argv = [f"--tls-cert={pki['cert']}", f"--tls-key={pki['key']}"]
+            tls_argv.append(f"--tls-ca={pki['ca']}")
+            pki_argv = [f"--pki={pki['ca']},{pki['cert']},{pki['key']}"]
+            # The coordinator's side (this process): channels that trust the run's CA.
+            set_default_channel_options(ChannelOptions(tls=ClientTls(pki["ca"])))
         model_dir = (
             Path(resolve_source(args.model))
             if args.model
@@ -374,6 +415,7 @@ def main() -> int:
                 f"weight_sync.keep_versions={KEEP_VERSIONS}",
                 f"trainer.device={args.device}",
                 "weight_sync.backend=gloo",
+                *tls_argv,
             ),
             log_dir=base / "logs",
             env={"OMP_NUM_THREADS": "1"},
@@ -388,7 +430,10 @@ def main() -> int:
                 version = train_one_step(trainer.address, step, version)
                 step += 1
 
-            print(f"trainer: 1 rank (FSDP2) on {args.device}; rollout servers on {args.device}")
+            print(
+                f"trainer: 1 rank (FSDP2) on {args.device}; rollout servers on {args.device}"
+                + ("; every process and channel under TLS" if args.tls else "")
+            )
             baselines = {
                 "shared_memory": ("memcpy", lambda: memcpy_baseline(sd)),
                 "socket": ("raw TCP copy", lambda: tcp_baseline(sd)),
@@ -408,6 +453,7 @@ def main() -> int:
                         str(model_dir),
                         str(weights_root),
                         f"--device={args.device}",
+                        *pki_argv,
                     ],
                     log_dir=base / "logs",
                     ready_timeout_s=300,
@@ -445,6 +491,7 @@ def main() -> int:
                 )
                 # Named apart on a GPU: the same method is another case there.
                 name = f"weight_sync_{method}" + ("" if args.device == "cpu" else "_gpu")
+                name += "_tls" if args.tls else ""
                 print(
                     f"RESULT bench={name} value={value:.3f} unit=s "
                     f"baseline={baseline:.3f} ratio={value / baseline:.2f} target={TARGET}",

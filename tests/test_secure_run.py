@@ -101,6 +101,8 @@ def test_a_whole_run_under_mutual_tls_and_a_token_trains(pki, tmp_path, coordina
         out,
         f"total_steps={steps}",
         "trainer.ranks=2",
+        # The weights take the SOCKET side channel, inside the run's mutual TLS.
+        "weight_sync.methods=[socket]",
         *SMALL_RUN,
         *security_overrides(pki),
         timeout=240,
@@ -109,11 +111,20 @@ def test_a_whole_run_under_mutual_tls_and_a_token_trains(pki, tmp_path, coordina
     assert code == 0
     assert f"done: {steps} steps, version {steps}" in log
     assert "mesh stopped cleanly" in log
+    # No method outside TLS was allowed, so no warning that weights go in the clear.
+    assert "not encrypted" not in log
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     # Every step trained and was followed by a weight sync to the rollout server (the version
-    # advances only when the fleet update succeeded).
+    # advances only when the fleet update succeeded), by the one method allowed.
     assert [r["version"] for r in train] == list(range(1, steps + 1))
     assert all(r["sequences"] == 4 for r in train)
+    # Inside TLS: the server's side channel said so for every update.
+    received = [
+        line
+        for line in (out / "logs" / "rollout-0.log").read_text().splitlines()
+        if "socket update to version" in line
+    ]
+    assert len(received) == steps and all(line.endswith("(TLS)") for line in received), received
 
 
 def _expect_refused(address: str, opts: ChannelOptions, rpc: str) -> grpc.StatusCode:

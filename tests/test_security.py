@@ -11,7 +11,8 @@ import trustme
 from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from areal_grpc.cli import base_parser, channel_options_from_args
+from areal_grpc.cli import base_parser, channel_options_from_args, plaintext_weights_warning
+from areal_grpc.config import WEIGHT_SYNC_METHODS, SecurityConfig
 from areal_grpc.launch import health_status, python_module_argv, start_child, stop_children
 from areal_grpc.security import ClientTls, ServerTls, is_loopback
 from areal_grpc.server import (
@@ -286,3 +287,12 @@ def test_client_flags_give_the_channel_options(pki, tmp_path, monkeypatch):
                 ["--tls-client-cert", pki["client_cert"], "--tls-client-key", pki["client_key"]]
             )
         )
+
+
+def test_a_tls_run_whose_weights_may_take_distributed_is_told_they_go_in_the_clear() -> None:
+    tls = SecurityConfig(tls_cert="node.pem", tls_key="node.key", tls_ca="ca.pem")
+    warning = plaintext_weights_warning(tls, WEIGHT_SYNC_METHODS)
+    assert warning is not None and "list weight_sync.methods without distributed" in warning
+    # Methods that stay on the host or inside TLS, or a plaintext run: nothing to say.
+    assert plaintext_weights_warning(tls, ("shared_memory", "socket", "stream", "disk")) is None
+    assert plaintext_weights_warning(SecurityConfig(), WEIGHT_SYNC_METHODS) is None

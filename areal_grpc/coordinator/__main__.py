@@ -34,7 +34,7 @@ from typing import Any
 from arealgrpc.v1 import coordinator_pb2
 
 from areal_grpc import tracing
-from areal_grpc.cli import run_channel_options, run_server_options
+from areal_grpc.cli import plaintext_weights_warning, run_channel_options, run_server_options
 from areal_grpc.config import RunConfig, load_config, to_yaml
 from areal_grpc.coordinator.gateway_process import GatewayProcess
 from areal_grpc.coordinator.launcher import fleet_launcher, new_mesh, start_mesh
@@ -187,6 +187,9 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
         if sync and not fleet_available():
             log.warning("areal_clients.fleet is not installed: weight sync is off")
             sync = False
+        warning = plaintext_weights_warning(cfg.security, cfg.weight_sync.accepted_methods())
+        if sync and warning:
+            log.warning(warning)
 
         async def restart_trainers(addresses: Sequence[str]) -> list[str]:
             # A failed trainer group is replaced by fresh ranks (subprocesses or Ray actors);

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from areal_grpc.cli import base_parser, serve_main
+from areal_grpc.cli import base_parser, serve_main, server_options_from_args
 from areal_grpc.server import Service
 from areal_grpc.server_config import ROLLOUT_SECTIONS, add_run_config_args, run_config_from_args
 
@@ -36,7 +36,9 @@ async def build(args: argparse.Namespace) -> Sequence[Service]:
     run = run_config_from_args(args, ROLLOUT_SECTIONS)
     from areal_servers.rollout.build import serve_run
 
-    return await serve_run(run, args.sglang_url, args.host)
+    # The side channel follows the server's own TLS, whatever the run config says.
+    tls = server_options_from_args(args).tls
+    return await serve_run(run, args.sglang_url, args.host, tls)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

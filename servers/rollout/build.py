@@ -17,6 +17,7 @@ from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 
 from areal_grpc.config import RunConfig
 from areal_grpc.model import load_tokenizer
+from areal_grpc.security import ServerTls
 from areal_grpc.server import Service, service
 from areal_grpc.server_config import max_new_tokens, weights_root
 
@@ -65,19 +66,22 @@ def create_rollout_servicer(run: RunConfig, engine: InferenceEngine) -> RolloutS
 
 
 async def rollout_services(
-    run: RunConfig, engine: InferenceEngine, host: str = "127.0.0.1"
+    run: RunConfig,
+    engine: InferenceEngine,
+    host: str = "127.0.0.1",
+    tls: ServerTls | None = None,
 ) -> list[Service]:
     """RolloutService and WeightSyncService over ``engine`` (started first if it must be);
-    ``host``: the interface the server binds, where SOCKET listeners bind too."""
+    ``host``: the interface the server binds, where SOCKET listeners bind too; ``tls``: the
+    server's own TLS, which its SOCKET side channel speaks too."""
     rollout = create_rollout_servicer(run, engine)
     # The sglang engine launches or attaches to its server and waits until it is healthy.
     await engine.start()
-    tls = bool(run.security.tls_cert and run.security.tls_key)
     ws = WeightSyncConfig(
         disk_root=weights_root(run),
         methods=run.weight_sync.accepted_methods(),
-        # The side channel is plaintext: under TLS it is not offered.
-        socket_host=None if tls else host,
+        socket_host=host,
+        socket_tls=tls,
     )
     return [
         service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
@@ -85,7 +89,10 @@ async def rollout_services(
     ]
 
 
-async def serve_run(run: RunConfig, sglang_url: str, host: str) -> list[Service]:
-    """The services of a rollout server for ``run`` (its engine made and started)."""
+async def serve_run(
+    run: RunConfig, sglang_url: str, host: str, tls: ServerTls | None = None
+) -> list[Service]:
+    """The services of a rollout server for ``run`` (its engine made and started) on
+    ``host``, with the server's ``tls``."""
     torch.set_num_threads(run.rollout.torch_threads)
-    return await rollout_services(run, create_engine(run, sglang_url), host)
+    return await rollout_services(run, create_engine(run, sglang_url), host, tls)

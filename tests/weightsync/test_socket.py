@@ -6,6 +6,7 @@ server up; the next transfer succeeds."""
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -13,11 +14,13 @@ from collections.abc import Callable
 import grpc
 import pytest
 import torch
+import trustme
 from arealgrpc.v1 import tensor_pb2
 from arealgrpc.v1 import weight_sync_pb2 as pb
 
 from areal_grpc import side_channel
 from areal_grpc import tensor_codec as tc
+from areal_grpc.security import ClientTls, ServerTls
 
 from .conftest import MakeRollout, Rollout, tensor_digest
 from .test_receiver import shifted
@@ -25,9 +28,9 @@ from .test_receiver import shifted
 TIMEOUT = 30.0
 
 
-def negotiate(r: Rollout) -> pb.NegotiateResponse:
+def negotiate(r: Rollout, tls: bool = False) -> pb.NegotiateResponse:
     offer = pb.TransferOption(
-        method=pb.TRANSFER_METHOD_SOCKET, socket=pb.SocketParams(max_frame_bytes=4096)
+        method=pb.TRANSFER_METHOD_SOCKET, socket=pb.SocketParams(max_frame_bytes=4096, tls=tls)
     )
     plan = r.sync.Negotiate(pb.NegotiateRequest(offers=[offer]), timeout=TIMEOUT)
     assert plan.plan.method == pb.TRANSFER_METHOD_SOCKET
@@ -43,9 +46,10 @@ def update(
     version: int,
     sender: Callable[[socket.socket], None] | None,
     timeout: float = TIMEOUT,
+    tls: ssl.SSLContext | None = None,
 ) -> pb.UpdateFromSocketResponse:
     """UpdateFromSocket, with ``sender`` writing the connection meanwhile (None: no one
-    connects)."""
+    connects), inside TLS with ``tls``."""
     request = pb.UpdateFromSocketRequest(
         plan_id=plan.plan_id,
         policy_version=version,
@@ -56,11 +60,12 @@ def update(
     def send() -> None:
         assert sender is not None
         try:
-            with socket.create_connection(("127.0.0.1", plan.plan.socket.port), timeout=10) as s:
+            port = plan.plan.socket.port
+            with side_channel.connect("127.0.0.1", port, 10, tls) as s:
                 sender(s)
                 s.shutdown(socket.SHUT_WR)
                 s.recv(1)  # until the receiver is done with the connection
-        except OSError as exc:
+        except OSError as exc:  # e.g. the receiver refusing a handshake
             errors.append(exc)
 
     thread = threading.Thread(target=send) if sender is not None else None
@@ -193,3 +198,101 @@ def test_socket_is_not_offered_without_a_listen_host(make_rollout: MakeRollout) 
     ]
     plan = r.sync.Negotiate(pb.NegotiateRequest(offers=offers), timeout=TIMEOUT)
     assert plan.plan.method == pb.TRANSFER_METHOD_STREAM
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A CA, the server's and a client's certificates from it, and a stranger CA's client."""
+    d = tmp_path_factory.mktemp("pki")
+    ca, stranger_ca = trustme.CA(), trustme.CA()
+    files: dict[str, str] = {}
+
+    def write(name: str, pem: trustme.Blob) -> None:
+        path = d / name
+        pem.write_to_path(path)
+        files[name] = str(path)
+
+    write("ca.pem", ca.cert_pem)
+    write("stranger_ca.pem", stranger_ca.cert_pem)
+    for who, issuer in (("server", ca), ("client", ca), ("stranger", stranger_ca)):
+        cert = issuer.issue_cert("127.0.0.1")
+        write(f"{who}.pem", cert.cert_chain_pems[0])
+        write(f"{who}.key", cert.private_key_pem)
+    return files
+
+
+def test_a_tls_server_speaks_tls_on_the_side_channel_and_refuses_every_other_peer(
+    make_rollout: MakeRollout, pki: dict[str, str]
+) -> None:
+    r = make_rollout(socket_tls=ServerTls(pki["server.pem"], pki["server.key"], pki["ca.pem"]))
+    before = r.digests()
+    sd = shifted(r, 0.5)
+
+    # A plaintext offer is declined: the sender falls back to its next method.
+    offers = [
+        pb.TransferOption(method=pb.TRANSFER_METHOD_SOCKET),
+        pb.TransferOption(method=pb.TRANSFER_METHOD_STREAM),
+    ]
+    plan = r.sync.Negotiate(pb.NegotiateRequest(offers=offers), timeout=TIMEOUT)
+    assert plan.plan.method == pb.TRANSFER_METHOD_STREAM
+    expect(
+        lambda: r.sync.Negotiate(pb.NegotiateRequest(offers=offers[:1]), timeout=TIMEOUT),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "this server's side channel is TLS; the offer is plaintext",
+    )
+
+    def client(ca: str, who: str | None) -> ssl.SSLContext:
+        cert = (pki[f"{who}.pem"], pki[f"{who}.key"]) if who else (None, None)
+        return ClientTls(pki[ca], *cert).ssl_context()
+
+    # Peers that fail the handshake: PERMISSION_DENIED naming it, before a byte lands.
+    for tls in (
+        None,  # plaintext on a TLS plan
+        client("ca.pem", None),  # no client certificate (the server asks for one)
+        client("ca.pem", "stranger"),  # a certificate from another CA
+    ):
+        plan = negotiate(r, tls=True)
+        assert plan.plan.socket.tls
+        expect(
+            lambda plan=plan, tls=tls: update(r, plan, sd, 1, honest(plan, sd, 1), tls=tls),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "TLS handshake",
+        )
+        assert r.digests() == before and r.version() == 0
+
+    # A sender that does not trust the server's certificate never sends: the receiver's
+    # handshake fails too, and the old weights serve.
+    plan = negotiate(r, tls=True)
+    expect(
+        lambda: update(
+            r, plan, sd, 1, honest(plan, sd, 1), tls=client("stranger_ca.pem", "client")
+        ),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "TLS handshake",
+    )
+    assert r.digests() == before
+
+    # Inside TLS, the token and the frames are checked as on plaintext.
+    plan = negotiate(r, tls=True)
+    tls = client("ca.pem", "client")
+
+    def corrupt(s: socket.socket) -> None:
+        side_channel.send_preamble(s, plan.plan.socket.token, 1)
+        for i, t in enumerate(sd.values()):
+            for k, (header, payload) in enumerate(side_channel.frames_of(i, t, 4096)):
+                data = bytearray(payload)
+                if i == 1 and k == 0:
+                    data[-1] ^= 0x01
+                s.sendall(header)
+                s.sendall(data)
+        side_channel.send_end(s)
+
+    expect(lambda: update(r, plan, sd, 1, corrupt, tls=tls), grpc.StatusCode.DATA_LOSS, "CRC")
+    assert r.digests() == before
+
+    plan = negotiate(r, tls=True)
+    reply = update(r, plan, sd, 1, honest(plan, sd, 1), tls=tls)
+    assert reply.policy_version == 1 == r.version()
+    assert reply.received_bytes == sum(t.numel() * t.element_size() for t in sd.values())
+    served = r.digests()
+    assert all(served[k] == tensor_digest(v) for k, v in sd.items())

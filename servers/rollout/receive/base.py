@@ -15,6 +15,7 @@ from arealgrpc.v1 import tensor_pb2, weight_sync_pb2
 
 from areal_grpc import tensor_codec as tc
 from areal_grpc.errors import FieldError, PreconditionError
+from areal_grpc.security import ServerTls
 from areal_grpc.weight_transfer import MAX_CHUNK_BYTES, GroupParams, spec_nbytes
 
 __all__ = ["Plan", "Receiver", "ReceiverState", "WeightSyncConfig", "check_specs"]
@@ -41,10 +42,13 @@ class WeightSyncConfig:
     group_timeout_s: float = 300.0
     # Plans remembered (oldest forgotten first; a sender renegotiates per update anyway).
     max_plans: int = 256
-    # SOCKET: the interface its per-plan listeners bind (None: SOCKET is not offered, as
-    # under TLS: the side channel is plaintext). A wildcard address is announced as "" (the
-    # sender connects to the host it reached this server at).
+    # SOCKET: the interface its per-plan listeners bind (None: SOCKET is not offered). A
+    # wildcard address is announced as "" (the sender connects to the host it reached this
+    # server at).
     socket_host: str | None = None
+    # SOCKET: the server's own TLS (certificate, client CA). Set, the side channel speaks TLS
+    # with it and plaintext offers are declined; a server serving gRPC over TLS sets it.
+    socket_tls: ServerTls | None = None
     # SOCKET: the largest frame accepted.
     max_frame_bytes: int = 64 << 20
     # SOCKET: listeners of plans not yet used, at most (the oldest is closed first).

@@ -4,8 +4,10 @@ Each accepted offer gets a listener of its own and a one-time 32-byte token, bot
 plan. ``UpdateFromSocket`` announces the version and the tensors; the sender then connects,
 presents the token and the version (checked before any byte is written) and sends the
 tensors as CRC-32C-checked frames that are read straight into the receive buffers
-(:mod:`areal_grpc.side_channel`). Only a complete transfer is swapped in, so a wrong or used
-token, a corrupt or short frame, or a sender that vanishes leaves the old weights serving.
+(:mod:`areal_grpc.side_channel`). A server with TLS speaks it on the side channel too, with
+its own certificate and client check. Only a complete transfer is swapped in, so a wrong or
+used token, a failed handshake, a corrupt or short frame, or a sender that vanishes leaves
+the old weights serving.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import ipaddress
 import logging
 import secrets
 import socket
+import ssl
 import time
 from collections import OrderedDict
 
@@ -51,6 +54,8 @@ class SocketReceiver(Receiver):
         super().__init__(state)
         # Listeners of plans not used yet, by token (used once: taken out by the update).
         self._listeners: OrderedDict[bytes, socket.socket] = OrderedDict()
+        tls = state.config.socket_tls
+        self._tls: ssl.SSLContext | None = tls.ssl_context() if tls is not None else None
 
     @property
     def enabled(self) -> bool:
@@ -59,7 +64,8 @@ class SocketReceiver(Receiver):
     def supported(self) -> str | None:
         if not self.enabled:
             return None
-        return f"TRANSFER_METHOD_SOCKET (frames <= {self.state.config.max_frame_bytes} B)"
+        tls = ", TLS" if self._tls is not None else ""
+        return f"TRANSFER_METHOD_SOCKET (frames <= {self.state.config.max_frame_bytes} B{tls})"
 
     def accept(
         self, where: str, offer: pb.TransferOption, declined: list[str]
@@ -69,6 +75,9 @@ class SocketReceiver(Receiver):
         asked = offer.socket.max_frame_bytes if offer.HasField("socket") else 0
         if asked < 0:
             raise FieldError(f"{where}.socket.max_frame_bytes", f"is negative ({asked})")
+        if self._tls is not None and not offer.socket.tls:
+            declined.append(f"{where}: this server's side channel is TLS; the offer is plaintext")
+            return None
         limit = self.state.config.max_frame_bytes
         host = self.state.config.socket_host or ""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -85,6 +94,7 @@ class SocketReceiver(Receiver):
             port=listener.getsockname()[1],
             token=token,
             max_frame_bytes=min(asked or limit, limit),
+            tls=self._tls is not None,
         )
         return pb.TransferOption(method=self.method, socket=params)
 
@@ -118,10 +128,11 @@ class SocketReceiver(Receiver):
             if time_left_s is not None:
                 timeout = min(timeout, time_left_s)
             log.info(
-                "socket update to version %d: receiving %d tensors on port %d",
+                "socket update to version %d: receiving %d tensors on port %d (%s)",
                 request.policy_version,
                 len(buffers),
                 params.port,
+                "TLS" if params.tls else "plaintext",
             )
             received = await self._receive(
                 listener, params, request.policy_version, list(buffers.values()), timeout
@@ -152,7 +163,7 @@ class SocketReceiver(Receiver):
         conn: list[socket.socket] = []
 
         def work() -> int:
-            conn.append(side_channel.accept(listener, deadline))
+            conn.append(side_channel.accept(listener, deadline, self._tls))
             with conn[0]:
                 return side_channel.receive_tensors(
                     conn[0], params.token, version, dests, params.max_frame_bytes, deadline

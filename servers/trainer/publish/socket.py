@@ -1,12 +1,15 @@
 """SOCKET: per server an ``UpdateFromSocket`` call (the control) and one TCP connection to
 the listener its plan names (the bytes), written by a thread of its own from the tensors'
-own memory, bucket after bucket."""
+own memory, bucket after bucket. The connection speaks TLS when the plan asks, with the
+trust and client certificate of this process's gRPC channels."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
+import ssl
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -16,6 +19,7 @@ from arealgrpc.v1 import weight_sync_pb2
 
 from areal_grpc import side_channel
 from areal_grpc.errors import status_proto_of
+from areal_grpc.server import default_channel_options
 
 __all__ = ["SocketTransport"]
 
@@ -44,11 +48,19 @@ class SocketTransport(Transport):
         # the transfer.
         self._socks: dict[int, socket.socket] = {}
         self._writers: dict[int, ThreadPoolExecutor] = {}
+        # The side channel's TLS: what this process's channels trust and present (the
+        # context is made when a plan asks for it).
+        self._client_tls = default_channel_options().tls
+        self._tls: ssl.SSLContext | None = None
+        self._tls_lock = threading.Lock()
 
     def offer(self, rank: int, world: int) -> pb.TransferOption | None:
         return pb.TransferOption(
             method=self.method,
-            socket=pb.SocketParams(max_frame_bytes=side_channel.DEFAULT_FRAME_BYTES),
+            socket=pb.SocketParams(
+                max_frame_bytes=side_channel.DEFAULT_FRAME_BYTES,
+                tls=self._client_tls is not None,
+            ),
         )
 
     async def open(self, targets: list[Target]) -> None:
@@ -65,11 +77,14 @@ class SocketTransport(Transport):
         mine.CopyFrom(request)
         mine.plan_id = t.plan.plan_id
         t.task = asyncio.create_task(self._call(t, mine))
-        host = params.host or _host(t.result.address)
+        dialled = _host(t.result.address)
+        host = params.host or dialled
+        # The certificate must name what gRPC checked it against: the address dialled.
+        name = (self._client_tls.server_name if self._client_tls else None) or dialled
 
         def connect() -> socket.socket:
-            sock = socket.create_connection((host, params.port), timeout=self.ctx.left())
-            side_channel.tune(sock)
+            tls = self._tls_context() if params.tls else None
+            sock = side_channel.connect(host, params.port, self.ctx.left(), tls, name)
             side_channel.send_preamble(sock, params.token, self.ctx.version)
             return sock
 
@@ -79,6 +94,15 @@ class SocketTransport(Transport):
             self._socks[id(t)] = await asyncio.wrap_future(writer.submit(connect))
         except OSError as exc:
             await self._lost(t, exc)
+
+    def _tls_context(self) -> ssl.SSLContext:
+        """The side channel's TLS context (made once, by whichever writer asks first)."""
+        with self._tls_lock:
+            if self._tls is None:
+                if self._client_tls is None:
+                    raise ssl.SSLError("the plan asks for TLS; this sender has none configured")
+                self._tls = self._client_tls.ssl_context()
+            return self._tls
 
     async def _call(self, t: Target, request: pb.UpdateFromSocketRequest) -> None:
         try:

@@ -61,16 +61,18 @@ class StreamParams(_message.Message):
     def __init__(self, max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class SocketParams(_message.Message):
-    __slots__ = ("host", "port", "token", "max_frame_bytes")
+    __slots__ = ("host", "port", "token", "max_frame_bytes", "tls")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     token: bytes
     max_frame_bytes: int
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    tls: bool
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ..., max_frame_bytes: _Optional[int] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class SharedMemoryParams(_message.Message):
     __slots__ = ("root", "probe")

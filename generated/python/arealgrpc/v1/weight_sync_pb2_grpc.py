@@ -124,8 +124,9 @@ class WeightSyncServiceServicer:
         while this call is open and presents the plan's one-time token and the version before
         any byte is written. Errors as for PushWeights; DATA_LOSS when a frame's CRC-32C does
         not match, the connection ends early or sends another tensor or offset than expected;
-        PERMISSION_DENIED when the connection presents a wrong or used token;
-        DEADLINE_EXCEEDED when no connection arrives in time. The old weights keep serving.
+        PERMISSION_DENIED when the connection presents a wrong or used token or fails the
+        plan's TLS handshake; DEADLINE_EXCEEDED when no connection arrives in time. The old
+        weights keep serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -184,6 +184,13 @@ export interface SocketParams {
    * plan (0: the other side's choice).
    */
   maxFrameBytes: number;
+  /**
+   * In an offer: the sender can open the connection with TLS. In a plan: it must. The
+   * receiver presents its gRPC server certificate, and asks for a client certificate when
+   * its gRPC server does; the token and frames then travel inside TLS. A receiver serving
+   * gRPC over TLS declines offers without it.
+   */
+  tls: boolean;
 }
 
 /** Parameters of a shared-memory transfer. */
@@ -323,11 +330,11 @@ export interface UpdateFromDistributedResponse {
 /**
  * Announces a socket transfer; the sender then connects and sends the frames.
  *
- * On the connection (all integers little-endian): the 8 bytes "AREALSK1", the plan's
- * 32-byte token, the policy version (int64); then one frame per piece of a tensor, tensors
- * and pieces in order: tensor index (uint32), byte offset in the tensor (uint64), length
- * (uint32), CRC-32C of the payload (uint32), the payload; then a frame with tensor index
- * 0xFFFFFFFF and length 0 ends the transfer.
+ * On the connection (inside TLS when the plan says so; all integers little-endian): the
+ * 8 bytes "AREALSK1", the plan's 32-byte token, the policy version (int64); then one frame
+ * per piece of a tensor, tensors and pieces in order: tensor index (uint32), byte offset in
+ * the tensor (uint64), length (uint32), CRC-32C of the payload (uint32), the payload; then
+ * a frame with tensor index 0xFFFFFFFF and length 0 ends the transfer.
  */
 export interface UpdateFromSocketRequest {
   /** The plan from Negotiate. */
@@ -675,7 +682,7 @@ export const StreamParams: MessageFns<StreamParams> = {
 };
 
 function createBaseSocketParams(): SocketParams {
-  return { host: "", port: 0, token: Buffer.alloc(0), maxFrameBytes: 0 };
+  return { host: "", port: 0, token: Buffer.alloc(0), maxFrameBytes: 0, tls: false };
 }
 
 export const SocketParams: MessageFns<SocketParams> = {
@@ -691,6 +698,9 @@ export const SocketParams: MessageFns<SocketParams> = {
     }
     if (message.maxFrameBytes !== 0) {
       writer.uint32(32).int64(message.maxFrameBytes);
+    }
+    if (message.tls !== false) {
+      writer.uint32(40).bool(message.tls);
     }
     return writer;
   },
@@ -740,6 +750,14 @@ export const SocketParams: MessageFns<SocketParams> = {
             message.maxFrameBytes = longToNumber(reader.int64());
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.tls = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -762,6 +780,7 @@ export const SocketParams: MessageFns<SocketParams> = {
         : isSet(object.max_frame_bytes)
         ? globalThis.Number(object.max_frame_bytes)
         : 0,
+      tls: isSet(object.tls) ? globalThis.Boolean(object.tls) : false,
     };
   },
 
@@ -779,6 +798,9 @@ export const SocketParams: MessageFns<SocketParams> = {
     if (message.maxFrameBytes !== 0) {
       obj.maxFrameBytes = Math.round(message.maxFrameBytes);
     }
+    if (message.tls !== false) {
+      obj.tls = message.tls;
+    }
     return obj;
   },
 
@@ -791,6 +813,7 @@ export const SocketParams: MessageFns<SocketParams> = {
     message.port = object.port ?? 0;
     message.token = object.token ?? Buffer.alloc(0);
     message.maxFrameBytes = object.maxFrameBytes ?? 0;
+    message.tls = object.tls ?? false;
     return message;
   },
 };
@@ -2586,8 +2609,9 @@ export const WeightSyncServiceService = {
    * while this call is open and presents the plan's one-time token and the version before
    * any byte is written. Errors as for PushWeights; DATA_LOSS when a frame's CRC-32C does
    * not match, the connection ends early or sends another tensor or offset than expected;
-   * PERMISSION_DENIED when the connection presents a wrong or used token;
-   * DEADLINE_EXCEEDED when no connection arrives in time. The old weights keep serving.
+   * PERMISSION_DENIED when the connection presents a wrong or used token or fails the
+   * plan's TLS handshake; DEADLINE_EXCEEDED when no connection arrives in time. The old
+   * weights keep serving.
    */
   updateFromSocket: {
     path: "/arealgrpc.v1.WeightSyncService/UpdateFromSocket" as const,
@@ -2657,8 +2681,9 @@ export interface WeightSyncServiceServer extends UntypedServiceImplementation {
    * while this call is open and presents the plan's one-time token and the version before
    * any byte is written. Errors as for PushWeights; DATA_LOSS when a frame's CRC-32C does
    * not match, the connection ends early or sends another tensor or offset than expected;
-   * PERMISSION_DENIED when the connection presents a wrong or used token;
-   * DEADLINE_EXCEEDED when no connection arrives in time. The old weights keep serving.
+   * PERMISSION_DENIED when the connection presents a wrong or used token or fails the
+   * plan's TLS handshake; DEADLINE_EXCEEDED when no connection arrives in time. The old
+   * weights keep serving.
    */
   updateFromSocket: handleUnaryCall<UpdateFromSocketRequest, UpdateFromSocketResponse>;
   /**
@@ -2764,8 +2789,9 @@ export interface WeightSyncServiceClient extends Client {
    * while this call is open and presents the plan's one-time token and the version before
    * any byte is written. Errors as for PushWeights; DATA_LOSS when a frame's CRC-32C does
    * not match, the connection ends early or sends another tensor or offset than expected;
-   * PERMISSION_DENIED when the connection presents a wrong or used token;
-   * DEADLINE_EXCEEDED when no connection arrives in time. The old weights keep serving.
+   * PERMISSION_DENIED when the connection presents a wrong or used token or fails the
+   * plan's TLS handshake; DEADLINE_EXCEEDED when no connection arrives in time. The old
+   * weights keep serving.
    */
   updateFromSocket(
     request: UpdateFromSocketRequest,
