@@ -189,7 +189,7 @@ def test_socket_update_lands_bit_exact_and_refusals_leave_the_old_weights(
 
 
 def test_socket_is_not_offered_without_a_listen_host(make_rollout: MakeRollout) -> None:
-    """A server with no socket host (as under TLS: the side channel is plaintext) declines
+    """A server with no socket host (an embedding that opens no side channel) declines
     SOCKET and takes the next offer."""
     r = make_rollout(socket_host=None)
     offers = [
