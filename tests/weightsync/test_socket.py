@@ -290,6 +290,16 @@ def test_a_tls_server_speaks_tls_on_the_side_channel_and_refuses_every_other_pee
     expect(lambda: update(r, plan, sd, 1, corrupt, tls=tls), grpc.StatusCode.DATA_LOSS, "CRC")
     assert r.digests() == before
 
+    # A sender that vanishes halfway (no TLS close either).
+    plan = negotiate(r, tls=True)
+
+    def vanish(s: socket.socket) -> None:
+        side_channel.send_preamble(s, plan.plan.socket.token, 1)
+        side_channel.send_tensor(s, 0, next(iter(sd.values())), 4096)
+
+    expect(lambda: update(r, plan, sd, 1, vanish, tls=tls), grpc.StatusCode.DATA_LOSS, "short")
+    assert r.digests() == before and r.version() == 0
+
     plan = negotiate(r, tls=True)
     reply = update(r, plan, sd, 1, honest(plan, sd, 1), tls=tls)
     assert reply.policy_version == 1 == r.version()
