@@ -88,6 +88,25 @@ def honest(plan: pb.NegotiateResponse, sd: dict[str, torch.Tensor], version: int
     return sender
 
 
+def corrupting(
+    plan: pb.NegotiateResponse, sd: dict[str, torch.Tensor], version: int, tensor: int, byte: int
+):
+    """A sender that flips ``byte`` of ``tensor``'s first frame after its CRC was taken."""
+
+    def sender(s: socket.socket) -> None:
+        side_channel.send_preamble(s, plan.plan.socket.token, version)
+        for i, t in enumerate(sd.values()):
+            for k, (header, payload) in enumerate(side_channel.frames_of(i, t, 4096)):
+                data = bytearray(payload)
+                if i == tensor and k == 0:
+                    data[byte] ^= 0xFF
+                s.sendall(header)
+                s.sendall(data)
+        side_channel.send_end(s)
+
+    return sender
+
+
 def expect(fn: Callable[[], object], code: grpc.StatusCode, words: str) -> None:
     with pytest.raises(grpc.RpcError) as err:
         fn()
@@ -122,18 +141,7 @@ def test_socket_update_lands_bit_exact_and_refusals_leave_the_old_weights(
 
     # A corrupt frame: one payload byte flipped after its CRC was taken.
     plan = negotiate(r)
-
-    def corrupt(s: socket.socket) -> None:
-        side_channel.send_preamble(s, plan.plan.socket.token, 1)
-        for i, t in enumerate(sd.values()):
-            for k, (header, payload) in enumerate(side_channel.frames_of(i, t, 4096)):
-                data = bytearray(payload)
-                if i == 2 and k == 0:
-                    data[0] ^= 0xFF
-                s.sendall(header)
-                s.sendall(data)
-        side_channel.send_end(s)
-
+    corrupt = corrupting(plan, sd, 1, tensor=2, byte=0)
     expect(lambda: update(r, plan, sd, 1, corrupt), grpc.StatusCode.DATA_LOSS, "CRC-32C")
     assert r.digests() == before
 
@@ -275,18 +283,7 @@ def test_a_tls_server_speaks_tls_on_the_side_channel_and_refuses_every_other_pee
     # Inside TLS, the token and the frames are checked as on plaintext.
     plan = negotiate(r, tls=True)
     tls = client("ca.pem", "client")
-
-    def corrupt(s: socket.socket) -> None:
-        side_channel.send_preamble(s, plan.plan.socket.token, 1)
-        for i, t in enumerate(sd.values()):
-            for k, (header, payload) in enumerate(side_channel.frames_of(i, t, 4096)):
-                data = bytearray(payload)
-                if i == 1 and k == 0:
-                    data[-1] ^= 0x01
-                s.sendall(header)
-                s.sendall(data)
-        side_channel.send_end(s)
-
+    corrupt = corrupting(plan, sd, 1, tensor=1, byte=-1)
     expect(lambda: update(r, plan, sd, 1, corrupt, tls=tls), grpc.StatusCode.DATA_LOSS, "CRC")
     assert r.digests() == before
 
