@@ -51,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -123,10 +124,10 @@ def make_pki(d: Path) -> dict[str, str]:
 
 
 def serve_rollout(
-    model: str, disk_root: str, device: str = "cpu", pki: dict[str, str] | None = None
+    model: str, disk_root: str, device: str = "cpu", cert_key: Sequence[str] | None = None
 ) -> None:
-    """Child mode: a rollout server with WeightSyncService (under TLS with ``pki``); prints
-    LISTENING host:port."""
+    """Child mode: a rollout server with WeightSyncService (under TLS with ``cert_key``, the
+    certificate and key files); prints LISTENING host:port."""
     from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
     from areal_servers.rollout.receive.base import WeightSyncConfig
     from areal_servers.rollout.service import RolloutServicer
@@ -138,7 +139,7 @@ def serve_rollout(
     from areal_grpc.server import ServerOptions, serve_until_signal, service, start_server
 
     torch.set_num_threads(1)
-    tls = ServerTls(pki["cert"], pki["key"]) if pki else None
+    tls = ServerTls(*cert_key) if cert_key else None
 
     async def main() -> None:
         engine = HFEngine(HFEngineConfig(model=model, device=device))
@@ -363,13 +364,10 @@ def main() -> int:
         "--tls", action="store_true", help="every process and channel under TLS (a throwaway CA)"
     )
     parser.add_argument("--serve-rollout", nargs=2, metavar=("MODEL", "DISK_ROOT"))
-    parser.add_argument("--pki", help=argparse.SUPPRESS)  # child mode: the run's PEM files
+    parser.add_argument("--serve-tls", nargs=2, help=argparse.SUPPRESS)  # child: cert, key
     args = parser.parse_args()
     if args.serve_rollout:
-        pki = (
-            dict(zip(("ca", "cert", "key"), args.pki.split(","), strict=True)) if args.pki else None
-        )
-        serve_rollout(*args.serve_rollout, device=args.device, pki=pki)
+        serve_rollout(*args.serve_rollout, device=args.device, cert_key=args.serve_tls)
         return 0
     torch.set_num_threads(1)
     methods = [m for m in args.methods.split(",") if m]
@@ -382,9 +380,12 @@ def main() -> int:
             from areal_grpc.server import ChannelOptions, set_default_channel_options
 
             pki = make_pki(base)
-            tls_argv = [f"--tls-cert={pki['cert']}", f"--tls-key={pki['key']}"]
-            tls_argv.append(f"--tls-ca={pki['ca']}")
-            pki_argv = [f"--pki={pki['ca']},{pki['cert']},{pki['key']}"]
+            tls_argv = [
+                f"--tls-cert={pki['cert']}",
+                f"--tls-key={pki['key']}",
+                f"--tls-ca={pki['ca']}",
+            ]
+            pki_argv = ["--serve-tls", pki["cert"], pki["key"]]
             # The coordinator's side (this process): channels that trust the run's CA.
             set_default_channel_options(ChannelOptions(tls=ClientTls(pki["ca"])))
         model_dir = (

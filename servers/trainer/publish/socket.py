@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import socket
 import ssl
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -52,7 +51,6 @@ class SocketTransport(Transport):
         # context is made when a plan asks for it).
         self._client_tls = default_channel_options().tls
         self._tls: ssl.SSLContext | None = None
-        self._tls_lock = threading.Lock()
 
     def offer(self, rank: int, world: int) -> pb.TransferOption | None:
         return pb.TransferOption(
@@ -82,8 +80,7 @@ class SocketTransport(Transport):
         # The certificate must name what gRPC checked it against: the address dialled.
         name = (self._client_tls.server_name if self._client_tls else None) or dialled
 
-        def connect() -> socket.socket:
-            tls = self._tls_context() if params.tls else None
+        def connect(tls: ssl.SSLContext | None) -> socket.socket:
             sock = side_channel.connect(host, params.port, self.ctx.left(), tls, name)
             side_channel.send_preamble(sock, params.token, self.ctx.version)
             return sock
@@ -91,18 +88,18 @@ class SocketTransport(Transport):
         writer = ThreadPoolExecutor(1, thread_name_prefix="socket-writer")
         self._writers[id(t)] = writer
         try:
-            self._socks[id(t)] = await asyncio.wrap_future(writer.submit(connect))
+            tls = self._tls_context() if params.tls else None
+            self._socks[id(t)] = await asyncio.wrap_future(writer.submit(connect, tls))
         except OSError as exc:
             await self._lost(t, exc)
 
     def _tls_context(self) -> ssl.SSLContext:
-        """The side channel's TLS context (made once, by whichever writer asks first)."""
-        with self._tls_lock:
-            if self._tls is None:
-                if self._client_tls is None:
-                    raise ssl.SSLError("the plan asks for TLS; this sender has none configured")
-                self._tls = self._client_tls.ssl_context()
-            return self._tls
+        """The side channel's TLS context, made on the event loop when a plan first asks."""
+        if self._tls is None:
+            if self._client_tls is None:
+                raise ssl.SSLError("the plan asks for TLS; this sender has none configured")
+            self._tls = self._client_tls.ssl_context()
+        return self._tls
 
     async def _call(self, t: Target, request: pb.UpdateFromSocketRequest) -> None:
         try:
