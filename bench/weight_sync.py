@@ -37,12 +37,19 @@ bytes: the floor of getting them from one process to another once they are off t
 ``--tls`` runs the trainer, the rollout servers and the coordinator's channels under TLS (a
 throwaway CA; SOCKET's side channel then speaks TLS too): the cases are named
 ``weight_sync_<method>_tls``, against the same plaintext floors, which gives the price of TLS.
+``--link GBIT`` puts the rollout servers, and the receiving end of each baseline, on a second
+"host": a network namespace reached over a veth pair shaped to GBIT Gbit/s each way
+(``bench/link.py``; needs root). The cases are named ``weight_sync_<method>_link<GBIT>gbit``,
+against floors that cross the same link; ``shared_memory`` and ``disk`` need the same host and
+are left out. ``--servers N`` updates N rollout servers per method at once (the cases get
+``_<N>servers``); the floors stay one copy, so the ratio says how many copies' time it took.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -57,12 +64,13 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import link as shaped
 import torch
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from safetensors.torch import load_file, save_file
 from transformers import ByT5Tokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from areal_grpc.launch import python_module_argv, start_child, stop_children
+from areal_grpc.launch import Child, python_module_argv, start_child, start_children, stop_children
 from areal_grpc.model import resolve_source, save_pretrained
 from areal_grpc.server import sync_channel
 
@@ -70,6 +78,8 @@ TARGET = 1.3
 # Versions DISK keeps on disk (the trainer's default), and unmeasured rounds of each case.
 KEEP_VERSIONS = 2
 METHODS = ("shared_memory", "socket", "stream", "disk", "distributed")
+# Methods that need the receiver on the sender's host (memory, or here a filesystem, shared).
+SAME_HOST = ("shared_memory", "disk")
 ACK = b"k"
 
 
@@ -110,12 +120,13 @@ def published_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------- rollout child
 
 
-def make_pki(d: Path) -> dict[str, str]:
-    """A throwaway CA and one certificate for 127.0.0.1 (every process of the run)."""
+def make_pki(d: Path, *hosts: str) -> dict[str, str]:
+    """A throwaway CA and one certificate for 127.0.0.1 and ``hosts`` (every process of the
+    run)."""
     import trustme
 
     ca = trustme.CA()
-    node = ca.issue_cert("127.0.0.1")
+    node = ca.issue_cert("127.0.0.1", *hosts)
     files = {"ca": d / "ca.pem", "cert": d / "node.pem", "key": d / "node.key"}
     ca.cert_pem.write_to_path(files["ca"])
     node.cert_chain_pems[0].write_to_path(files["cert"])
@@ -124,10 +135,18 @@ def make_pki(d: Path) -> dict[str, str]:
 
 
 def serve_rollout(
-    model: str, disk_root: str, device: str = "cpu", cert_key: Sequence[str] | None = None
+    model: str,
+    disk_root: str,
+    device: str = "cpu",
+    cert_key: Sequence[str] | None = None,
+    netns: str | None = None,
+    host: str = "127.0.0.1",
 ) -> None:
-    """Child mode: a rollout server with WeightSyncService (under TLS with ``cert_key``, the
-    certificate and key files); prints LISTENING host:port."""
+    """Child mode: a rollout server with WeightSyncService on ``host`` (under TLS with
+    ``cert_key``, the certificate and key files; inside ``netns`` when given); prints
+    LISTENING host:port."""
+    if netns:
+        shaped.enter(netns)
     from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
     from areal_servers.rollout.receive.base import WeightSyncConfig
     from areal_servers.rollout.service import RolloutServicer
@@ -148,10 +167,13 @@ def serve_rollout(
             service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
             build_weight_sync_service(
                 engine,
-                WeightSyncConfig(disk_root=disk_root, socket_host="127.0.0.1", socket_tls=tls),
+                WeightSyncConfig(disk_root=disk_root, socket_host=host, socket_tls=tls),
             ),
         ]
-        running = await start_server(services, ServerOptions(port=0, tls=tls))
+        # Beyond loopback only behind --link: the namespace's link reaches nothing else.
+        running = await start_server(
+            services, ServerOptions(host=host, port=0, tls=tls, allow_plaintext=True)
+        )
         print(f"LISTENING {running.address}", flush=True)
         await serve_until_signal(running)
 
@@ -202,18 +224,18 @@ class Fleet:
         self.loop = asyncio.new_event_loop()
         self.channels = ChannelCache()
 
-    def time_sync(self, trainer: str, rollout: str, method: str) -> float:
-        """One fleet update by ``method`` into the rollout server; seconds."""
+    def time_sync(self, trainer: str, rollouts: Sequence[str], method: str) -> float:
+        """One fleet update by ``method`` into every rollout server; seconds."""
         from areal_clients.fleet import update_fleet_weights
 
         start = time.perf_counter()
         result = self.loop.run_until_complete(
             update_fleet_weights(
-                [trainer], [rollout], methods=(method,), timeout_s=600, channels=self.channels
+                [trainer], rollouts, methods=(method,), timeout_s=600, channels=self.channels
             )
         )
         elapsed = time.perf_counter() - start
-        if result.failed_servers or result.servers[0].method != method:
+        if result.failed_servers or any(s.method != method for s in result.servers):
             raise RuntimeError(f"{method} sync failed: {result.servers}")
         print(
             f"  {method}: version {result.version}: fleet update {elapsed:.3f} s, of which "
@@ -231,10 +253,12 @@ class Fleet:
 # ---------------------------------------------------------------------------- baselines
 
 
-def _tcp_receiver(port_q: mp.Queue, sizes: list[int]) -> None:
+def _tcp_receiver(port_q: mp.Queue, sizes: list[int], link: shaped.Link | None) -> None:
+    if link:
+        shaped.enter(link.netns)
     bufs = [bytearray(n) for n in sizes]  # preallocated, like the receiver's staging buffers
     with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
+        srv.bind((link.peer_ip if link else "127.0.0.1", 0))
         srv.listen(1)
         port_q.put(srv.getsockname()[1])
         conn, _ = srv.accept()
@@ -247,16 +271,16 @@ def _tcp_receiver(port_q: mp.Queue, sizes: list[int]) -> None:
             conn.sendall(ACK)
 
 
-def tcp_baseline(sd: dict[str, torch.Tensor]) -> float:
-    """Raw TCP copy of the state dict's bytes to another process; seconds."""
+def tcp_baseline(sd: dict[str, torch.Tensor], link: shaped.Link | None = None) -> float:
+    """Raw TCP copy of the state dict's bytes to another process (across ``link``); seconds."""
     tensors = [t.contiguous() for t in sd.values()]
     sizes = [t.numel() * t.element_size() for t in tensors]
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
-    proc = ctx.Process(target=_tcp_receiver, args=(q, sizes))
+    proc = ctx.Process(target=_tcp_receiver, args=(q, sizes, link))
     proc.start()
     port = q.get(timeout=120)
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    with socket.create_connection((link.peer_ip if link else "127.0.0.1", port)) as s:
         start = time.perf_counter()
         # No framing: both sides know the sizes, as a receiver knows them from the header.
         for t in tensors:
@@ -299,9 +323,19 @@ def disk_baseline(sd: dict[str, torch.Tensor], root: Path) -> float:
     return elapsed
 
 
-def _bcast_rank(rank: int, port: int, model_dir: str, out: mp.Queue) -> None:
+def _bcast_rank(
+    rank: int, port: int, model_dir: str, out: mp.Queue, link: shaped.Link | None
+) -> None:
     import torch.distributed as dist
 
+    master = "127.0.0.1"
+    if link:
+        master = link.host_ip
+        if rank:
+            shaped.enter(link.netns)
+        # gloo otherwise takes the address of this machine's hostname, which the other end
+        # of the link cannot reach.
+        os.environ["GLOO_SOCKET_IFNAME"] = link.peer_if if rank else link.host_if
     torch.set_num_threads(1)
     sd = published_state_dict(Path(model_dir))
     tensors = (
@@ -311,7 +345,7 @@ def _bcast_rank(rank: int, port: int, model_dir: str, out: mp.Queue) -> None:
     )
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{master}:{port}",
         rank=rank,
         world_size=2,
         timeout=datetime.timedelta(seconds=300),
@@ -326,14 +360,17 @@ def _bcast_rank(rank: int, port: int, model_dir: str, out: mp.Queue) -> None:
     dist.destroy_process_group()
 
 
-def broadcast_baseline(model_dir: Path) -> float:
-    """A bare torch.distributed (gloo) broadcast of the same tensors, two processes; seconds."""
+def broadcast_baseline(model_dir: Path, link: shaped.Link | None = None) -> float:
+    """A bare torch.distributed (gloo) broadcast of the same tensors, two processes (rank 1
+    across ``link``); seconds."""
     from areal_grpc.weight_transfer import free_port
 
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_bcast_rank, args=(r, port, str(model_dir), q)) for r in range(2)]
+    port = free_port(link.host_ip if link else "127.0.0.1")
+    procs = [
+        ctx.Process(target=_bcast_rank, args=(r, port, str(model_dir), q, link)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     elapsed = q.get(timeout=600)
@@ -363,14 +400,49 @@ def main() -> int:
     parser.add_argument(
         "--tls", action="store_true", help="every process and channel under TLS (a throwaway CA)"
     )
+    parser.add_argument(
+        "--link",
+        type=float,
+        metavar="GBIT",
+        help="the rollout servers on a second host: a network namespace over a link shaped to "
+        "GBIT Gbit/s each way (needs root; shared_memory and disk are left out)",
+    )
+    parser.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="rollout servers per method, all updated at once (the floors stay one copy)",
+    )
     parser.add_argument("--serve-rollout", nargs=2, metavar=("MODEL", "DISK_ROOT"))
     parser.add_argument("--serve-tls", nargs=2, help=argparse.SUPPRESS)  # child: cert, key
+    parser.add_argument("--serve-netns", nargs=2, help=argparse.SUPPRESS)  # child: netns, host
     args = parser.parse_args()
     if args.serve_rollout:
-        serve_rollout(*args.serve_rollout, device=args.device, cert_key=args.serve_tls)
+        netns, host = args.serve_netns or (None, "127.0.0.1")
+        serve_rollout(
+            *args.serve_rollout, device=args.device, cert_key=args.serve_tls, netns=netns, host=host
+        )
         return 0
     torch.set_num_threads(1)
     methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+    if args.servers < 1:
+        parser.error(f"--servers must be at least 1, got {args.servers}")
+    if args.link is not None:
+        same_host = [m for m in methods if m in SAME_HOST]
+        if args.methods == parser.get_default("methods"):
+            methods = [m for m in methods if m not in SAME_HOST]
+        elif same_host:
+            parser.error(f"--link: {same_host} need the same host; leave them out")
+    with contextlib.ExitStack() as stack:
+        link = stack.enter_context(shaped.shaped_link(args.link)) if args.link else None
+        return run(args, methods, link)
+
+
+def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) -> int:
+    """The benchmark proper (across ``link`` when given)."""
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
         base = Path(tmp)
         tls_argv: list[str] = []
@@ -379,7 +451,7 @@ def main() -> int:
             from areal_grpc.security import ClientTls
             from areal_grpc.server import ChannelOptions, set_default_channel_options
 
-            pki = make_pki(base)
+            pki = make_pki(base, *([link.peer_ip] if link else []))
             tls_argv = [
                 f"--tls-cert={pki['cert']}",
                 f"--tls-key={pki['key']}",
@@ -416,6 +488,8 @@ def main() -> int:
                 f"weight_sync.keep_versions={KEEP_VERSIONS}",
                 f"trainer.device={args.device}",
                 "weight_sync.backend=gloo",
+                # Where the servers across the link join the trainer's weight group.
+                *([f"weight_sync.master_addr={link.host_ip}"] if link else []),
                 *tls_argv,
             ),
             log_dir=base / "logs",
@@ -434,32 +508,44 @@ def main() -> int:
             print(
                 f"trainer: 1 rank (FSDP2) on {args.device}; rollout servers on {args.device}"
                 + ("; every process and channel under TLS" if args.tls else "")
+                + (
+                    f"; the rollout servers across a {link.gbit:g} Gbit/s link "
+                    f"({link.host_ip} -> {link.peer_ip} in {link.netns})"
+                    if link
+                    else ""
+                )
             )
             baselines = {
                 "shared_memory": ("memcpy", lambda: memcpy_baseline(sd)),
-                "socket": ("raw TCP copy", lambda: tcp_baseline(sd)),
-                "stream": ("raw TCP copy", lambda: tcp_baseline(sd)),
+                "socket": ("raw TCP copy", lambda: tcp_baseline(sd, link)),
+                "stream": ("raw TCP copy", lambda: tcp_baseline(sd, link)),
                 "disk": ("safetensors save+load", lambda: disk_baseline(sd, base)),
-                "distributed": ("bare gloo broadcast", lambda: broadcast_baseline(model_dir)),
+                "distributed": (
+                    "bare gloo broadcast",
+                    lambda: broadcast_baseline(model_dir, link),
+                ),
             }
             for method in methods:
                 label, baseline_fn = baselines[method]
-                # One rollout server per method, updated repeatedly as in a training run.
-                rollout = start_child(
-                    f"rollout-{method}",
-                    [
-                        sys.executable,
-                        __file__,
-                        "--serve-rollout",
-                        str(model_dir),
-                        str(weights_root),
-                        f"--device={args.device}",
-                        *pki_argv,
-                    ],
-                    log_dir=base / "logs",
-                    ready_timeout_s=300,
-                )
+                # Rollout servers of their own per method, updated repeatedly as in a run.
+                argv = [
+                    sys.executable,
+                    __file__,
+                    "--serve-rollout",
+                    str(model_dir),
+                    str(weights_root),
+                    f"--device={args.device}",
+                    *pki_argv,
+                    *(["--serve-netns", link.netns, link.peer_ip] if link else []),
+                ]
+                rollouts: list[Child] = []
                 try:
+                    start_children(
+                        [(f"rollout-{method}-{i}", argv) for i in range(args.servers)],
+                        rollouts.append,
+                        log_dir=base / "logs",
+                    )
+                    addresses = [r.address for r in rollouts]
                     syncs = []
                     # Unmeasured rounds first: the first update of a process pays one-off
                     # costs (page faults of fresh buffers, connection set-up), and until
@@ -469,12 +555,12 @@ def main() -> int:
                     warm = []
                     for _ in range(KEEP_VERSIONS):
                         train()
-                        warm.append(fleet.time_sync(trainer.address, rollout.address, method))
+                        warm.append(fleet.time_sync(trainer.address, addresses, method))
                     for _ in range(args.reps):
                         train()  # not timed: only makes the next version
-                        syncs.append(fleet.time_sync(trainer.address, rollout.address, method))
+                        syncs.append(fleet.time_sync(trainer.address, addresses, method))
                 finally:
-                    stop_children([rollout])
+                    stop_children(rollouts)
                 # The baseline in a block of its own, after the syncs, likewise warmed up:
                 # interleaved, each side writes into the page-cache memory the other just
                 # freed (cheap here) and leaves it to grow the page cache (several times
@@ -493,6 +579,8 @@ def main() -> int:
                 # Named apart on a GPU: the same method is another case there.
                 name = f"weight_sync_{method}" + ("" if args.device == "cpu" else "_gpu")
                 name += "_tls" if args.tls else ""
+                name += f"_{link.label}" if link else ""
+                name += f"_{args.servers}servers" if args.servers > 1 else ""
                 print(
                     f"RESULT bench={name} value={value:.3f} unit=s "
                     f"baseline={baseline:.3f} ratio={value / baseline:.2f} target={TARGET}",
