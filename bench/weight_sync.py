@@ -431,13 +431,22 @@ def main() -> int:
     if args.servers < 1:
         parser.error(f"--servers must be at least 1, got {args.servers}")
     if args.link is not None:
+        if args.link <= 0:
+            parser.error(f"--link must be a positive rate in Gbit/s, got {args.link}")
         same_host = [m for m in methods if m in SAME_HOST]
         if args.methods == parser.get_default("methods"):
             methods = [m for m in methods if m not in SAME_HOST]
         elif same_host:
             parser.error(f"--link: {same_host} need the same host; leave them out")
     with contextlib.ExitStack() as stack:
-        link = stack.enter_context(shaped.shaped_link(args.link)) if args.link else None
+        try:
+            link = (
+                stack.enter_context(shaped.shaped_link(args.link))
+                if args.link is not None
+                else None
+            )
+        except RuntimeError as exc:
+            parser.error(f"--link: {exc}")
         return run(args, methods, link)
 
 
