@@ -83,8 +83,10 @@ def shaped_link(gbit: float) -> Iterator[Link]:
         raise RuntimeError(
             f"a shaped link needs root and iproute2 (a network namespace): {exc}"
         ) from None
+    made_pair = False
     try:
         _ip("link", "add", link.host_if, "type", "veth", "peer", "name", link.peer_if)
+        made_pair = True
         _ip("link", "set", link.peer_if, "netns", link.netns)
         _ip("addr", "add", f"{link.host_ip}/30", "dev", link.host_if)
         _ip("link", "set", link.host_if, "up")
@@ -98,9 +100,11 @@ def shaped_link(gbit: float) -> Iterator[Link]:
         _shape(gbit, link.peer_if, link.netns)
         yield link
     finally:
-        # The namespace's end of the pair goes with it, and the pair with its end.
+        # Only what this call made: the namespace, whose end of the pair goes with it (and the
+        # pair with its end), and the pair if it never reached the namespace.
         subprocess.run(["ip", "netns", "del", link.netns], capture_output=True)
-        subprocess.run(["ip", "link", "del", link.host_if], capture_output=True)
+        if made_pair:
+            subprocess.run(["ip", "link", "del", link.host_if], capture_output=True)
 
 
 def enter(netns: str) -> None:
