@@ -32,12 +32,17 @@ gRPC server is checked once, untimed, to hold exactly the bytes sent (a digest o
 tensor). Then one warm-up round and ``--reps`` timed rounds run, the cases interleaved within
 each round so that load from other processes hits them alike. MB/s (10**6 B/s) is the median
 over rounds; CPU seconds per GiB of each side are reported too.
+
+``--link GBIT`` puts every server on a second "host": a network namespace reached over a veth
+pair shaped to GBIT Gbit/s each way (``bench/link.py``; needs root); the cases' names end in
+``_link<GBIT>gbit``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -51,6 +56,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import grpc
+import link as shaped
 import torch
 from arealgrpc.v1 import tensor_pb2
 
@@ -124,7 +130,7 @@ def _digest(sd: dict[str, torch.Tensor]) -> int:
     return crc32c(b"".join(parts))
 
 
-def grpc_server_main(fast: bool, ready: Any) -> None:
+def grpc_server_main(host: str, fast: bool, ready: Any) -> None:
     """Server process: a grpc.aio server reassembling each incoming stream."""
     torch.set_num_threads(1)
     if fast:
@@ -146,11 +152,11 @@ def grpc_server_main(fast: bool, ready: Any) -> None:
             )
         },
     )
-    _serve(handler, fast, ready)
+    _serve(handler, host, fast, ready)
 
 
-def _serve(handler: grpc.GenericRpcHandler, fast: bool, ready: Any) -> None:
-    """Serves ``handler`` until killed, after sending the port to ``ready``.
+def _serve(handler: grpc.GenericRpcHandler, host: str, fast: bool, ready: Any) -> None:
+    """Serves ``handler`` on ``host`` until killed, after sending the port to ``ready``.
 
     A bare grpc.aio server: start_server (areal_grpc.server) takes no extra channel
     arguments, and health/reflection play no part here.
@@ -162,7 +168,7 @@ def _serve(handler: grpc.GenericRpcHandler, fast: bool, ready: Any) -> None:
             options += stream_channel_options()
         server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((handler,))
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_insecure_port(f"{host}:0")
         await server.start()
         ready.send(port)
         await server.wait_for_termination()
@@ -170,17 +176,19 @@ def _serve(handler: grpc.GenericRpcHandler, fast: bool, ready: Any) -> None:
     asyncio.run(main())
 
 
-def _channel(port: int, fast: bool) -> grpc.Channel:
+def _channel(host: str, port: int, fast: bool) -> grpc.Channel:
     """A channel to a benchmark server, with the fast path's options when ``fast``."""
     extra = stream_channel_options() if fast else []
     return grpc.insecure_channel(
-        f"127.0.0.1:{port}", options=channel_options(ChannelOptions(extra=extra))
+        f"{host}:{port}", options=channel_options(ChannelOptions(extra=extra))
     )
 
 
-def grpc_push(port: int, sd: dict[str, torch.Tensor], fast: bool, verify: bool = False) -> bytes:
+def grpc_push(
+    host: str, port: int, sd: dict[str, torch.Tensor], fast: bool, verify: bool = False
+) -> bytes:
     """Client side: one stream of the whole state dict; returns the server's answer."""
-    channel = _channel(port, fast)
+    channel = _channel(host, port, fast)
     try:
         encode = CHUNK_SERIALIZERS[0] if fast else _naive_encode
         call = channel.stream_unary(
@@ -195,7 +203,7 @@ def grpc_push(port: int, sd: dict[str, torch.Tensor], fast: bool, verify: bool =
 # --- grpcio's own ceiling ---------------------------------------------------------------------
 
 
-def grpc_ceiling_server_main(ready: Any) -> None:
+def grpc_ceiling_server_main(host: str, ready: Any) -> None:
     """Server process: drains a stream of raw byte messages into one preallocated buffer."""
     torch.set_num_threads(1)
     tune_malloc()
@@ -216,12 +224,12 @@ def grpc_ceiling_server_main(ready: Any) -> None:
     handler = grpc.method_handlers_generic_handler(
         SERVICE, {"Drain": grpc.stream_unary_rpc_method_handler(drain)}
     )
-    _serve(handler, True, ready)
+    _serve(handler, host, True, ready)
 
 
-def grpc_ceiling_push(port: int, messages: list[bytes], tensors: int) -> bytes:
+def grpc_ceiling_push(host: str, port: int, messages: list[bytes], tensors: int) -> bytes:
     """Client side: one stream of pre-serialised messages; returns the server's answer."""
-    channel = _channel(port, True)
+    channel = _channel(host, port, True)
     try:
         call = channel.stream_unary(f"/{SERVICE}/Drain")
         total = sum(len(m) for m in messages)
@@ -241,11 +249,11 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def tcp_server_main(ready: Any) -> None:
+def tcp_server_main(host: str, ready: Any) -> None:
     """Server process: reads framed tensors into preallocated buffers, acks each state dict."""
     torch.set_num_threads(1)
     tune_malloc()  # as the fast gRPC server does, so neither side has an edge
-    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock = socket.create_server((host, 0))
     ready.send(lsock.getsockname()[1])
     head = bytearray(FRAME.size)
     while True:
@@ -290,12 +298,12 @@ def tcp_push(conn: socket.socket, sd: dict[str, torch.Tensor]) -> bytes:
 TOKEN = b"t" * sc.TOKEN_BYTES
 
 
-def side_channel_server_main(sizes: list[int], ready: Any) -> None:
+def side_channel_server_main(host: str, sizes: list[int], ready: Any) -> None:
     """Server process: per connection, one state dict of tensors of ``sizes`` bytes, read
     into buffers allocated as the announcement (here: known sizes) arrives; acks each."""
     torch.set_num_threads(1)
     tune_malloc()
-    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock = socket.create_server((host, 0))
     ready.send(lsock.getsockname()[1])
     while True:
         conn = sc.accept(lsock, time.monotonic() + 3600)
@@ -312,9 +320,9 @@ def side_channel_server_main(sizes: list[int], ready: Any) -> None:
             del sd, dests
 
 
-def side_channel_push(port: int, sd: dict[str, torch.Tensor]) -> bytes:
+def side_channel_push(host: str, port: int, sd: dict[str, torch.Tensor]) -> bytes:
     """Client side: a connection, the preamble, every tensor as frames, the end; the ack."""
-    with socket.create_connection(("127.0.0.1", port)) as conn:
+    with socket.create_connection((host, port)) as conn:
         sc.tune(conn)
         sc.send_preamble(conn, TOKEN, 1)
         tensors = [(i, t.detach().contiguous()) for i, t in enumerate(sd.values())]
@@ -328,11 +336,20 @@ def side_channel_push(port: int, sd: dict[str, torch.Tensor]) -> bytes:
 # --- driver -----------------------------------------------------------------------------------
 
 
-def spawn(target: Callable[..., None], *args: Any) -> tuple[mp.Process, int]:
-    """Starts a server process; returns it and its port."""
+def _server(link: shaped.Link | None, target: Callable[..., None], *args: Any) -> None:
+    """A server process's entry: across ``link`` when given, else on loopback."""
+    if link is not None:
+        shaped.enter(link.netns)
+    target(link.peer_ip if link else "127.0.0.1", *args)
+
+
+def spawn(
+    link: shaped.Link | None, target: Callable[..., None], *args: Any
+) -> tuple[mp.Process, int]:
+    """Starts a server process (across ``link`` when given); returns it and its port."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+    proc = ctx.Process(target=_server, args=(link, target, *args, child), daemon=True)
     proc.start()
     if not parent.poll(120):
         proc.kill()
@@ -344,9 +361,10 @@ def spawn(target: Callable[..., None], *args: Any) -> tuple[mp.Process, int]:
 class Case:
     """One way of moving the state dict, with its server process and per-run records."""
 
-    def __init__(self, name: str, sd: dict[str, torch.Tensor]) -> None:
+    def __init__(self, name: str, sd: dict[str, torch.Tensor], link: shaped.Link | None) -> None:
         self.name = name
         self.sd = sd
+        self.host = link.peer_ip if link else "127.0.0.1"
         self.seconds: list[float] = []
         self.client_cpu: list[float] = []
         self.server_cpu: list[float] = []
@@ -354,20 +372,20 @@ class Case:
         self.conn: socket.socket | None = None
         if name == "side_channel":
             sizes = [t.numel() * t.element_size() for t in sd.values()]
-            self.proc, self.port = spawn(side_channel_server_main, sizes)
+            self.proc, self.port = spawn(link, side_channel_server_main, sizes)
         elif name == "grpc_ceiling":
-            self.proc, self.port = spawn(grpc_ceiling_server_main)
+            self.proc, self.port = spawn(link, grpc_ceiling_server_main)
             data = b"".join(bytes(t.reshape(-1).view(torch.uint8).numpy()) for t in sd.values())
             self.messages = [data[i : i + MiB] for i in range(0, len(data), MiB)]
         elif name == "tcp":
-            self.proc, self.port = spawn(tcp_server_main)
-            self.conn = socket.create_connection(("127.0.0.1", self.port))
+            self.proc, self.port = spawn(link, tcp_server_main)
+            self.conn = socket.create_connection((self.host, self.port))
             self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         else:
             self.fast = name == "tensor_stream"
-            self.proc, self.port = spawn(grpc_server_main, self.fast)
+            self.proc, self.port = spawn(link, grpc_server_main, self.fast)
             # One untimed check that the server really holds the same bytes.
-            reply = grpc_push(self.port, sd, self.fast, verify=True)
+            reply = grpc_push(self.host, self.port, sd, self.fast, verify=True)
             if struct.unpack("<QQQ", reply[:24])[2] != _digest(sd):
                 raise RuntimeError(f"{name}: the server's digest differs")
 
@@ -376,13 +394,13 @@ class Case:
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         if self.name == "side_channel":
-            answer = side_channel_push(self.port, self.sd)
+            answer = side_channel_push(self.host, self.port, self.sd)
         elif self.name == "grpc_ceiling":
-            answer = grpc_ceiling_push(self.port, self.messages, len(self.sd))
+            answer = grpc_ceiling_push(self.host, self.port, self.messages, len(self.sd))
         elif self.conn is not None:
             answer = tcp_push(self.conn, self.sd)
         else:
-            answer = grpc_push(self.port, self.sd, self.fast)
+            answer = grpc_push(self.host, self.port, self.sd, self.fast)
         dt = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
         if answer[:16] != expect:
@@ -410,7 +428,30 @@ def main() -> None:
         default="tcp,grpc_ceiling,tensor_stream_naive,tensor_stream,side_channel",
         help="comma-separated",
     )
+    parser.add_argument(
+        "--link",
+        type=float,
+        metavar="GBIT",
+        help="the servers on a second host: a network namespace over a link shaped to GBIT "
+        "Gbit/s each way (bench/link.py; needs root)",
+    )
     args = parser.parse_args()
+    if args.link is not None and args.link <= 0:
+        parser.error(f"--link must be a positive rate in Gbit/s, got {args.link}")
+    with contextlib.ExitStack() as stack:
+        try:
+            link = (
+                stack.enter_context(shaped.shaped_link(args.link))
+                if args.link is not None
+                else None
+            )
+        except RuntimeError as exc:
+            parser.error(f"--link: {exc}")
+        run(args, link)
+
+
+def run(args: argparse.Namespace, link: shaped.Link | None) -> None:
+    """The benchmark proper (the servers across ``link`` when given)."""
     torch.set_num_threads(1)
     # Client process of every case (naive included): buffers stay mapped for reuse.
     tune_malloc()
@@ -420,8 +461,9 @@ def main() -> None:
     print(
         f"state dict: {len(sd)} tensors, {total / MiB:.1f} MiB; 1 warm-up + {args.reps} rounds, "
         "cases interleaved within each round; MB/s = 10**6 B/s, median over rounds"
+        + (f"; the servers across a {link.gbit:g} Gbit/s link" if link else "")
     )
-    cases = [Case(name, sd) for name in args.cases.split(",")]
+    cases = [Case(name, sd, link) for name in args.cases.split(",")]
     try:
         for r in range(args.reps + 1):
             for case in cases:
@@ -460,6 +502,7 @@ def main() -> None:
             "side_channel": ("tensor_stream_side_channel", "0.9"),
             "grpc_ceiling": ("tensor_stream_grpc_ceiling", "none"),
         }.get(case.name, (case.name, "0.8"))
+        name += f"_{link.label}" if link else ""
         print(
             f"RESULT bench={name} value={value:.0f} unit=MB/s baseline={base_mbs:.0f} "
             f"ratio={value / base_mbs:.2f} target={target}"
@@ -470,7 +513,8 @@ def main() -> None:
         value = total / statistics.median(by_name["tensor_stream"].seconds) / 1e6
         ceiling = total / statistics.median(by_name["grpc_ceiling"].seconds) / 1e6
         print(
-            f"RESULT bench=tensor_stream_vs_grpc_ceiling value={value:.0f} unit=MB/s "
+            f"RESULT bench=tensor_stream_vs_grpc_ceiling{f'_{link.label}' if link else ''} "
+            f"value={value:.0f} unit=MB/s "
             f"baseline={ceiling:.0f} ratio={value / ceiling:.2f} target=none"
         )
 
