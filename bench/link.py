@@ -8,14 +8,15 @@ network is another host's. Needs root (CAP_NET_ADMIN) and iproute2 (``ip``, ``tc
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import subprocess
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-__all__ = ["Link", "enter", "shaped_link"]
+__all__ = ["Link", "add_option", "enter", "from_args", "shaped_link"]
 
 # setns(2)'s flag for a network namespace (os.setns arrives in Python 3.12).
 _CLONE_NEWNET = 0x40000000
@@ -116,3 +117,31 @@ def enter(netns: str) -> None:
             raise OSError(ctypes.get_errno(), f"setns into {netns}")
     finally:
         os.close(fd)
+
+
+def add_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--link GBIT``: ``what`` (the benchmark's servers) on a second host behind a link."""
+    parser.add_argument(
+        "--link",
+        type=float,
+        metavar="GBIT",
+        help=f"{what} on a second host: a network namespace over a link shaped to GBIT Gbit/s "
+        "each way (bench/link.py; needs root)",
+    )
+
+
+@contextmanager
+def from_args(parser: argparse.ArgumentParser, gbit: float | None) -> Iterator[Link | None]:
+    """The link ``--link`` asks for (None without it), made for the block; a rate that is
+    not positive, or a machine that cannot make one, is the parser's usage error."""
+    if gbit is None:
+        yield None
+        return
+    if gbit <= 0:
+        parser.error(f"--link must be a positive rate in Gbit/s, got {gbit}")
+    with ExitStack() as stack:
+        try:
+            link = stack.enter_context(shaped_link(gbit))
+        except RuntimeError as exc:
+            parser.error(f"--link: {exc}")
+        yield link

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -428,25 +427,9 @@ def main() -> None:
         default="tcp,grpc_ceiling,tensor_stream_naive,tensor_stream,side_channel",
         help="comma-separated",
     )
-    parser.add_argument(
-        "--link",
-        type=float,
-        metavar="GBIT",
-        help="the servers on a second host: a network namespace over a link shaped to GBIT "
-        "Gbit/s each way (bench/link.py; needs root)",
-    )
+    shaped.add_option(parser, "the servers")
     args = parser.parse_args()
-    if args.link is not None and args.link <= 0:
-        parser.error(f"--link must be a positive rate in Gbit/s, got {args.link}")
-    with contextlib.ExitStack() as stack:
-        try:
-            link = (
-                stack.enter_context(shaped.shaped_link(args.link))
-                if args.link is not None
-                else None
-            )
-        except RuntimeError as exc:
-            parser.error(f"--link: {exc}")
+    with shaped.from_args(parser, args.link) as link:
         run(args, link)
 
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -400,13 +399,7 @@ def main() -> int:
     parser.add_argument(
         "--tls", action="store_true", help="every process and channel under TLS (a throwaway CA)"
     )
-    parser.add_argument(
-        "--link",
-        type=float,
-        metavar="GBIT",
-        help="the rollout servers on a second host: a network namespace over a link shaped to "
-        "GBIT Gbit/s each way (needs root; shared_memory and disk are left out)",
-    )
+    shaped.add_option(parser, "the rollout servers (shared_memory and disk left out)")
     parser.add_argument(
         "--servers",
         type=int,
@@ -431,22 +424,12 @@ def main() -> int:
     if args.servers < 1:
         parser.error(f"--servers must be at least 1, got {args.servers}")
     if args.link is not None:
-        if args.link <= 0:
-            parser.error(f"--link must be a positive rate in Gbit/s, got {args.link}")
         same_host = [m for m in methods if m in SAME_HOST]
         if args.methods == parser.get_default("methods"):
             methods = [m for m in methods if m not in SAME_HOST]
         elif same_host:
             parser.error(f"--link: {same_host} need the same host; leave them out")
-    with contextlib.ExitStack() as stack:
-        try:
-            link = (
-                stack.enter_context(shaped.shaped_link(args.link))
-                if args.link is not None
-                else None
-            )
-        except RuntimeError as exc:
-            parser.error(f"--link: {exc}")
+    with shaped.from_args(parser, args.link) as link:
         return run(args, methods, link)
 
 
