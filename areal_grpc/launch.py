@@ -176,8 +176,10 @@ def start_children(
     record: Callable[[Child], None],
     *,
     log_dir: Path | None = None,
+    ready_timeout_s: float = 120.0,
 ) -> None:
-    """Starts every ``(name, argv)`` at once (each takes seconds to import torch).
+    """Starts every ``(name, argv)`` at once (each takes seconds to import torch), each
+    given ``ready_timeout_s`` to print its LISTENING line.
 
     ``record`` gets each started child, in ``specs`` order and before any error is raised,
     so a caller that records into what it stops still stops every child that started; then
@@ -187,7 +189,10 @@ def start_children(
     errors: list[BaseException] = []
     with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
         futures = [
-            pool.submit(start_child, name, argv, log_dir=log_dir, env=env) for name, argv in specs
+            pool.submit(
+                start_child, name, argv, log_dir=log_dir, env=env, ready_timeout_s=ready_timeout_s
+            )
+            for name, argv in specs
         ]
         for fut in futures:
             try:

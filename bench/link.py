@@ -39,10 +39,15 @@ class Link:
         return f"link{self.gbit:g}gbit"
 
 
-def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+def _run(*argv: str) -> None:
+    """Runs a command; RuntimeError naming it and its error when it fails."""
+    done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+
+
+def _ip(*args: str) -> None:
+    _run("ip", *args)
 
 
 def _shape(gbit: float, dev: str, netns: str | None = None) -> None:
@@ -54,11 +59,7 @@ def _shape(gbit: float, dev: str, netns: str | None = None) -> None:
     burst = max(1 << 20, rate // 8 // 250)
     argv = ["tc", "qdisc", "add", "dev", dev, "root", "tbf"]
     argv += ["rate", f"{rate}bit", "burst", str(burst), "latency", "10ms"]
-    if netns:
-        argv = ["ip", "netns", "exec", netns, *argv]
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+    _run(*(["ip", "netns", "exec", netns] if netns else []), *argv)
 
 
 @contextmanager
@@ -137,11 +138,9 @@ def from_args(parser: argparse.ArgumentParser, gbit: float | None) -> Iterator[L
     if gbit is None:
         yield None
         return
-    if gbit <= 0:
-        parser.error(f"--link must be a positive rate in Gbit/s, got {gbit}")
     with ExitStack() as stack:
         try:
             link = stack.enter_context(shaped_link(gbit))
-        except RuntimeError as exc:
+        except (ValueError, RuntimeError) as exc:
             parser.error(f"--link: {exc}")
         yield link

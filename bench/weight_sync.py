@@ -536,6 +536,7 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                         [(f"rollout-{method}-{i}", argv) for i in range(args.servers)],
                         rollouts.append,
                         log_dir=base / "logs",
+                        ready_timeout_s=300,
                     )
                     addresses = [r.address for r in rollouts]
                     syncs = []
