@@ -3,6 +3,8 @@ coordinator command as a subprocess."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -173,6 +175,37 @@ class CoordinatorCommand:
         proc = self.start(out, *overrides, resume=resume, env=env, unset_env=unset_env)
         log = self.finish(proc, timeout=timeout)
         return proc.returncode, log
+
+    @staticmethod
+    def trained_steps(out: Path) -> int:
+        """Train records in the run's metrics.jsonl so far (each is flushed as written)."""
+        path = out / "metrics.jsonl"
+        if not path.is_file():
+            return 0
+        lines = path.read_text().splitlines()
+        return sum(json.loads(line)["kind"] == "train" for line in lines if line.endswith("}"))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def paused(pid: int, out: Path) -> Iterator[int]:
+        """The run's coordinator (``pid``, writing to ``out``) stopped with SIGSTOP for the
+        block; yields how many steps it has trained.
+
+        What the block does to the mesh (kill a server, say) then happens at a known step,
+        whatever the machine's load. With V steps trained, the staleness rule has let at most
+        the groups of ``max_staleness + V + 1`` steps be generated, so a run longer than that
+        still needs a rollout server afterwards (:meth:`needs_rollouts_after`).
+        """
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield CoordinatorCommand.trained_steps(out)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    @staticmethod
+    def needs_rollouts_after(trained: int, total_steps: int, max_staleness: int = 2) -> bool:
+        """Whether a run that has trained ``trained`` steps must still generate groups."""
+        return total_steps > max_staleness + trained + 1
 
     def close(self) -> None:
         """Stops every run still going as Ctrl-C does (it stops its mesh too), else kills it."""

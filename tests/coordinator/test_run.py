@@ -321,14 +321,25 @@ def rollout_status(address: str) -> coordinator_pb2.GetCoordinatorStatusResponse
 
 
 def kill_rollout_0_after(
-    out: Path, steps: int, sig: signal.Signals = signal.SIGKILL
+    command,
+    proc: subprocess.Popen[str],
+    out: Path,
+    steps: int,
+    total_steps: int,
+    sig: signal.Signals = signal.SIGKILL,
 ) -> tuple[int, list[dict]]:
-    """Sends ``sig`` to the rollout-0 child once ``steps`` steps are recorded; (pid, children)."""
-    metrics = out / "metrics.jsonl"
-    wait_for(lambda: metrics.is_file() and metrics.read_text().count('"train"') >= steps)
+    """Sends ``sig`` to the rollout-0 child once ``steps`` steps are recorded; (pid, children).
+
+    The run's coordinator (``proc``, started by ``command``, the ``coordinator_command``
+    fixture) is paused meanwhile, so the run of ``total_steps`` still needs a rollout server
+    afterwards however loaded the machine is.
+    """
+    wait_for(lambda: command.trained_steps(out) >= steps)
     children = mesh_children(out)
     pid = next(c["pid"] for c in children if c["name"] == "rollout-0")
-    os.kill(pid, sig)
+    with command.paused(proc.pid, out) as trained:
+        assert command.needs_rollouts_after(trained, total_steps), trained
+        os.kill(pid, sig)
     return pid, children
 
 
@@ -358,7 +369,7 @@ def test_a_killed_rollout_server_is_restarted_and_the_run_finishes(
         out, *coordinator_command.SMALL_RUN, f"total_steps={steps}", *extra
     )
     address = coordinator_command.address(proc)
-    pid, children = kill_rollout_0_after(out, 3, sig)
+    pid, children = kill_rollout_0_after(coordinator_command, proc, out, 3, steps, sig)
     old = next(c["address"] for c in children if c["name"] == "rollout-0")
 
     def restarted() -> bool:
@@ -407,7 +418,7 @@ def test_with_no_restarts_left_a_run_without_rollout_servers_fails_naming_the_ke
         "rollout.max_restarts=0",
         f"rollout.no_server_timeout_s={timeout_s}",
     )
-    _, children = kill_rollout_0_after(out, 2)
+    _, children = kill_rollout_0_after(coordinator_command, proc, out, 2, 100000)
     killed_at = time.monotonic()
     log = coordinator_command.finish(proc, timeout=120)
     took = time.monotonic() - killed_at

@@ -365,7 +365,11 @@ def test_a_killed_trainer_rank_on_ray_is_replaced_by_new_actors_and_the_run_fini
     try:
         wait_for(lambda: trained_steps(out) >= 3)  # past the checkpoint of step 2
         before = {s["name"]: s for s in json.loads((out / "mesh.json").read_text())["servers"]}
-        os.kill(before["trainer-1"]["pid"], signal.SIGKILL)
+        # Killed while the coordinator stands still, so steps are left for a new group to
+        # train, however loaded the machine is.
+        with coordinator_command.paused(proc.pid, out) as trained:
+            assert trained < steps, trained
+            os.kill(before["trainer-1"]["pid"], signal.SIGKILL)
     finally:
         log = coordinator_command.finish(proc)
     assert proc.returncode == 0, log
@@ -394,7 +398,12 @@ def test_a_killed_rollout_server_on_ray_is_replaced_by_a_new_actor_and_the_run_f
     try:
         wait_for(lambda: trained_steps(out) >= 3)
         before = {s["name"]: s for s in json.loads((out / "mesh.json").read_text())["servers"]}
-        os.kill(before["rollout-0"]["pid"], signal.SIGKILL)
+        # Killed while the coordinator stands still, with steps left that only a rollout
+        # server can feed: the replacement cannot be skipped by a run that ends first.
+        with coordinator_command.paused(proc.pid, out) as trained:
+            # (run_overrides: staleness.max_staleness=1)
+            assert coordinator_command.needs_rollouts_after(trained, steps, 1), trained
+            os.kill(before["rollout-0"]["pid"], signal.SIGKILL)
     finally:
         log = coordinator_command.finish(proc)
     assert proc.returncode == 0, log

@@ -213,27 +213,34 @@ def test_the_default_run_under_salloc_starts_its_servers_as_job_steps(
 def test_a_killed_step_is_restarted_inside_the_allocation(slurm, tmp_path, coordinator_command):
     small = coordinator_command.SMALL_RUN
     out = tmp_path / "run"
+    steps = 10
     proc = subprocess.Popen(
-        ["salloc", "--nodes=1", "--quiet", *_coordinator(small, out, "total_steps=10")],
+        ["salloc", "--nodes=1", "--quiet", *_coordinator(small, out, f"total_steps={steps}")],
         env={**slurm, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-
-        def trained(n: int) -> bool:
-            path = out / "metrics.jsonl"
-            return path.is_file() and sum(r["kind"] == "train" for r in read_jsonl(path)) >= n
-
-        _wait(lambda: trained(3), 180, "three steps")
-        # The rollout server's own process, inside its step (its config names this run).
+        _wait(lambda: coordinator_command.trained_steps(out) >= 2, 180, "two steps")
+        # The coordinator (salloc's child) and the rollout server's own process inside its
+        # step (their command lines name this run).
+        [coordinator] = subprocess.run(
+            ["pgrep", "-f", f"^{sys.executable} -m areal_grpc.coordinator output.dir={out}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         victim = subprocess.run(
             ["pgrep", "-f", f"areal_servers.rollout.*{out}"], capture_output=True, text=True
         ).stdout.split()
         assert victim, "no rollout server process found"
-        for pid in victim:
-            os.kill(int(pid), signal.SIGKILL)
+        # Killed while the coordinator stands still: at a known step, with steps left that
+        # only a rollout server can feed, so the launcher must replace it (however loaded the
+        # machine is, the run cannot end first).
+        with coordinator_command.paused(int(coordinator), out) as trained:
+            assert coordinator_command.needs_rollouts_after(trained, steps), trained
+            for pid in victim:
+                os.kill(int(pid), signal.SIGKILL)
         log, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -243,7 +250,10 @@ def test_a_killed_step_is_restarted_inside_the_allocation(slurm, tmp_path, coord
     restarts = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "rollout_restart"]
     assert len(restarts) == 1
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, 11))
+    # Every step recorded once, and trained on distinct groups (nothing trained twice).
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    seqs = [g["seq"] for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
+    assert len(seqs) == len(set(seqs)) == steps * 2
     assert _queue(slurm) == []
 
 

@@ -192,7 +192,10 @@ def test_minibatches_and_epochs_on_two_ranks_equal_the_same_updates_in_one_proce
         [r] = got[rank][0]
         assert r.policy_version == want.policy_version == 1
         assert r.trained_tokens == want.trained_tokens == int(batch["loss_mask"][:, 1:].sum())
-        assert r.loss == pytest.approx(want.loss, abs=1e-9)
+        # The loss stat is float32 (ppo_loss computes in float32 whatever the model's dtype):
+        # summed in another order on two ranks it may differ in its last bits (1.2e-9 at
+        # 0.0496 on one machine here). The float64 parameters above are the tight check.
+        assert r.loss == pytest.approx(want.loss, rel=1e-6)
         assert r.grad_norm == pytest.approx(want.grad_norm, rel=1e-9)
     # Four updates are not one: the same batch in a single update ends elsewhere.
     single = TrainerEngine(ppo_config(fsdp=False, n_minibatches=1, epochs=1, **ppo))
