@@ -299,7 +299,8 @@ class PPOSettings:
     reward_norm: NormSettings = field(default_factory=NormSettings)
     # Extra normalisation of the token advantages; none, as in the measured GRPO runs.
     adv_norm: NormSettings = field(default_factory=lambda: NormSettings("none", "none"))
-    # Rewards are (r + reward_bias) * reward_scale, clipped to +-reward_clip, before norms.
+    # Rewards are (r + overlong penalty + reward_bias) * reward_scale, clipped to
+    # +-reward_clip, before norms.
     reward_bias: float = 0.0
     reward_scale: float = 1.0
     reward_clip: float = 20.0
@@ -328,9 +329,9 @@ class PPOSettings:
     # sequences, Dr.GRPO; loss_constant_len 0: rollout.sampling.max_new_tokens).
     loss_agg: str = "token_mean"
     loss_constant_len: int = 0
-    # DAPO's overlong penalty on the reward: 0 up to overlong_max_len - overlong_cache
-    # response tokens, then down linearly to -overlong_factor at overlong_max_len and
-    # beyond (overlong_max_len 0: off).
+    # DAPO's overlong penalty, added to the raw reward (before bias and scale): 0 up to
+    # overlong_max_len - overlong_cache response tokens, then down linearly to
+    # -overlong_factor at overlong_max_len and beyond (overlong_max_len 0: off).
     overlong_max_len: int = 0
     overlong_cache: int = 0
     overlong_factor: float = 1.0
@@ -858,6 +859,9 @@ def _validate_rejection(r: RejectionSettings) -> None:
     _choice(f"{key}.agg", r.agg, REJECTION_AGGS)
     if r.metric == "none":
         return
+    if r.level == "token" and r.agg != "mean":
+        # AReaL warns and ignores it; a setting that silently does nothing is refused here.
+        raise FieldError(f"{key}.agg", f"{r.agg!r} is used only with {key}.level sequence")
     if r.action == "clamp" and r.metric != "ratio":
         raise FieldError(f"{key}.action", f"'clamp' bounds a ratio; metric is {r.metric!r}")
     if r.metric == "ratio":
@@ -904,6 +908,17 @@ def _validate_staleness(cfg: RunConfig) -> None:
     _at_least("staleness.max_staleness", s.max_staleness, 0)
     _at_least("staleness.batch_size", s.batch_size, 1)
     _at_least("staleness.group_size", s.group_size, 1)
+    # One sample per prompt centred on its own group's mean is centred on itself: every
+    # reward is erased and the run cannot learn. (External producers choose their own group
+    # sizes; group_size is the run's own rollouts'.)
+    if s.group_size == 1 and cfg.data.task != EXTERNAL_TASK:
+        for name in ("reward_norm", "adv_norm"):
+            if getattr(cfg.trainer.ppo, name).mean_level == "group":
+                raise FieldError(
+                    "staleness.group_size",
+                    f"1 with trainer.ppo.{name}.mean_level group centres each sample on "
+                    "itself and erases its reward; use mean_level batch or none",
+                )
 
 
 def _validate_weight_sync(cfg: RunConfig) -> None:

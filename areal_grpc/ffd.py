@@ -5,7 +5,10 @@ Three algorithms, all returning lists of item indices:
 * :func:`ffd_allocate`: AReaL's packing used for micro-batches and dispatch. Despite the name it
   is not classic first-fit: each item (largest first) goes to the fitting group with the
   *fewest items*, and a new group opens only when fewer than ``min_groups`` exist or no group
-  can take the item. The output (group order and order within groups) matches AReaL's exactly.
+  can take the item. The output matches AReaL's value for value (the same groups in the same
+  order, each with the same values in the same order); which of several *equal* values' indices
+  lands where may differ, since ties are taken in index order here and in the order of
+  numpy's unstable default sort in AReaL.
 * :func:`first_fit_decreasing`: the textbook algorithm (first group in creation order that fits).
 * :func:`lpt_partition`: greedy "least loaded" (longest processing time first) into exactly
   ``k`` bins, no capacity.
@@ -32,8 +35,9 @@ def _check_values(values: Sequence[int]) -> list[int]:
 
 
 def _descending_order(values: Sequence[int]) -> list[int]:
-    # Stable: equal values keep ascending index order, as AReaL's argsort(-values) does in
-    # practice; without it two ranks could disagree on a plan.
+    # Stable: equal values keep ascending index order, so two ranks never disagree on a plan.
+    # AReaL's np.argsort(-values) uses numpy's default, unstable sort: its order among equal
+    # values depends on the numpy build (numpy 2.4 reorders ties even among 8 items).
     return sorted(range(len(values)), key=lambda i: -values[i])
 
 

@@ -1,5 +1,8 @@
 """GRPO / decoupled-PPO math in one file (reference/areal-behaviour.md §5).
 
+Where this file departs from AReaL on purpose, the README's "Differences from AReaL" table
+says so and why; everything else computes what AReaL computes.
+
 Alignment convention (differs from AReaL's rolled tensors on purpose): every ``[B, S]``
 tensor here is *token-aligned*, like the batches of :mod:`areal_grpc.trajectory`: position
 ``t`` describes token ``t`` (its behaviour log-prob, its loss mask, its advantage). The model's
@@ -9,12 +12,14 @@ logits at position ``t`` predict token ``t + 1``, so :func:`token_logprobs` shif
 
 Pieces, in step order:
 
-1. :func:`shape_rewards`: ``clip((r + bias) * scale, -clip, clip)``.
+1. :func:`overlong_penalty` added to the raw reward, then :func:`shape_rewards`:
+   ``clip((r + penalty + bias) * scale, -clip, clip)``.
 2. :func:`normalize`: mean/std at group or batch level (optionally leave-one-out), float64,
    equal values in a group give exactly zero (never NaN).
 3. :func:`compute_advantages`: sequence reward on every generated token, plus the optional
-   KL-to-reference reward penalty summed from the token onwards (GAE with gamma = lambda = 1
-   and no critic), then optional token-level advantage normalisation.
+   KL-to-reference reward penalty ``-kl_ctl * clamp(KL, -10, 10)`` summed from the token
+   onwards (GAE with gamma = lambda = 1 and no critic), then optional token-level advantage
+   normalisation.
 4. :func:`ppo_loss`: decoupled PPO surrogate for one micro-batch, normalised by the global
    token count so that summing micro-batches and ranks gives the global token mean.
 """
@@ -41,8 +46,9 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class RewardConfig:
-    """Sequence reward shaping: ``clip((r + bias) * scale, -clip, +clip)``, then DAPO's
-    overlong penalty when ``overlong_max_len`` is set (see :func:`overlong_penalty`)."""
+    """Sequence reward shaping: DAPO's overlong penalty (when ``overlong_max_len`` is set, see
+    :func:`overlong_penalty`) is added to the raw reward r, then
+    ``clip((r + penalty + bias) * scale, -clip, +clip)`` (AReaL's order)."""
 
     bias: float = 0.0
     scale: float = 1.0
@@ -76,11 +82,15 @@ class RejectionConfig:
     the behaviour one (AReaL's rejection sampling; IcePop and KPop are settings of it).
 
     ``metric`` per token, with ``log r = prox - behaviour``: "ratio" (r, compared in log
-    space), "kl_k1" (log r), "kl_k2" ((log r)^2 / 2), "kl_k3" (r - 1 - log r), "binary_kl"
-    (KPop: the larger of the two Bernoulli KLs between the token's probabilities).
+    space), "kl_k1" (log r), "kl_k2" ((log r)^2 / 2), "kl_k3" (1/r - 1 + log r: AReaL's k3
+    of (prox, behaviour), Schulman's k3 with the roles of the two policies swapped),
+    "binary_kl" (KPop: the larger of the two Bernoulli KLs between the token's probabilities).
     ``level`` "sequence" judges a whole sequence by ``agg`` of its tokens' values (for
-    "ratio", of log r: "mean" is the geometric mean ratio). ``action`` "mask" drops the
-    tokens outside ``[lower, upper]``; "clamp" (ratio only) clamps the weight into it.
+    "ratio", of log r: "mean" is the geometric mean ratio, "sum" the product, "max" the
+    largest); ``agg`` only decides which sequences are out of bounds, and at the token level
+    it is not used. A sequence's ratio weight is always its geometric mean ratio (AReaL's).
+    ``action`` "mask" drops the tokens (sequences) outside ``[lower, upper]``; "clamp"
+    (ratio only) clamps their weight into it.
     """
 
     metric: Literal["ratio", "kl_k1", "kl_k2", "kl_k3", "binary_kl"] = "ratio"
@@ -250,19 +260,23 @@ def compute_advantages(
 
     With no KL penalty every generated token of row i carries the shaped (and normalised)
     reward r_i. With ``kl_ctl > 0`` each generated token t adds the reward
-    ``-kl_ctl * KL(behave[t], ref[t])`` (clamped to [-10, 10]) and the advantage is the sum of
+    ``-kl_ctl * clamp(KL(behave[t], ref[t]), -10, 10)`` and the advantage is the sum of
     rewards from t to the end (undiscounted return-to-go, no critic).
     """
     mask = loss_mask.to(torch.bool)
-    r = shape_rewards(rewards, cfg.reward) + overlong_penalty(mask.sum(dim=-1), cfg.reward)
+    # The overlong penalty joins the raw reward, so bias and scale apply to it as well
+    # (AReaL's order; DAPO's example scales rewards by 10).
+    penalty = overlong_penalty(mask.sum(dim=-1), cfg.reward)
+    r = shape_rewards(rewards.float() + penalty, cfg.reward)
     if cfg.reward_norm is not None:
         r = normalize(r, cfg.reward_norm, group_index=group_index, reduce=reduce)
     adv = r[:, None].expand(mask.shape).clone()
     if cfg.kl_ctl != 0.0:
         if behave_logp is None or ref_logp is None:
             raise ValueError("kl_ctl != 0 needs behaviour and reference log-probs")
-        kl_r = -cfg.kl_ctl * kl_estimate(behave_logp, ref_logp, cfg.kl_estimator)
-        kl_r = kl_r.clamp(-10.0, 10.0) * mask
+        # The estimate is clamped, not the reward: kl_ctl scales the bounded KL (AReaL's).
+        kl = kl_estimate(behave_logp, ref_logp, cfg.kl_estimator).clamp(-10.0, 10.0)
+        kl_r = -cfg.kl_ctl * kl * mask
         # Return-to-go: reverse cumulative sum over positions t..S-1.
         adv = adv + kl_r.flip(-1).cumsum(-1).flip(-1)
     adv = adv * mask
@@ -362,11 +376,24 @@ def loglinear_prox_logp(
 ) -> torch.Tensor:
     """The proximal log-probs approximated without a forward pass (AReaL's "loglinear").
 
-    ``version`` is the proximal policy's (the weights before this step); a token generated
-    by version ``v`` moves from its behaviour log-prob toward the current one by
-    ``alpha = (version - v) / (version + 1 - v)``: 0 for a token of the proximal weights
-    themselves (its behaviour log-prob is exact), 1/2 for one a version older, toward 1 for
-    very stale ones. Tokens with no version (< 0) or a newer one keep the behaviour log-prob.
+    The model: a token's log-prob moves linearly with the policy version, from its behaviour
+    value at the version ``v`` that sampled it to the current weights' value at ``v_cur``; the
+    proximal log-prob is read off that line at the proximal version ``V``:
+    ``prox = behave + alpha * (current - behave)``, ``alpha = (V - v) / (v_cur - v)``.
+
+    ``version`` is ``V``: the proximal weights are the ones before this step, the weights
+    "recompute" runs, and they carry the version the trainer holds during the step. The
+    current weights start the step at ``V`` and reach ``V + 1`` after its last update (the
+    k-th of n updates runs on about ``V + k/n``); ``v_cur = V + 1`` is taken, the end of the
+    step: ``alpha = (V - v) / (V + 1 - v)``, 0 for a token of the proximal weights themselves
+    (its behaviour log-prob is exact), 1/2 for one a version older, toward 1 for very stale
+    ones. Tokens with no version (< 0) or a newer one keep the behaviour log-prob.
+
+    AReaL (``compute_prox_logp_approximations`` in ``areal/trainer/ppo/actor.py``) passes the
+    same ``V`` (the engine's version during ``ppo_update``) as ``v_cur`` and takes
+    ``V - 1`` as the proximal version, so it reads the line one version early: a token of
+    version ``V - 1`` gets alpha 0, its behaviour log-prob, though the proximal weights
+    (what its "recompute" computes) are a version newer. Here the proximal version is ``V``.
     """
     v = versions.to(torch.float64)
     fresh = (versions >= 0) & (versions <= version)
@@ -427,7 +454,8 @@ def behaviour_weights(
     elif cfg.metric == "kl_k2":
         value = safe * safe / 2
     elif cfg.metric == "kl_k3":
-        value = torch.expm1(safe) - safe
+        # AReaL's k3 of (prox, behaviour): e^-log r - 1 + log r = 1/r - 1 + log r.
+        value = torch.expm1(-safe) + safe
     elif cfg.metric == "binary_kl":
         p = prox_logp.float().exp().clamp(_PROB_EPS, 1 - _PROB_EPS)
         q = behave_logp.float().exp().clamp(_PROB_EPS, 1 - _PROB_EPS)
@@ -436,24 +464,28 @@ def behaviour_weights(
         raise ValueError(f"unknown rejection metric {cfg.metric!r}")
     log_w = log_r
     if cfg.level == "sequence":
-        value = _row_agg(value, mask & finite, cfg.agg)
         if cfg.metric == "ratio":
-            # A sequence's weight is its aggregated ratio (geometric mean for "mean").
-            log_w = torch.where(finite, value, float("-inf"))
+            # Every token of a sequence weighs its geometric mean ratio, whatever ``agg``:
+            # a product (or max) of ratios as a weight would grow with the length.
+            geo = _row_agg(log_r, mask & finite, "mean")
+            log_w = torch.where(finite, geo, float("-inf"))
+        value = _row_agg(value, mask & finite, cfg.agg)
     elif cfg.level != "token":
         raise ValueError(f"unknown rejection level {cfg.level!r}")
     in_log = cfg.metric == "ratio"
     upper = math.log(cfg.upper) if in_log else cfg.upper
     lower = None if cfg.lower is None else (math.log(cfg.lower) if in_log else cfg.lower)
+    out = value > upper
+    if lower is not None:
+        out = out | (value < lower)
     if cfg.action == "clamp":
         if not in_log:
             raise ValueError(f"rejection action 'clamp' needs metric 'ratio', got {cfg.metric!r}")
-        log_w = log_w.clamp(min=lower, max=upper)
+        # Only what ``agg`` put out of bounds is clamped: at the sequence level a weight
+        # (the geometric mean) may lie outside the bounds while its sequence is within them.
+        log_w = torch.where(out, log_w.clamp(min=lower, max=upper), log_w)
         rejected = torch.zeros_like(mask)
     elif cfg.action == "mask":
-        out = value > upper
-        if lower is not None:
-            out = out | (value < lower)
         rejected = mask & finite & out
         log_w = log_w.clamp(max=upper if in_log else _MAX_LOG_WEIGHT)
     else:
@@ -484,21 +516,26 @@ def ppo_loss(
 
     ``l = w * max(-A r, -A clamp(r, 1 - eps, 1 + eps_high))`` with ``r = exp(logp - prox)``
     per token (or, at the sequence level, ``exp`` of the sequence's mean log-ratio with the
-    sequence's mean advantage), optionally dual-clipped ``min(l, c_clip |A|)``, and ``w``
-    the behaviour weight of :func:`behaviour_weights` (0 on rejected tokens). With
+    sequence's mean advantage, both over the tokens the rejection kept), optionally
+    dual-clipped ``min(l, c_clip |A|)``, and ``w`` the behaviour weight of
+    :func:`behaviour_weights` (0 on rejected tokens). With
     ``kl_loss_coef`` each kept token adds ``kl_loss_coef * KL(logp, ref_logp)``.
     """
     mask = mask.to(torch.bool)
     maskf = mask.float()
     prox = prox_logp.float().detach()
     adv = advantages.float().detach()
+    w, capped = behaviour_weights(prox, behave_logp, mask, cfg.rejection)
+    final_mask = mask & ~capped
     if cfg.importance_sampling_level == "sequence":
         # GSPO: one ratio per sequence from its mean token log-ratio (masked first, so
-        # padding never reaches exp), and the sequence's mean advantage on every token.
-        n_tok = maskf.sum(dim=-1).clamp(min=1.0)
-        seq_log_ratio = ((logp.float() - prox) * maskf).sum(dim=-1) / n_tok
-        ratio = torch.where(mask, torch.exp(seq_log_ratio)[:, None].expand_as(maskf), 0.0)
-        adv = torch.where(mask, ((adv * maskf).sum(dim=-1) / n_tok)[:, None], 0.0)
+        # padding never reaches exp), and the sequence's mean advantage on every token, both
+        # over the tokens the rejection kept (a dropped token is out of the sequence too).
+        kept = final_mask.float()
+        n_tok = kept.sum(dim=-1).clamp(min=1.0)
+        seq_log_ratio = ((logp.float() - prox) * kept).sum(dim=-1) / n_tok
+        ratio = torch.where(final_mask, torch.exp(seq_log_ratio)[:, None].expand_as(kept), 0.0)
+        adv = torch.where(final_mask, ((adv * kept).sum(dim=-1) / n_tok)[:, None], 0.0)
     else:
         # Masked before exp: padding positions must not produce inf (inf * 0 grads are NaN).
         ratio = torch.where(mask, torch.exp((logp.float() - prox) * maskf), 0.0)
@@ -510,8 +547,6 @@ def ppo_loss(
     clipped = (pg2 > pg1) & mask
     if cfg.c_clip is not None:
         pg = torch.minimum(pg, cfg.c_clip * adv.abs())
-    w, capped = behaviour_weights(prox, behave_logp, mask, cfg.rejection)
-    final_mask = mask & ~capped
     pg = pg * w
     kl = torch.zeros_like(pg)
     if cfg.kl_loss_coef != 0.0:

@@ -28,6 +28,9 @@ from areal_servers.trainer.algorithm import (
     trainable_mask,
 )
 
+from areal_grpc.config import load_config
+from areal_grpc.errors import FieldError
+
 
 def ref_normalize(xs, masks, groups, cfg: NormConfig):
     """Loop version of AReaL's Normalization over rows ``xs`` (lists) with ``masks``."""
@@ -182,7 +185,8 @@ def test_kl_penalty_is_a_return_to_go_reward(estimator):
                 if loss_mask[i, u]:
                     x = float(behave[i, u] - ref[i, u])
                     kl = {"k1": x, "k2": x * x / 2, "k3": math.exp(-x) - 1 + x}[estimator]
-                    total += max(-10.0, min(10.0, -0.3 * kl))
+                    # The estimate is clamped to [-10, 10], then scaled.
+                    total += -0.3 * max(-10.0, min(10.0, kl))
             assert adv[i, t].item() == pytest.approx(total, abs=1e-5)
 
 
@@ -438,8 +442,8 @@ def test_rejection_metrics_match_hand_computations_per_token():
         "kl_k1": (-0.1, 0.5, [False, True, True]),
         # k2 = (log r)^2 / 2 = 0.0249, 0.603, 0.0249 against upper 0.1.
         "kl_k2": (None, 0.1, [False, True, False]),
-        # k3 = r - 1 - log r = 0.0269, 0.901, 0.0231 against upper 0.025.
-        "kl_k3": (None, 0.025, [True, True, False]),
+        # k3 = 1/r - 1 + log r = 0.0231, 0.432, 0.0269 against upper 0.025.
+        "kl_k3": (None, 0.025, [False, True, True]),
         # binary KL, both directions: 0.0204/0.0201, 0.794/1.033, 0.0070/0.0074.
         "binary_kl": (None, 0.02, [True, True, False]),
     }
@@ -479,10 +483,10 @@ def test_sequence_level_rejection_judges_whole_rows_by_their_aggregate():
     rej, w = run("mean", 1.3)
     assert rej == [[True, True], [False, False]]
     torch.testing.assert_close(w, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
-    # Product: row 0 e^0.6 = 1.82 stays under 2, with weight 1.82 on both tokens.
+    # Product: row 0 e^0.6 = 1.82 stays under 2; its tokens weigh the geometric mean e^0.3.
     rej, w = run("sum", 2.0)
     assert rej == [[False, False], [False, False]]
-    torch.testing.assert_close(w[0], torch.full((2,), math.exp(0.6)))
+    torch.testing.assert_close(w[0], torch.full((2,), math.exp(0.3)))
     # Max: row 1's e^1 = 2.72 > 2 drops it although its mean ratio is 1.
     rej, _ = run("max", 2.0)
     assert rej == [[False, False], [True, True]]
@@ -511,3 +515,136 @@ def test_kl_loss_term_adds_beta_times_the_estimate_with_its_gradient(estimator):
     torch.testing.assert_close(logp.grad[0], torch.tensor(want_grad), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="reference"):
         ppo_loss(logp, logp.detach(), logp.detach(), zeros, mask, cfg, 2.0)
+
+
+# [algorithms-2]: where our math differed from AReaL's (AReaL's values computed by hand).
+
+
+def test_kl_reward_clamps_the_estimate_before_kl_ctl_scales_it():
+    """D1: k3 of behaviour -5.0 against reference -0.1 is e^4.9 - 1 - 4.9 = 128.4, clamped to
+    10, times kl_ctl 0.1: the token's reward is -1.0 (clamping the product gave -10.0)."""
+    assert math.exp(4.9) - 1 - 4.9 == pytest.approx(128.4, abs=0.05)
+    loss_mask = torch.tensor([[False, True]])
+    behave, ref = torch.tensor([[0.0, -5.0]]), torch.tensor([[0.0, -0.1]])
+    cfg = PPOConfig(kl_ctl=0.1, kl_estimator="k3", reward_norm=None)
+    adv = compute_advantages(torch.tensor([0.0]), loss_mask, cfg, behave_logp=behave, ref_logp=ref)
+    assert adv[0, 1].item() == pytest.approx(-1.0, abs=1e-6)
+
+
+def test_overlong_penalty_joins_the_raw_reward_before_bias_and_scale():
+    """D2: 7 generated tokens, budget 8 with a cache of 4: penalty (4 - 7) / 4 = -0.75 on the
+    raw reward 1, then (1 - 0.75 - 0.5) * 10 = -2.5 (adding it after shaping gave 4.25)."""
+    reward = RewardConfig(bias=-0.5, scale=10.0, overlong_max_len=8, overlong_cache=4)
+    mask = torch.zeros(1, 10, dtype=torch.bool)
+    mask[0, 2:9] = True
+    adv = compute_advantages(torch.tensor([1.0]), mask, PPOConfig(reward=reward, reward_norm=None))
+    assert adv[0, 2:9].tolist() == pytest.approx([-2.5] * 7)
+
+
+def test_kl_k3_rejection_metric_is_one_over_r_minus_one_plus_log_r():
+    """D3: log r = -2 gives e^2 - 1 - 2 = 4.39 > 2 (rejected); log r = +2 gives
+    e^-2 - 1 + 2 = 1.135 (kept). r - 1 - log r had them the other way round."""
+    behave = torch.full((1, 2), -3.0)
+    prox = behave + torch.tensor([[-2.0, 2.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    w, rej = behaviour_weights(prox, behave, mask, RejectionConfig(metric="kl_k3", upper=2.0))
+    assert rej.tolist() == [[True, False]]
+    # A KL metric only decides what is dropped: the kept token weighs its ratio e^2.
+    torch.testing.assert_close(w, torch.tensor([[0.0, math.exp(2.0)]]))
+
+
+def test_sequence_ratio_weight_is_the_geometric_mean_whatever_the_agg():
+    """D4: log-ratios 0.5, 0.5, 0.5 with agg "sum" and upper 5: the product e^1.5 = 4.48 keeps
+    the sequence and each token weighs the geometric mean e^0.5 = 1.65 (it weighed 4.48)."""
+    behave = torch.full((1, 3), -2.0)
+    prox = behave + 0.5
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    for agg in ("sum", "max", "mean"):
+        cfg = RejectionConfig(level="sequence", agg=agg, upper=5.0)  # type: ignore[arg-type]
+        w, rej = behaviour_weights(prox, behave, mask, cfg)
+        assert not rej.any(), agg
+        torch.testing.assert_close(w, torch.full((1, 3), math.exp(0.5)))
+    # "clamp" clamps only the sequences agg puts out of [0.5, 2]. Row 0: log r 0, -2, its max
+    # e^0 = 1 is inside, so it keeps its geometric mean e^-1 = 0.37 although that is below
+    # 0.5. Row 1: log r 1.0, 0.6, max e^1 = 2.72 is outside: its e^0.8 = 2.23 is clamped to 2.
+    behave = torch.full((2, 2), -3.0)
+    prox = behave + torch.tensor([[0.0, -2.0], [1.0, 0.6]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    cfg = RejectionConfig(level="sequence", agg="max", action="clamp", lower=0.5, upper=2.0)
+    w, rej = behaviour_weights(prox, behave, mask, cfg)
+    assert not rej.any()
+    want = torch.tensor([[math.exp(-1.0)] * 2, [2.0, 2.0]])
+    torch.testing.assert_close(w, want)
+
+
+def test_gspo_sequence_ratio_and_advantage_use_the_tokens_rejection_kept():
+    """D5: logp - prox = 0, 0.4; the second token's behaviour ratio e^2 = 7.4 is over the cap
+    of 5. The sequence is its first token alone: ratio e^0 = 1, advantage 1, weight 1, over
+    the 2 tokens counted before rejection: -0.5 (the mask before rejection gave the ratio
+    e^0.2 and -e^0.2 / 2 = -0.6107)."""
+    prox = torch.full((1, 2), -1.0)
+    logp = (prox + torch.tensor([[0.0, 0.4]])).requires_grad_(True)
+    behave = prox - torch.tensor([[0.0, 2.0]])
+    adv = torch.ones(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    # eps_clip 0.3 leaves e^0.2 unclipped, so the old value shows whole.
+    cfg = PPOConfig(eps_clip=0.3, importance_sampling_level="sequence")
+    loss, stats = ppo_loss(logp, prox, behave, adv, mask, cfg, 2.0)
+    assert loss.item() == pytest.approx(-0.5, abs=1e-6)
+    assert stats.capped_tokens == 1
+    loss.backward()
+    # d/dlogp of -exp(logp_0 - prox_0) / 2 at logp_0 = prox_0; the dropped token gets none.
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, 0.0]]))
+
+
+def test_one_sample_per_prompt_with_group_centring_is_refused():
+    """D6: a group of one centred on its own mean erases every reward (all advantages 0)."""
+    rewards = torch.tensor([1.0, 0.0, 1.0])
+    assert normalize(rewards, NormConfig(), group_index=torch.arange(3)).tolist() == [0.0] * 3
+    for name, other in (("reward_norm", "adv_norm"), ("adv_norm", "reward_norm")):
+        overrides = [f"trainer.ppo.{name}.mean_level=group", f"trainer.ppo.{other}.mean_level=none"]
+        with pytest.raises(FieldError) as err:
+            load_config(None, ["staleness.group_size=1", *overrides])
+        assert err.value.field == "staleness.group_size"
+        assert f"trainer.ppo.{name}.mean_level" in err.value.description
+    # Batch centring keeps the rewards; external producers choose their own group sizes.
+    no_group = ["staleness.group_size=1", "trainer.ppo.reward_norm.mean_level=batch"]
+    assert load_config(None, no_group).staleness.group_size == 1
+    external = ["staleness.group_size=1", "data.task=external", "eval.every_steps=0"]
+    assert load_config(None, external).staleness.group_size == 1
+
+
+def test_rejection_agg_at_the_token_level_is_refused():
+    """``agg`` aggregates a sequence's values; at the token level it would do nothing."""
+    with pytest.raises(FieldError) as err:
+        load_config(None, ["trainer.ppo.rejection.agg=sum"])
+    assert err.value.field == "trainer.ppo.rejection.agg"
+    assert "trainer.ppo.rejection.level" in err.value.description
+    seq = ["trainer.ppo.rejection.agg=sum", "trainer.ppo.rejection.level=sequence"]
+    assert load_config(None, seq).trainer.ppo.rejection.agg == "sum"
+
+
+def test_loglinear_reads_the_pre_step_version_off_a_line_through_behaviour_and_current():
+    """Log-probs linear in the version, log pi_u = -0.5 - 0.25 u, are the approximation's
+    exact case. Pre-step (proximal) weights are version V = 3, the current ones end the step
+    at 4. A token of version 1: behaviour -0.75, current -1.5, alpha = (3 - 1) / (4 - 1) = 2/3,
+    so -0.75 + 2/3 * (-0.75) = -1.25 = log pi_3, what "recompute" would give. (AReaL's alpha,
+    (V - 1 - v) / (V - v) = 1/2 with current = log pi_3 = -1.25, gives -1.0 = log pi_2: the
+    version before the proximal one.)"""
+
+    def logp_at(u: float) -> float:
+        return -0.5 - 0.25 * u
+
+    version = 3
+    for v in (0, 1, 2, 3):
+        got = loglinear_prox_logp(
+            torch.tensor([[logp_at(v)]]),
+            torch.tensor([[logp_at(version + 1)]]),
+            torch.tensor([[v]]),
+            version=version,
+        )
+        assert got.item() == pytest.approx(logp_at(version), abs=1e-6), v
+    got = loglinear_prox_logp(
+        torch.tensor([[-0.75]]), torch.tensor([[-1.5]]), torch.tensor([[1]]), version=3
+    )
+    assert got.item() == pytest.approx(-1.25, abs=1e-6)
