@@ -51,6 +51,7 @@ __all__ = [
     "SecurityConfig",
     "StalenessConfig",
     "TrainerConfig",
+    "VllmSettings",
     "WeightSyncConfig",
     "load_config",
     "to_json",
@@ -58,7 +59,9 @@ __all__ = [
     "validate_config",
 ]
 
-ENGINES = ("hf", "sglang")
+ENGINES = ("hf", "vllm", "sglang")
+# Model dtypes the vllm engine loads.
+VLLM_DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 # Where a normalisation's mean or std is taken: per trajectory group, over the global batch,
@@ -201,6 +204,34 @@ class SamplingSettings:
 
 
 @dataclass
+class VllmSettings:
+    """The vllm engine's own settings (``rollout.engine: vllm``), per rollout server.
+
+    The defaults start on 2 CPU cores and 24 GiB: fp32 (this CPU has no fast bf16), a 2 GiB
+    KV cache, eager mode.
+    """
+
+    # KV cache per server, GiB (host memory on the CPU backend, GPU memory on a GPU).
+    kv_cache_gib: float = 2.0
+    # Sequences decoded at once at most (vLLM's max_num_seqs).
+    max_num_seqs: int = 64
+    # Longest prompt + output; 0: the model's context, capped at 4096 (the KV cache must
+    # hold one sequence of this length).
+    max_model_len: int = 0
+    dtype: str = "float32"
+    # CPU cores vLLM keeps for its own scheduler process (None: vLLM's default, one); the
+    # rest run its model worker. 0 gives the worker every core.
+    reserved_cpus: int | None = None
+    # Seconds the engine may take to start (imports, its processes, the model load).
+    start_timeout_s: float = 600.0
+    # vLLM's engine process is asked whether it is alive this often; one that has died or
+    # does not answer within health_timeout_s takes the server down, so its launcher
+    # replaces it.
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 60.0
+
+
+@dataclass
 class RolloutConfig:
     """The rollout (inference) servers and what they run."""
 
@@ -228,6 +259,7 @@ class RolloutConfig:
     # max_new_tokens); requests wait until they fit; None: unbounded but for 256 rows.
     max_batch_tokens: int | None = None
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    vllm: VllmSettings = field(default_factory=VllmSettings)
     # Prompts generating at once over all servers; None: staleness.batch_size (AReaL's default).
     max_concurrent_rollouts: int | None = None
     # A server holding a task longer than this is taken as stalled: out of rotation, its work
@@ -389,6 +421,10 @@ class StalenessConfig:
     batch_size: int = 32
     # Samples per prompt.
     group_size: int = 8
+    # Seconds an external producer's lease (AcquireRollout, a gateway session) lasts since it
+    # was taken or last renewed (RenewRollout; the gateway renews while a session works): an
+    # abandoned lease frees its capacity after this long.
+    lease_ttl_s: float = 60.0
 
 
 @dataclass
@@ -787,6 +823,31 @@ def _validate_rollout(cfg: RunConfig) -> None:
     _at_least("rollout.max_restarts", r.max_restarts, 0)
     _positive("rollout.no_server_timeout_s", r.no_server_timeout_s)
     _positive("rollout.replace_after_s", r.replace_after_s)
+    v = r.vllm
+    _positive("rollout.vllm.kv_cache_gib", v.kv_cache_gib)
+    _at_least("rollout.vllm.max_num_seqs", v.max_num_seqs, 1)
+    _at_least("rollout.vllm.max_model_len", v.max_model_len, 0)
+    _choice("rollout.vllm.dtype", v.dtype, VLLM_DTYPES)
+    if v.reserved_cpus is not None:
+        _at_least("rollout.vllm.reserved_cpus", v.reserved_cpus, 0)
+    _positive("rollout.vllm.start_timeout_s", v.start_timeout_s)
+    _positive("rollout.vllm.health_interval_s", v.health_interval_s)
+    _positive("rollout.vllm.health_timeout_s", v.health_timeout_s)
+    if r.engine == "vllm":
+        # vLLM reports log-probs after top-p/top-k truncation (renormalised), ours are taken
+        # before it (rollout.proto, Completion.output_logprobs): no setting gives both.
+        if r.sampling.top_p != 1.0:
+            raise FieldError(
+                "rollout.sampling.top_p",
+                f"must be 1 with rollout.engine=vllm (vLLM reports log-probs after top-p "
+                f"truncation), got {r.sampling.top_p}",
+            )
+        if r.sampling.top_k != 0:
+            raise FieldError(
+                "rollout.sampling.top_k",
+                f"must be 0 with rollout.engine=vllm (vLLM reports log-probs after top-k "
+                f"truncation), got {r.sampling.top_k}",
+            )
 
 
 def _validate_trainer(cfg: RunConfig) -> None:
@@ -908,6 +969,10 @@ def _validate_staleness(cfg: RunConfig) -> None:
     _at_least("staleness.max_staleness", s.max_staleness, 0)
     _at_least("staleness.batch_size", s.batch_size, 1)
     _at_least("staleness.group_size", s.group_size, 1)
+    if not 0 < s.lease_ttl_s < float("inf"):
+        raise FieldError(
+            "staleness.lease_ttl_s", f"must be a finite number of seconds > 0, got {s.lease_ttl_s}"
+        )
     # One sample per prompt centred on its own group's mean is centred on itself: every
     # reward is erased and the run cannot learn. (External producers choose their own group
     # sizes; group_size is the run's own rollouts'.)

@@ -137,7 +137,10 @@ def test_bad_override_names_the_key(override, field, words):
         ("trainer.ppo.adv_norm.mean_level=token", "trainer.ppo.adv_norm.mean_level"),
         ("trainer.ppo.adv_norm.mean_leave1out=true", "trainer.ppo.adv_norm.mean_leave1out"),
         ("trainer.ppo.reward_norm=group", "trainer.ppo.reward_norm"),
-        ("rollout.engine=vllm", "rollout.engine"),
+        ("rollout.engine=trtllm", "rollout.engine"),
+        ("rollout.vllm.kv_cache_gib=0", "rollout.vllm.kv_cache_gib"),
+        ("rollout.vllm.dtype=int8", "rollout.vllm.dtype"),
+        ("rollout.vllm.max_num_seqs=0", "rollout.vllm.max_num_seqs"),
         ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
         ("rollout.max_concurrent_rollouts=0", "rollout.max_concurrent_rollouts"),
         ("rollout.max_restarts=-1", "rollout.max_restarts"),
@@ -161,6 +164,22 @@ def test_out_of_range_values_name_the_key(override, field):
     with pytest.raises(FieldError) as err:
         load_config(None, [override])
     assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("rollout.sampling.top_p=0.9", "rollout.sampling.top_p"),
+        ("rollout.sampling.top_k=20", "rollout.sampling.top_k"),
+    ],
+)
+def test_vllm_refuses_truncated_sampling_whose_logprobs_it_cannot_report(override, field):
+    # vLLM's log-probs come after top-p/top-k truncation; ours are taken before it.
+    load_config(None, [override])
+    with pytest.raises(FieldError) as err:
+        load_config(None, ["rollout.engine=vllm", override])
+    assert err.value.field == field
+    assert "vllm" in str(err.value)
 
 
 def test_attach_mode_needs_an_address_per_server_and_rank():

@@ -307,7 +307,9 @@ def start_local_mesh(
                 else:
                     mesh.trainer_addresses.append(child.address)
 
-            start_children(specs, record, log_dir=log_dir)
+            start_children(
+                specs, record, log_dir=log_dir, ready_timeout_s=rollout_start_timeout_s(cfg)
+            )
         check()
         wait_healthy(
             [(a, ROLLOUT_SERVICE) for a in mesh.rollout_addresses]
@@ -317,6 +319,15 @@ def start_local_mesh(
         mesh.stop()
         raise
     return mesh
+
+
+def rollout_start_timeout_s(cfg: RunConfig) -> float:
+    """Seconds a rollout server may take to serve: a vllm engine starts processes of its own
+    and loads the model before the server listens (``rollout.vllm.start_timeout_s``)."""
+    default = 120.0
+    if cfg.rollout.engine == "vllm":
+        return max(default, cfg.rollout.vllm.start_timeout_s + 30.0)
+    return default
 
 
 # -- the elastic rollout fleet ---------------------------------------------------------------
@@ -388,6 +399,7 @@ class LocalFleet:
             rollout_argv(self.cfg, index),
             log_dir=self.mesh.log_dir,
             env=child_env(),
+            ready_timeout_s=rollout_start_timeout_s(self.cfg),
         )
         try:
             wait_healthy([(child.address, ROLLOUT_SERVICE)], timeout_s=120.0)

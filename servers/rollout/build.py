@@ -27,6 +27,10 @@ __all__ = ["create_engine", "create_rollout_servicer", "hf_engine_config", "roll
 def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
     """The engine the run config asks for."""
     r = run.rollout
+    if r.engine == "vllm":
+        from areal_servers.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(run.model.source, r.vllm, seed=run.model.seed, lora=run.model.lora)
     if r.engine == "sglang":
         from areal_servers.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 

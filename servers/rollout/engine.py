@@ -335,6 +335,39 @@ class InferenceEngine(abc.ABC):
             )
 
 
+class PauseGate:
+    """The pause state of an engine backed by a server of its own: requests wait here while
+    generation is paused, counted as queued, and go on at resume."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.queued = 0
+        self._open = asyncio.Event()
+        self._open.set()
+
+    async def enter(self) -> None:
+        """Returns at once when not paused, else at resume (counted as queued meanwhile)."""
+        self.queued += 1
+        try:
+            await self._open.wait()
+        finally:
+            self.queued -= 1
+
+    def close(self) -> None:
+        """Generation is paused: requests that arrive wait."""
+        self.paused = True
+        self._open.clear()
+
+    def open(self) -> None:
+        """Generation resumes: waiting requests go on."""
+        self.paused = False
+        self._open.set()
+
+    async def wait_open(self) -> None:
+        """Returns when generation is not paused."""
+        await self._open.wait()
+
+
 async def generate_resumable(
     engine: InferenceEngine, input_ids: Sequence[int], params: SamplingConfig
 ) -> GenerationResult:
@@ -374,6 +407,7 @@ __all__ = [
     "FinishReason",
     "GenerationResult",
     "InferenceEngine",
+    "PauseGate",
     "SamplingConfig",
     "TokenEvent",
     "generate_resumable",

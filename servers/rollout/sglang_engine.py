@@ -29,29 +29,32 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
+from areal_servers.rollout.adapters import (
+    AdapterBook,
+    check_adapter_update,
+    write_adapter,
+    write_checkpoint,
+)
 from areal_servers.rollout.engine import (
     EngineStatus,
     FinishReason,
     InferenceEngine,
+    PauseGate,
     SamplingConfig,
     TokenEvent,
     TopLogprobs,
 )
-from safetensors.torch import save_file
 from tenacity import (
     AsyncRetrying,
     RetryError,
@@ -62,14 +65,12 @@ from tenacity import (
     wait_exponential,
     wait_fixed,
 )
-from transformers import ByT5Tokenizer
 
 from areal_grpc import tracing
 from areal_grpc.config import LoraSettings
 from areal_grpc.errors import PreconditionError
-from areal_grpc.model import lora_config, qwen2_config
 from areal_grpc.model_source import builtin_spec, is_builtin
-from areal_grpc.paths import remove_owned, replace_dir, write_marker
+from areal_grpc.paths import remove_owned
 
 log = logging.getLogger(__name__)
 
@@ -248,23 +249,13 @@ class SGLangEngine(InferenceEngine):
         self.vocab_size, self.max_context = _model_limits(config.model)
         self.eos_token_id, self.pad_token_id = _special_ids(config.model)
         self._version = 0
-        self._paused = False
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        self._gate = PauseGate()
         self._running = 0
-        self._queued = 0
         self._generated_tokens = 0
         self._weights_tmp: str | None = None
         self._http = http_client(config.request_timeout_s)
         self.adapters_only = config.lora.rank > 0
-        # The adapter generation uses ("" until the first update: LoRA's B starts at zero, so
-        # the base model is the initial policy), its directory, and the adapter tensors'
-        # names (fixed by the first update).
-        self._adapter = ""
-        self._adapter_dirs: dict[str, Path] = {}
-        self._adapter_names: frozenset[str] = frozenset()
-        # Requests in flight per adapter: a replaced adapter is unloaded once none use it.
-        self._adapter_users: dict[str, int] = {}
+        self._adapters = AdapterBook()
         self._unloads: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------------ lifecycle
@@ -340,7 +331,7 @@ class SGLangEngine(InferenceEngine):
         if self._weights_tmp:
             shutil.rmtree(self._weights_tmp, ignore_errors=True)
         await self._http.aclose()
-        self._resumed.set()
+        self._gate.open()
 
     # --------------------------------------------------------------------------- calls
 
@@ -366,22 +357,17 @@ class SGLangEngine(InferenceEngine):
         """One ``/generate`` call; an abort (a pause) ends INTERRUPTED with the partial output."""
         params.validate()
         self.check_prompt(input_ids, params)
-        self._queued += 1
-        try:
-            await self._resumed.wait()
-        finally:
-            self._queued -= 1
+        await self._gate.enter()
         # An adapter pins the weights a request runs on, so its tokens carry the version the
         # request was sent at; full-weight updates abort requests in flight instead (their
         # partial output comes back before the new version is served).
-        adapter, sent_version = self._adapter, self._version
+        adapter, sent_version = self._adapters.acquire()
         self._running += 1
-        self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
         try:
             body = await self._post("/generate", generate_payload(input_ids, params, adapter))
         finally:
             self._running -= 1
-            self._adapter_users[adapter] -= 1
+            self._adapters.release(adapter)
             self._unload_idle()
         tokens, logprobs, kind = parse_generate_response(body)
         top = parse_top_logprobs(body, len(tokens)) if params.top_logprobs else []
@@ -400,8 +386,7 @@ class SGLangEngine(InferenceEngine):
     async def pause(self, wait: bool = True) -> int:
         """``POST /pause_generation {}``: SGLang aborts in-flight requests (always waited for:
         SGLang's reply is what says they ended)."""
-        self._paused = True
-        self._resumed.clear()
+        self._gate.close()
         interrupted = self._running
         await self._post("/pause_generation", {})
         return interrupted
@@ -409,12 +394,11 @@ class SGLangEngine(InferenceEngine):
     async def resume(self) -> None:
         """``POST /continue_generation {}``, then lets waiting requests go."""
         await self._post("/continue_generation", {})
-        self._paused = False
-        self._resumed.set()
+        self._gate.open()
 
     async def wait_until_resumed(self) -> None:
         """Returns when generation is not paused."""
-        await self._resumed.wait()
+        await self._gate.wait_open()
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> None:
         """``POST /update_weights_from_disk``; serves ``version`` once SGLang accepts."""
@@ -505,7 +489,9 @@ class SGLangEngine(InferenceEngine):
             await self._load_adapter(state_dict, version, Path(root))
             return {}
         path = Path(root) / f"v{version}"
-        await asyncio.to_thread(_write_checkpoint, self.config.model, state_dict, path)
+        await asyncio.to_thread(
+            write_checkpoint, self.config.model, state_dict, path, "sglang-weights"
+        )
         await self.update_weights_from_disk(str(path), version)
         return {}
 
@@ -514,22 +500,11 @@ class SGLangEngine(InferenceEngine):
     ) -> None:
         """Writes the adapters as a peft directory, has SGLang load it, and generates with it
         from then on; the adapter it replaces is unloaded once no request uses it."""
-        names = frozenset(state_dict)
-        unknown = sorted(n for n in names if not _ADAPTER_KEY.search(n))
-        if unknown:
-            raise ValueError(f"state dict has unknown tensors: {unknown[:5]}")
-        if self._adapter_names and names != self._adapter_names:
-            missing = sorted(self._adapter_names - names)
-            extra = sorted(names - self._adapter_names)
-            raise ValueError(
-                f"state dict lacks tensors: {missing[:5]}"
-                if missing
-                else f"state dict has unknown tensors: {extra[:5]}"
-            )
+        check_adapter_update(state_dict.keys(), self._adapters.names)
         name = f"{self.config.lora_name}-v{version}"
         path = root / f"lora-v{version}"
         await asyncio.to_thread(
-            _write_adapter, self.config.model, self.config.lora, state_dict, path
+            write_adapter, self.config.model, self.config.lora, state_dict, path
         )
         try:
             body = await self._post(
@@ -541,21 +516,16 @@ class SGLangEngine(InferenceEngine):
         if isinstance(body, dict) and body.get("success") is False:
             await asyncio.to_thread(remove_owned, path)
             raise SGLangError(f"load_lora_adapter failed: {body.get('message', body)}")
-        self._adapter_names = names
-        self._adapter_dirs[name] = path
-        self._adapter, self._version = name, version
+        self._adapters.install(name, path, version, state_dict.keys())
+        self._version = version
         self._unload_idle()
 
     def _unload_idle(self) -> None:
         """Starts unloading every replaced adapter that no request uses any more."""
-        for name in list(self._adapter_dirs):
-            if name != self._adapter and not self._adapter_users.get(name):
-                self._adapter_users.pop(name, None)
-                task = asyncio.get_running_loop().create_task(
-                    self._unload(name, self._adapter_dirs.pop(name))
-                )
-                self._unloads.add(task)
-                task.add_done_callback(self._unloads.discard)
+        for name, path in self._adapters.idle():
+            task = asyncio.get_running_loop().create_task(self._unload(name, path))
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
 
     async def _unload(self, name: str, path: Path) -> None:
         try:
@@ -587,8 +557,8 @@ class SGLangEngine(InferenceEngine):
         return EngineStatus(
             version=self._version,
             running=self._running,
-            queued=self._queued,
-            paused=self._paused,
+            queued=self._gate.queued,
+            paused=self._gate.paused,
             generated_tokens=self._generated_tokens,
         )
 
@@ -610,75 +580,6 @@ def _special_ids(model: str) -> tuple[int | None, int | None]:
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return eos, config.get("pad_token_id")
-
-
-# Adapter tensors as peft names them in a model: "<module>.lora_A.<adapter>.weight".
-_ADAPTER_KEY = re.compile(r"\.(lora_[AB])\.[^.]+\.weight$")
-
-
-def _write_adapter(
-    model: str, lora: LoraSettings, state_dict: Mapping[str, torch.Tensor], path: Path
-) -> None:
-    """A peft adapter directory (adapter_config.json, adapter_model.safetensors) for SGLang.
-
-    peft saves adapter tensors without the adapter's own name, so "q_proj.lora_A.default.
-    weight" is stored as "q_proj.lora_A.weight"; the config names the modules actually wrapped.
-    """
-
-    def fill(tmp: Path) -> None:
-        tensors = {
-            _ADAPTER_KEY.sub(r".\1.weight", n): t.detach().cpu().contiguous()
-            for n, t in state_dict.items()
-        }
-        save_file(tensors, str(tmp / "adapter_model.safetensors"))
-        modules = sorted({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in state_dict})
-        config = lora_config(lora, modules)
-        config.base_model_name_or_path = "" if is_builtin(model) else model
-        config.save_pretrained(str(tmp))
-
-    _write_dir(path, fill)
-
-
-def _write_dir(path: Path, fill: Callable[[Path], None]) -> None:
-    """Fills a fresh hidden directory beside ``path``, marks it as ours and swaps it in: a
-    complete directory appears at once (SGLang never reads a half-written one), and only a
-    directory this project wrote is ever replaced."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
-    try:
-        fill(tmp)
-        write_marker(tmp, "sglang-weights")
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _write_checkpoint(model: str, state_dict: Mapping[str, torch.Tensor], path: Path) -> None:
-    """A directory SGLang can load: model.safetensors plus the source's config files."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int]] = set()
-    for name, tensor in state_dict.items():
-        t = tensor.detach().cpu().contiguous()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        # Tied weights (lm_head = embed_tokens) are stored once, as HF checkpoints do.
-        if key in seen:
-            continue
-        seen.add(key)
-        tensors[name] = t
-
-    def fill(tmp: Path) -> None:
-        save_file(tensors, str(tmp / "model.safetensors"))
-        if is_builtin(model):
-            config = qwen2_config(builtin_spec(model), ByT5Tokenizer())
-            config.architectures = ["Qwen2ForCausalLM"]
-            config.to_json_file(str(tmp / "config.json"))
-        else:
-            for name in os.listdir(model):
-                if name.endswith(".json") and not name.endswith(".safetensors.index.json"):
-                    shutil.copy(Path(model) / name, tmp / name)
-
-    _write_dir(path, fill)
 
 
 __all__ = [

@@ -1,0 +1,595 @@
+"""The ``vllm`` engine: generation on vLLM's async engine, in the rollout server's process.
+
+vLLM runs its scheduler (EngineCore) and model worker as processes of its own; ``AsyncLLM``
+in this process talks to them. vLLM is imported lazily (in :meth:`VLLMEngine.start`), so the
+default install runs without it. Settings: ``rollout.vllm`` (:class:`VllmSettings`).
+
+The engine contract, and how vLLM is made to keep it:
+
+* Token ids in and out: prompts go in as ``TokensPrompt``, vLLM's tokenizer is never loaded
+  (``skip_tokenizer_init``), so nothing is decoded and re-encoded. End-of-turn ids (the
+  tokenizer's EOS and the generation config's) are passed as ``stop_token_ids``.
+* Log-probs in our convention, ``log_softmax(logits / T)`` before truncation: vLLM computes
+  them after temperature with ``logprobs_mode="processed_logprobs"``, but after top-p/top-k
+  truncation too, so those two are refused (FieldError naming the field) unless off. Greedy
+  requests get ``log_softmax(logits)``, as ours do.
+* Pause for a weight update (abort mode): requests in flight end with their partial output
+  as INTERRUPTED and ``generate_resumable`` sends them again after resume. A request that
+  raced the pause (it reached vLLM after the abort) is caught by the swap counter: any output
+  that arrives after a swap began, for a request that started before it, ends that request
+  INTERRUPTED without those tokens. So every token carries the version it was generated
+  under.
+* Weight updates: every transfer method hands :meth:`load_weights` a state dict; it is
+  checked against the checkpoint's names and shapes (nothing changes on a mismatch), written
+  once as a safetensors file in shared memory, and loaded by our worker extension
+  (:mod:`areal_servers.rollout.vllm_worker`) through vLLM's layerwise reload.
+* LoRA (``model.lora.rank > 0``): updates bring adapters only, each loaded as a run-time
+  adapter per version; a request runs on the adapter current when it started, and a
+  replaced adapter is removed once no request uses it.
+* Supervision: vLLM's processes are pinged every ``health_interval_s``; one that has died or
+  does not answer within ``health_timeout_s`` takes this server down (exit code 3) so its
+  launcher replaces it, instead of a server that accepts work it can never finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from areal_servers.rollout.adapters import (
+    AdapterBook,
+    check_adapter_update,
+    write_adapter,
+    write_checkpoint,
+)
+from areal_servers.rollout.engine import (
+    EngineStatus,
+    FinishReason,
+    InferenceEngine,
+    PauseGate,
+    SamplingConfig,
+    TokenEvent,
+    TopLogprobs,
+)
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from areal_grpc.config import LoraSettings, VllmSettings
+from areal_grpc.errors import FieldError, PreconditionError
+from areal_grpc.model import load_model, load_tokenizer
+from areal_grpc.model_source import is_builtin
+from areal_grpc.paths import remove_owned
+
+__all__ = ["EXIT_ENGINE_DEAD", "VLLMEngine", "vllm_available"]
+
+log = logging.getLogger(__name__)
+
+# Exit code of a rollout server whose vLLM processes died or hung.
+EXIT_ENGINE_DEAD = 3
+# The longest context used when rollout.vllm.max_model_len is 0 (the KV cache must hold one
+# sequence of that length).
+DEFAULT_MAX_MODEL_LEN = 4096
+# Head sizes vLLM's CPU attention backend serves (vllm/v1/attention/backends/cpu_attn.py).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vLLM's LoRA slots take one of these ranks (vllm/config/lora.py, MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Shared memory for the weight file when it has room, else the temporary directory.
+SHM = Path("/dev/shm")
+WORKER_EXTENSION = "areal_servers.rollout.vllm_worker.WorkerExtension"
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+def vllm_available() -> bool:
+    """Whether vLLM can be imported here (the ``vllm`` extra is installed)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _exit_server(reason: str) -> None:
+    """The default fatal-failure handler: this process ends, so its launcher replaces it."""
+    log.critical("vllm engine failed: %s; this rollout server exits", reason)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_ENGINE_DEAD)
+
+
+class VLLMEngine(InferenceEngine):
+    """An :class:`InferenceEngine` on vLLM's ``AsyncLLM`` (CPU or GPU)."""
+
+    kind = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        settings: VllmSettings | None = None,
+        *,
+        seed: int = 0,
+        lora: LoraSettings | None = None,
+        on_fatal: Callable[[str], None] = _exit_server,
+    ) -> None:
+        self.settings = settings or VllmSettings()
+        self.model_name = model
+        self.seed = seed
+        self.lora = lora or LoraSettings()
+        self.adapters_only = self.lora.rank > 0
+        self._on_fatal = on_fatal
+        self._llm: Any = None
+        self._version = 0
+        self._gate = PauseGate()
+        # Weight swaps begun so far: a request that sees this change under it ends INTERRUPTED.
+        self._swaps = 0
+        self._inflight: set[str] = set()
+        self._generated_tokens = 0
+        self._update_lock = asyncio.Lock()
+        self._adapters = AdapterBook()
+        self._adapter_ids: dict[str, int] = {}
+        self._unloads: set[asyncio.Task[None]] = set()
+        self._watchdog: asyncio.Task[None] | None = None
+        self._failure: str | None = None
+        self._closed = False
+        # Directories this engine made (the built-in model's checkpoint, weight files).
+        self._owned: list[Path] = []
+        self._served_dir = ""
+        # Checkpoint tensor names and shapes a full update must match (empty: not known).
+        self._expected: dict[str, tuple[int, ...]] = {}
+        self._tied = False
+        self.end_token_ids: frozenset[int] = frozenset()
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Starts vLLM (its processes, the model load): seconds to minutes."""
+        if self._llm is not None:
+            return
+        served = await asyncio.to_thread(self._prepare_model)
+        self._served_dir = served
+        config = json.loads((Path(served) / "config.json").read_text())
+        self._check_model(config)
+        self._tied = bool(config.get("tie_word_embeddings", False))
+        self.vocab_size = int(config["vocab_size"])
+        context = int(config.get("max_position_embeddings", 0) or DEFAULT_MAX_MODEL_LEN)
+        self.max_context = self.settings.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
+        self._expected = await asyncio.to_thread(_checkpoint_shapes, Path(served))
+        tokenizer = load_tokenizer(self.model_name)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id
+        self.end_token_ids = frozenset(_end_token_ids(Path(served), self.eos_token_id))
+        self._llm = self._build(served)
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        log.info(
+            "vllm engine: %s (%s, max_model_len %d, KV cache %.1f GiB)",
+            self.model_name,
+            self.settings.dtype,
+            self.max_context,
+            self.settings.kv_cache_gib,
+        )
+
+    def _prepare_model(self) -> str:
+        """The directory vLLM loads: the model's own, or the built-in one written out once."""
+        if not is_builtin(self.model_name):
+            return self.model_name
+        # Built-in models are initialised from the seed in every process; vLLM needs them as
+        # a checkpoint, with exactly the weights the trainer starts from.
+        root = Path(tempfile.mkdtemp(prefix="areal-vllm-model-"))
+        self._owned.append(root)
+        model = load_model(self.model_name, seed=self.seed)
+        path = root / "model"
+        write_checkpoint(self.model_name, model.state_dict(), path, "vllm-model")
+        return str(path)
+
+    def _check_model(self, config: Mapping[str, Any]) -> None:
+        """FieldError for a model vLLM's CPU backend cannot serve (it would fail deep inside)."""
+        if torch.cuda.is_available():
+            return
+        heads = int(config.get("num_attention_heads", 1))
+        head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
+        if head_dim not in CPU_HEAD_SIZES:
+            raise FieldError(
+                "model.source",
+                f"{self.model_name} has attention heads of size {head_dim}; vLLM's CPU backend "
+                f"serves {', '.join(map(str, CPU_HEAD_SIZES))} (builtin:tiny has 32)",
+            )
+
+    def _build(self, served: str) -> Any:
+        s = self.settings
+        # No usage reports (there is no network here, and a run should not phone home), and
+        # vLLM's own start-up limit follows ours.
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+        os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(s.start_timeout_s))
+        if s.reserved_cpus is not None:
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(s.reserved_cpus)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        lora: dict[str, Any] = {}
+        if self.adapters_only:
+            rank = next((r for r in LORA_RANKS if r >= self.lora.rank), None)
+            if rank is None:
+                raise FieldError(
+                    "model.lora.rank", f"vLLM serves LoRA ranks up to {LORA_RANKS[-1]}"
+                )
+            # The current adapter and the ones requests still run on.
+            lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 4}
+        args = AsyncEngineArgs(
+            model=served,
+            dtype=s.dtype,
+            seed=self.seed,
+            max_model_len=self.max_context,
+            max_num_seqs=s.max_num_seqs,
+            kv_cache_memory_bytes=int(s.kv_cache_gib * (1 << 30)),
+            enforce_eager=True,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+            **lora,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    async def close(self) -> None:
+        """Stops vLLM's processes and removes what this engine wrote."""
+        self._closed = True
+        self._gate.open()
+        tasks = [t for t in (self._watchdog, *self._unloads) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            # Its output handler would report the engine's processes going away as a failure.
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:
+                handler.cancel()
+                with contextlib.suppress(BaseException):
+                    await handler
+            # vLLM sends SIGTERM, then kills what has not exited within its default 5 s.
+            await asyncio.to_thread(llm.shutdown)
+        for path in self._owned:
+            shutil.rmtree(path, ignore_errors=True)
+        self._owned.clear()
+
+    # ------------------------------------------------------------------------- supervision
+
+    async def _watch(self) -> None:
+        """Pings vLLM's worker through its engine process; a failure is fatal (see module)."""
+        s = self.settings
+        while not self._closed:
+            await asyncio.sleep(s.health_interval_s)
+            if self._closed:
+                return
+            reason = await self._ping(s.health_timeout_s)
+            if reason is not None and not self._closed:
+                self._fail(reason)
+                return
+
+    async def _ping(self, timeout_s: float) -> str | None:
+        """None when vLLM's processes answer within ``timeout_s``; else what is wrong."""
+        llm = self._llm
+        if llm is None:
+            return None
+        if llm.errored:
+            return "its engine process died"
+        try:
+            await asyncio.wait_for(
+                llm.collective_rpc("areal_ping", timeout=timeout_s), timeout=timeout_s
+            )
+        except asyncio.TimeoutError:
+            return f"its processes did not answer within {timeout_s:g} s"
+        except Exception as exc:
+            return f"its engine process died ({type(exc).__name__}: {exc})"
+        return None
+
+    def _fail(self, reason: str) -> None:
+        self._failure = reason
+        self._on_fatal(reason)
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"the vllm engine failed: {self._failure}")
+        if self._llm is None:
+            raise RuntimeError("the vllm engine is not started" if not self._closed else "closed")
+
+    # -------------------------------------------------------------------------- generation
+
+    def check_sampling(self, params: SamplingConfig, where: str = "sampling") -> None:
+        """FieldError for sampling settings whose log-probs vLLM cannot report our way."""
+        if params.top_p != 1.0:
+            raise FieldError(
+                f"{where}.top_p",
+                f"must be 1 on the vllm engine (vLLM reports log-probs after top-p "
+                f"truncation, ours are taken before it), got {params.top_p}",
+            )
+        if params.top_k != 0:
+            raise FieldError(
+                f"{where}.top_k",
+                f"must be 0 on the vllm engine (vLLM reports log-probs after top-k "
+                f"truncation, ours are taken before it), got {params.top_k}",
+            )
+
+    def _sampling_params(self, params: SamplingConfig) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.end_token_ids
+        return SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            seed=params.seed,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=sorted(stops),
+            ignore_eos=params.ignore_eos,
+            # 0: the sampled token's log-prob only.
+            logprobs=params.top_logprobs,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def stream(
+        self, input_ids: Sequence[int], params: SamplingConfig
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Generates one sample; see :meth:`InferenceEngine.stream` and the module's notes."""
+        params.validate()
+        self.check_sampling(params)
+        self.check_prompt(input_ids, params)
+        self._check_alive()
+        await self._gate.enter()
+        self._check_alive()
+        from vllm.inputs import TokensPrompt
+
+        adapter, adapter_version = self._adapters.acquire()
+        # Without LoRA every token comes from the weights served when the request started
+        # (an update interrupts it first); with LoRA the adapter pins them.
+        version = adapter_version if self.adapters_only else self._version
+        swaps = self._swaps
+        rid = uuid.uuid4().hex
+        self._inflight.add(rid)
+        outputs = self._llm.generate(
+            TokensPrompt(prompt_token_ids=[int(t) for t in input_ids]),
+            self._sampling_params(params),
+            rid,
+            lora_request=self._lora_request(adapter),
+        )
+        try:
+            async for out in outputs:
+                if self._swaps != swaps and not self.adapters_only:
+                    # The weights changed under this request (it raced a pause): what it
+                    # produced from here on may come from either version.
+                    yield TokenEvent(finish=FinishReason.INTERRUPTED)
+                    return
+                c = out.outputs[0]
+                ids = [int(t) for t in c.token_ids]
+                if ids:
+                    lps, top = _logprobs(c.logprobs, ids, params.top_logprobs)
+                    self._generated_tokens += len(ids)
+                    yield TokenEvent(ids, lps, [version] * len(ids), top=top)
+                if out.finished:
+                    yield TokenEvent(finish=self._finish_reason(c.finish_reason))
+                    return
+            raise RuntimeError(f"vLLM ended request {rid} without a finished output")
+        finally:
+            # Closing vLLM's generator aborts the request there (cancellation).
+            await outputs.aclose()
+            self._inflight.discard(rid)
+            self._adapters.release(adapter)
+            self._unload_idle()
+
+    def _finish_reason(self, reason: str | None) -> FinishReason:
+        if reason in _FINISH:
+            return _FINISH[reason]
+        if reason == "abort":
+            # Aborted by a pause for an update: resumable. Otherwise vLLM gave up on it.
+            return FinishReason.INTERRUPTED if self._gate.paused else FinishReason.CANCELLED
+        raise RuntimeError(f"vLLM finished a request with unknown reason {reason!r}")
+
+    def _lora_request(self, adapter: str) -> Any:
+        if not adapter:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter, self._adapter_ids[adapter], str(self._adapters.dirs[adapter]))
+
+    # ------------------------------------------------------------------ pause and weights
+
+    async def pause(self, wait: bool = True) -> int:
+        """Aborts every request in flight (they end INTERRUPTED with their partial output);
+        new ones wait for :meth:`resume`. Always waits for vLLM to have aborted them."""
+        self._check_alive()
+        self._gate.close()
+        running = len(self._inflight)
+        await self._llm.pause_generation(mode="abort", clear_cache=True)
+        if self._inflight:
+            # Requests that reached vLLM after its abort (they wait in its paused queue).
+            await self._llm.abort(list(self._inflight))
+        return running
+
+    async def resume(self) -> None:
+        """Lets requests decode again."""
+        self._check_alive()
+        await self._llm.resume_generation()
+        self._gate.open()
+
+    async def wait_until_resumed(self) -> None:
+        """Returns when generation is not paused."""
+        await self._gate.wait_open()
+
+    async def load_weights(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, *, owned: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Checks ``state_dict`` against the model, then loads it into vLLM (see the module);
+        vLLM keeps its own copy, so nothing is handed back."""
+        self._check_alive()
+        async with self._update_lock:
+            if version <= self._version:
+                raise PreconditionError(
+                    f"weights version {version} is not newer than the served version "
+                    f"{self._version}"
+                )
+            if self.adapters_only:
+                await self._load_adapter(state_dict, version)
+                return {}
+            tensors = self._checked(state_dict)
+            paused_here = not self._gate.paused
+            if paused_here:
+                await self.pause()
+            self._swaps += 1
+            try:
+                await self._reload(tensors, version)
+            except BaseException as exc:
+                # The worker may hold part of the update: nothing trustworthy is served.
+                self._fail(f"loading version {version} failed: {exc!r}")
+                raise
+            self._version = version
+            if paused_here:
+                await self.resume()
+        return {}
+
+    def _checked(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors to load, or ValueError (nothing changed) when they do not fit."""
+        tensors = dict(state_dict)
+        if self._tied:
+            # The head is the embedding: vLLM loads no head of a tied model.
+            tensors.pop("lm_head.weight", None)
+        expected = self._expected
+        if not expected:
+            return tensors
+        unknown = sorted(set(tensors) - set(expected))
+        if unknown:
+            raise ValueError(f"state dict has unknown tensors: {unknown[:5]}")
+        missing = sorted(set(expected) - set(tensors))
+        if missing:
+            raise ValueError(f"state dict lacks tensors: {missing[:5]}")
+        for name, t in tensors.items():
+            if tuple(t.shape) != expected[name]:
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)} does not match the model's {expected[name]}"
+                )
+            if not t.is_floating_point():
+                raise ValueError(f"{name}: dtype {t.dtype} is not a floating-point one")
+        return tensors
+
+    async def _reload(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Writes the tensors once as a safetensors file and has the worker reload them."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        base = SHM if SHM.is_dir() and shutil.disk_usage(SHM).free > 2 * nbytes else None
+        scratch = Path(tempfile.mkdtemp(prefix="areal-vllm-weights-", dir=base))
+        path = scratch / f"v{version}.safetensors"
+        try:
+            await asyncio.to_thread(
+                save_file, {n: t.detach().contiguous() for n, t in tensors.items()}, str(path)
+            )
+            await self._llm.collective_rpc("areal_load_weights", args=(str(path),))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    async def _load_adapter(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Loads the adapters as vLLM's run-time adapter for ``version``; new requests use it,
+        and the one it replaces is removed once no request uses it."""
+        check_adapter_update(state_dict.keys(), self._adapters.names)
+        root = Path(tempfile.mkdtemp(prefix="areal-vllm-lora-"))
+        self._owned.append(root)
+        name = f"areal-v{version}"
+        path = root / f"lora-v{version}"
+        await asyncio.to_thread(write_adapter, self.model_name, self.lora, state_dict, path)
+        from vllm.lora.request import LoRARequest
+
+        try:
+            await self._llm.add_lora(LoRARequest(name, version, str(path)))
+        except BaseException:
+            await asyncio.to_thread(remove_owned, path)
+            raise
+        self._adapter_ids[name] = version
+        self._adapters.install(name, path, version, state_dict.keys())
+        self._version = version
+        self._unload_idle()
+
+    def _unload_idle(self) -> None:
+        for name, path in self._adapters.idle():
+            task = asyncio.get_running_loop().create_task(self._unload(name, path))
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, name: str, path: Path) -> None:
+        adapter_id = self._adapter_ids.pop(name)
+        try:
+            await self._llm.remove_lora(adapter_id)
+        except Exception as exc:
+            # The new adapter serves either way; a leftover one costs vLLM memory only.
+            log.warning("removing LoRA adapter %s failed: %s", name, exc)
+        await asyncio.to_thread(remove_owned, path)
+
+    async def settle(self) -> None:
+        """Waits for adapter removals under way (tests, shutdown)."""
+        while self._unloads:
+            await asyncio.gather(*list(self._unloads), return_exceptions=True)
+
+    # -------------------------------------------------------------------------- status
+
+    @property
+    def version(self) -> int:
+        """Policy version being served."""
+        return self._version
+
+    def status(self) -> EngineStatus:
+        """Requests in vLLM, requests waiting for resume, version, tokens generated."""
+        return EngineStatus(
+            version=self._version,
+            running=len(self._inflight),
+            queued=self._gate.queued,
+            paused=self._gate.paused,
+            generated_tokens=self._generated_tokens,
+        )
+
+
+def _logprobs(
+    entries: Sequence[Mapping[int, Any]] | None, ids: Sequence[int], top_n: int
+) -> tuple[list[float], list[TopLogprobs]]:
+    """The sampled tokens' log-probs and, with ``top_n``, each position's most likely ones."""
+    if entries is None or len(entries) != len(ids):
+        raise RuntimeError("vLLM returned no log-prob for a generated token")
+    lps = [float(d[t].logprob) for d, t in zip(entries, ids, strict=True)]
+    top: list[TopLogprobs] = []
+    if top_n:
+        for d in entries:
+            best = sorted(d.items(), key=lambda kv: kv[1].rank)[:top_n]
+            top.append(([int(t) for t, _ in best], [float(lp.logprob) for _, lp in best]))
+    return lps, top
+
+
+def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a safetensors checkpoint (read from the headers only)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _end_token_ids(path: Path, eos: int | None) -> set[int]:
+    """Ids that end a turn: the tokenizer's EOS and the generation config's."""
+    ends = {int(eos)} if eos is not None else set()
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        ends |= {int(v) for v in ([value] if isinstance(value, int) else value or [])}
+    return ends
