@@ -232,6 +232,19 @@ def coordinator_command() -> Iterator[CoordinatorCommand]:
 
 
 @pytest.fixture(scope="session")
+def vllm_installed() -> None:
+    """Skips (or, with AREAL_REQUIRE_VLLM=1 as CI sets, fails) where vLLM is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    message = "vLLM is not installed (./scripts/setup --vllm installs its CPU build)"
+    if os.environ.get("AREAL_REQUIRE_VLLM"):
+        pytest.fail(message + ", and AREAL_REQUIRE_VLLM is set")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
 def node_modules() -> Path:
     """The repository's node_modules (``npm ci`` from package-lock.json once, when a package
     the Node tests use is missing)."""

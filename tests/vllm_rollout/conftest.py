@@ -1,14 +1,14 @@
 """vLLM's CPU build as the rollout engine, for real: no fake stands in for it.
 
-The tests skip, saying how to install it, where vLLM is not installed (the default install);
-CI installs it (``./scripts/setup --vllm``) and sets ``AREAL_REQUIRE_VLLM=1``, which turns
-that skip into a failure. Each module serves one engine (vLLM takes 20-60 s to start here) on
-a real gRPC server on loopback: RolloutService and WeightSyncService over ``VLLMEngine``.
+The tests skip, saying how to install it, where vLLM is not installed (the default install;
+the ``vllm_installed`` fixture); CI installs it (``./scripts/setup --vllm``) and sets
+``AREAL_REQUIRE_VLLM=1``, which turns that skip into a failure. Each module serves one
+engine (vLLM takes 20-60 s to start here) on a real gRPC server on loopback: RolloutService
+and WeightSyncService over ``VLLMEngine``.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +18,7 @@ import pytest
 import torch
 from areal_servers.rollout.receive.base import WeightSyncConfig
 from areal_servers.rollout.service import RolloutServicer
-from areal_servers.rollout.vllm_engine import VLLMEngine, vllm_available
+from areal_servers.rollout.vllm_engine import VLLMEngine
 from areal_servers.rollout.weight_sync import WeightSyncServicer, build_weight_sync_service
 from arealgrpc.v1 import (
     common_pb2,
@@ -39,16 +39,6 @@ RPC_TIMEOUT = 120.0
 TINY = "builtin:tiny"
 # Small enough for several engines on a 24 GiB machine, large enough for every test here.
 SETTINGS = VllmSettings(kv_cache_gib=0.25, max_model_len=256, max_num_seqs=32)
-
-
-def require_vllm() -> None:
-    """Skips (or, with AREAL_REQUIRE_VLLM=1, fails) where vLLM is not installed."""
-    if vllm_available():
-        return
-    message = "vLLM is not installed (./scripts/setup --vllm installs its CPU build)"
-    if os.environ.get("AREAL_REQUIRE_VLLM"):
-        pytest.fail(message + ", and AREAL_REQUIRE_VLLM is set")
-    pytest.skip(message)
 
 
 @dataclass
@@ -126,8 +116,7 @@ def start_vllm_server(
     disk_root: Path | None = None,
 ) -> VllmServer:
     """A started rollout server on a fresh vLLM engine (fatal failures are recorded, not
-    exited on: this is the test process)."""
-    require_vllm()
+    exited on: this is the test process). Callers depend on the ``vllm_installed`` fixture."""
     fatal: list[str] = []
     engine = VLLMEngine(model, settings, lora=lora, on_fatal=fatal.append)
     rollout = RolloutServicer(engine, load_tokenizer(model))
@@ -167,7 +156,7 @@ def start_vllm_server(
 
 
 @pytest.fixture(scope="module")
-def vllm_server() -> Iterator[VllmServer]:
+def vllm_server(vllm_installed: None) -> Iterator[VllmServer]:
     """A rollout server on vLLM serving the built-in tiny model, for the module."""
     s = start_vllm_server()
     yield s
@@ -175,7 +164,7 @@ def vllm_server() -> Iterator[VllmServer]:
 
 
 @pytest.fixture(scope="module")
-def make_vllm_server() -> Iterator[Callable[..., VllmServer]]:
+def make_vllm_server(vllm_installed: None) -> Iterator[Callable[..., VllmServer]]:
     """Starts rollout servers on vLLM (see :func:`start_vllm_server`); all closed at the end."""
     started: list[VllmServer] = []
 

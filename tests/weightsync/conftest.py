@@ -159,7 +159,11 @@ class Trainers:
 
 
 def start_trainers(
-    base: Path, ranks: int = 2, device: str = "cpu", extra: tuple[str, ...] = ()
+    base: Path,
+    ranks: int = 2,
+    device: str = "cpu",
+    extra: tuple[str, ...] = (),
+    model: str = MODEL,
 ) -> Trainers:
     """``ranks`` real trainer processes (FSDP2; rank r on ``device``, "cuda" meaning cuda:r)."""
     weights_root = base / "weights"
@@ -181,7 +185,7 @@ def start_trainers(
             f"--master-port={port}",
             f"--device={device if device != 'cuda' else f'cuda:{r}'}",
             "--log-level=WARNING",
-            f"model.source={MODEL}",
+            f"model.source={model}",
             "trainer.torch_threads=1",
             # Large enough that one step visibly changes greedy outputs.
             "trainer.lr=3e-3",
@@ -303,6 +307,8 @@ def make_rollout() -> Iterator[MakeRollout]:
             ]
         )
         running = server.start()
+        # An engine with processes of its own (vllm) starts on the loop that serves it.
+        server.call(engine.start(), timeout_s=600)
         channel = sync_channel(running.address)
         r = Rollout(
             server,
