@@ -234,7 +234,12 @@ async def check_health(address: str, service: str = "", timeout_s: float = 5.0) 
 
 
 def stop_children(children: Sequence[Child], grace_s: float = 15.0) -> dict[str, int]:
-    """SIGTERM every child, wait up to ``grace_s``, SIGKILL stragglers; returns exit codes."""
+    """SIGTERM every child, wait up to ``grace_s``, SIGKILL stragglers; returns exit codes.
+
+    What a child left behind in its process group goes too (each child leads its own, see
+    :func:`start_child`): a server killed with SIGKILL cannot stop its own subprocesses, and
+    vLLM's engine and worker processes outlive a killed rollout server otherwise.
+    """
     for child in children:
         if child.alive():
             child.process.send_signal(signal.SIGTERM)
@@ -248,4 +253,17 @@ def stop_children(children: Sequence[Child], grace_s: float = 15.0) -> dict[str,
             log.warning("%s did not stop within %.0fs; killing it", child.name, grace_s)
             child.process.kill()
             codes[child.name] = child.process.wait()
+        kill_group_leftovers(child.process.pid, child.name)
     return codes
+
+
+def kill_group_leftovers(pgid: int, name: str) -> None:
+    """SIGKILLs whatever is left of process group ``pgid`` (its leader has exited)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return  # nothing left
+    except PermissionError:
+        log.warning("%s left processes in its group %d this process may not kill", name, pgid)
+        return
+    log.warning("%s left processes behind in its process group; killed them", name)
