@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from areal_servers.rollout.engine import InferenceEngine
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.receive.base import WeightSyncConfig
 from areal_servers.rollout.service import RolloutServicer
@@ -43,7 +44,7 @@ class Served:
     """A trainer service and a real rollout server (hf engine, RolloutService, WeightSync),
     each on its own loopback gRPC server."""
 
-    rollout_engine: HFEngine
+    rollout_engine: InferenceEngine
     weight_sync: Any
     servers: list[BackgroundServer]
     trainer_address: str
@@ -52,13 +53,18 @@ class Served:
     def close(self) -> None:
         """Stops both servers (the rollout side's engine and weight groups first)."""
         self.servers[1].call(self.weight_sync.close())
-        self.servers[1].call(self.rollout_engine.close())
+        self.servers[1].call(self.rollout_engine.close(), timeout_s=120)
         for s in self.servers:
             s.stop()
 
 
-def _serve(trainer: TrainerService, model_dir: str, weights_root: Path) -> Served:
-    engine = HFEngine(HFEngineConfig(model=model_dir, device="cpu"))
+def _serve(
+    trainer: TrainerService,
+    model_dir: str,
+    weights_root: Path,
+    engine: InferenceEngine | None = None,
+) -> Served:
+    engine = engine or HFEngine(HFEngineConfig(model=model_dir, device="cpu"))
     ws = build_weight_sync_service(
         engine, WeightSyncConfig(disk_root=str(weights_root), group_timeout_s=120)
     )
@@ -78,6 +84,8 @@ def _serve(trainer: TrainerService, model_dir: str, weights_root: Path) -> Serve
     ]
     trainer_address = servers[0].start().address
     rollout_address = servers[1].start().address
+    # An engine with processes of its own (vllm) starts on the loop that serves it.
+    servers[1].call(engine.start(), timeout_s=600)
     return Served(engine, ws.servicer, servers, trainer_address, rollout_address)
 
 

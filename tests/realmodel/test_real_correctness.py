@@ -266,6 +266,13 @@ def test_greedy_run_episodes_equals_hf_generate_on_chat_prompts(
     in the continuous-batching KV cache (left padding, rows joining mid-decode); a sampler
     that is not argmax at temperature 0; not stopping at the end-of-turn token.
     """
+    check_greedy_equals_generate(mesh, tokenizer, reference)
+
+
+def check_greedy_equals_generate(
+    mesh: Mesh, tokenizer, reference: transformers.PreTrainedModel
+) -> None:
+    """Greedy RunEpisodes on CHATS equals ``reference.generate`` token for token."""
     assert mesh.rollout.version == 0, "this test compares against the initial checkpoint"
     sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=GREEDY_TOKENS)
     replies = mesh.run_episodes(CHATS, sampling)
@@ -314,6 +321,12 @@ def test_rollout_logprobs_equal_the_trainers_recomputation(mesh: Mesh, tokenizer
     a trainer forward that misaligns tokens and predictions or mishandles padding — any of
     which biases decoupled PPO's importance weights.
     """
+    check_logprobs_equal_recomputation(mesh, tokenizer, tolerance=1e-3)
+
+
+def check_logprobs_equal_recomputation(mesh: Mesh, tokenizer, tolerance: float) -> float:
+    """Publishes the trainer's weights (training a step first when needed), samples CHATS,
+    and checks the served log-probs against the trainer's own; the largest difference."""
     engine = mesh.engine
     if engine.version <= mesh.rollout.version:
         # Run on its own (no earlier step here): train one, so a new version is published.
@@ -355,4 +368,5 @@ def test_rollout_logprobs_equal_the_trainers_recomputation(mesh: Mesh, tokenizer
     diff = float((recomputed[mask] - served).abs().max())
     print(f"\nlogprobs: {tokens} sampled tokens, max abs diff {diff:.3e}")
     assert torch.isfinite(served).all() and (served <= 0).all()
-    assert diff < 1e-3
+    assert diff < tolerance
+    return diff
