@@ -17,6 +17,16 @@ continuous batching vs one request at a time.
    requests would queue and join as rows leave), vs the same requests awaited one after
    another on the same engine.
 
+3. ``--engine vllm`` (needs ``./scripts/setup --vllm``): the same RLVR episodes through
+   ``RunEpisodes`` on an ``areal-rollout`` subprocess serving ``rollout.engine=vllm``, vs the
+   baseline: vLLM's own ``AsyncLLM.generate`` in this process on the same prompt ids and
+   sampling (``rollout_vllm_b<N>``, target 0.9), at batch sizes ``--batches`` (sequences per
+   round: prompts x group size); and that in-process vLLM against an in-process hf engine on
+   the same requests (``rollout_vllm_vs_hf_b<N>``, no target)::
+
+       .venv/bin/python bench/rollout_throughput.py --engine vllm \
+           --model smollm2-135m-instruct [--batches 8,64] [--repeats 3]
+
 Figures are medians over the timed rounds (``--repeats`` per side for 1,
 ``--repeats-sequential`` for 2); a CPU-seconds-per-round figure (server + client process vs
 this process) is printed too, as a view that machine load disturbs less than wall time.
@@ -36,13 +46,16 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
-from areal_servers.rollout.engine import SamplingConfig
+from areal_servers.rollout.engine import InferenceEngine, SamplingConfig
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.service import EpisodeRunner, RolloutServiceConfig, item_to_struct
+from areal_servers.rollout.workflows import prompt_ids_of
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from google.protobuf import json_format
 from teardown import exit_on_sigterm
 
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
@@ -250,8 +263,127 @@ async def bench(args: argparse.Namespace, server: Child) -> None:
     )
 
 
+async def raw_vllm_round(
+    engine: InferenceEngine, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[int, float]:
+    """(generated tokens, seconds) of vLLM's own AsyncLLM.generate, one request per sequence
+    (the engine's sampling: temperature 1, ignore_eos, the sampled token's log-prob)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = engine._llm  # type: ignore[attr-defined]
+    params = SamplingParams(
+        temperature=1.0,
+        max_tokens=max_new_tokens,
+        ignore_eos=True,
+        logprobs=0,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+    async def one(i: int, ids: list[int]) -> int:
+        count = 0
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=ids), params, f"raw-{i}"):
+            count = len(out.outputs[0].token_ids)
+        return count
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+    return sum(counts), time.perf_counter() - start
+
+
+async def engine_round(
+    engine: InferenceEngine, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[int, float]:
+    """(generated tokens, seconds) of one request per sequence through an engine."""
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(engine.generate(ids, cfg) for ids in prompts))
+    return sum(len(r.output_ids) for r in results), time.perf_counter() - start
+
+
+async def bench_vllm(args: argparse.Namespace, server: Child) -> None:
+    from areal_servers.rollout.vllm_engine import VLLMEngine
+
+    from areal_grpc.config import VllmSettings
+
+    tokenizer = load_tokenizer(args.model)
+    vllm = VLLMEngine(args.model, VllmSettings(), seed=args.seed)
+    await vllm.start()
+    hf = HFEngine(HFEngineConfig(model=args.model, seed=args.seed, device="cpu"))
+    channel = aio_channel(server.address)
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+    results: list[str] = []
+    try:
+        for batch in args.batches:
+            prompts_n = max(1, batch // args.group_size)
+            sub = argparse.Namespace(**{**vars(args), "prompts": prompts_n})
+            tasks = episode_tasks(sub)
+            # The prompt ids the RLVR workflow sends (its chat template and all), per sequence.
+            ctx = types.SimpleNamespace(
+                engine=vllm,
+                tokenizer=tokenizer,
+                sampling=SamplingConfig(max_new_tokens=args.max_new_tokens),
+            )
+            prompts = [
+                prompt_ids_of(ctx, json_format.MessageToDict(t.data))[1]  # type: ignore[arg-type]
+                for t in tasks
+                for _ in range(args.group_size)
+            ]
+            expected = len(prompts) * args.max_new_tokens
+            print(
+                f"batch {len(prompts)}: {len(tasks)} prompts x {args.group_size} samples x "
+                f"{args.max_new_tokens} new tokens = {expected} tokens/round; {args.model}",
+                flush=True,
+            )
+            await grpc_round(stub, tasks)
+            await raw_vllm_round(vllm, prompts, args.max_new_tokens)
+            await engine_round(hf, prompts, args.max_new_tokens)
+            grpc_s: list[tuple[int, float]] = []
+            raw_s: list[tuple[int, float]] = []
+            hf_s: list[tuple[int, float]] = []
+            for r in range(args.repeats):
+                sides = ["grpc", "raw", "hf"]
+                for side in sides[r % 3 :] + sides[: r % 3]:
+                    if side == "grpc":
+                        grpc_s.append(await grpc_round(stub, tasks))
+                    elif side == "raw":
+                        raw_s.append(await raw_vllm_round(vllm, prompts, args.max_new_tokens))
+                    else:
+                        hf_s.append(await engine_round(hf, prompts, args.max_new_tokens))
+            for n, _ in grpc_s + raw_s + hf_s:
+                if n != expected:
+                    raise RuntimeError(f"a round generated {n} tokens, expected {expected}")
+            g = summary("gRPC RunEpisodes (vllm)", grpc_s)
+            raw = summary("in-process vLLM generate", raw_s)
+            h = summary("in-process hf engine", hf_s)
+            results.append(
+                f"RESULT bench=rollout_vllm_b{len(prompts)} value={g:.1f} unit=tok/s "
+                f"baseline={raw:.1f} ratio={g / raw:.4f} target=0.9"
+            )
+            results.append(
+                f"RESULT bench=rollout_vllm_vs_hf_b{len(prompts)} value={raw:.1f} unit=tok/s "
+                f"baseline={h:.1f} ratio={raw / h:.4f} target=none"
+            )
+    finally:
+        await channel.close()
+        await hf.close()
+        await vllm.close()
+    print("(values are medians over the timed rounds; warm-up rounds not counted)")
+    for line in results:
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument(
+        "--batches",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[8, 64],
+        help="--engine vllm: sequences per round, comma-separated (8,64)",
+    )
     parser.add_argument("--model", default="builtin:tiny")
     parser.add_argument("--task", default="first3", help="built-in task the prompts come from")
     parser.add_argument("--seed", type=int, default=0)
@@ -275,7 +407,7 @@ def main() -> None:
         "--log-level=WARNING",
         f"model.source={args.model}",
         f"model.seed={args.seed}",
-        "rollout.engine=hf",
+        f"rollout.engine={args.engine}",
         "rollout.device=cpu",
         f"rollout.max_running_requests={args.max_running}",
     )
@@ -283,8 +415,10 @@ def main() -> None:
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as logs:
         try:
-            children.append(start_child("rollout", argv, log_dir=Path(logs), env=env))
-            asyncio.run(bench(args, children[0]))
+            children.append(
+                start_child("rollout", argv, log_dir=Path(logs), env=env, ready_timeout_s=900)
+            )
+            asyncio.run((bench_vllm if args.engine == "vllm" else bench)(args, children[0]))
         except BaseException:
             for child in children:
                 if child.log_path is not None and child.log_path.exists():

@@ -43,6 +43,12 @@ throwaway CA; SOCKET's side channel then speaks TLS too): the cases are named
 against floors that cross the same link; ``shared_memory`` and ``disk`` need the same host and
 are left out. ``--servers N`` updates N rollout servers per method at once (the cases get
 ``_<N>servers``); the floors stay one copy, so the ratio says how many copies' time it took.
+``--engine vllm`` (needs ``./scripts/setup --vllm``) serves the rollout servers on vLLM: every
+method lands through its one receiving path, a safetensors file in shared memory that vLLM's
+layerwise reload reads in its worker. Its cases are ``weight_sync_<method>_vllm``, the
+transfer alone (the fleet update less the server's own load, which it logs) against the
+method's floor; the load prints apart as ``weight_sync_vllm_load_<method>`` against a memcpy
+of the same bytes (no target).
 """
 
 from __future__ import annotations
@@ -140,6 +146,7 @@ def serve_rollout(
     cert_key: Sequence[str] | None = None,
     netns: str | None = None,
     host: str = "127.0.0.1",
+    engine_kind: str = "hf",
 ) -> None:
     """Child mode: a rollout server with WeightSyncService on ``host`` (under TLS with
     ``cert_key``, the certificate and key files; inside ``netns`` when given); prints
@@ -160,7 +167,20 @@ def serve_rollout(
     tls = ServerTls(*cert_key) if cert_key else None
 
     async def main() -> None:
-        engine = HFEngine(HFEngineConfig(model=model, device=device))
+        if engine_kind == "vllm":
+            import logging
+
+            from areal_servers.rollout.vllm_engine import VLLMEngine
+
+            from areal_grpc.config import VllmSettings
+
+            # Its per-update load times, which the parent reads from this child's log.
+            logging.basicConfig(level=logging.WARNING)
+            logging.getLogger("areal_servers.rollout.vllm_engine").setLevel(logging.INFO)
+            engine = VLLMEngine(model, VllmSettings(kv_cache_gib=0.5, max_model_len=512))
+            await engine.start()
+        else:
+            engine = HFEngine(HFEngineConfig(model=model, device=device))
         rollout = RolloutServicer(engine, load_tokenizer(model))
         services = [
             service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
@@ -175,6 +195,7 @@ def serve_rollout(
         )
         print(f"LISTENING {running.address}", flush=True)
         await serve_until_signal(running)
+        await engine.close()
 
     asyncio.run(main())
 
@@ -406,6 +427,9 @@ def main() -> int:
         default=1,
         help="rollout servers per method, all updated at once (the floors stay one copy)",
     )
+    parser.add_argument(
+        "--engine", choices=("hf", "vllm"), default="hf", help="the rollout servers' engine"
+    )
     parser.add_argument("--serve-rollout", nargs=2, metavar=("MODEL", "DISK_ROOT"))
     parser.add_argument("--serve-tls", nargs=2, help=argparse.SUPPRESS)  # child: cert, key
     parser.add_argument("--serve-netns", nargs=2, help=argparse.SUPPRESS)  # child: netns, host
@@ -413,7 +437,12 @@ def main() -> int:
     if args.serve_rollout:
         netns, host = args.serve_netns or (None, "127.0.0.1")
         serve_rollout(
-            *args.serve_rollout, device=args.device, cert_key=args.serve_tls, netns=netns, host=host
+            *args.serve_rollout,
+            device=args.device,
+            cert_key=args.serve_tls,
+            netns=netns,
+            host=host,
+            engine_kind=args.engine,
         )
         return 0
     torch.set_num_threads(1)
@@ -527,6 +556,7 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                     str(model_dir),
                     str(weights_root),
                     f"--device={args.device}",
+                    f"--engine={args.engine}",
                     *pki_argv,
                     *(["--serve-netns", link.netns, link.peer_ip] if link else []),
                 ]
@@ -536,7 +566,7 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                         [(f"rollout-{method}-{i}", argv) for i in range(args.servers)],
                         rollouts.append,
                         log_dir=base / "logs",
-                        ready_timeout_s=300,
+                        ready_timeout_s=900,
                     )
                     addresses = [r.address for r in rollouts]
                     syncs = []
@@ -563,6 +593,12 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                 bases = [baseline_fn() for _ in range(args.reps)]
                 value = statistics.median(syncs)
                 baseline = statistics.median(bases)
+                loads: list[float] = []
+                if args.engine == "vllm":
+                    # The server's own load of each measured version (write + reload), from
+                    # its log; the transfer is the rest of the fleet update.
+                    loads = vllm_load_times(rollouts[0].log_path)[-args.reps :]
+                    value = statistics.median(s - ld for s, ld in zip(syncs, loads, strict=True))
                 print(
                     f"{method}: unmeasured {[round(s, 3) for s in warm]} s, "
                     f"syncs {[round(s, 3) for s in syncs]} s; {label} "
@@ -574,15 +610,38 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                 name += "_tls" if args.tls else ""
                 name += f"_{link.label}" if link else ""
                 name += f"_{args.servers}servers" if args.servers > 1 else ""
+                name += "_vllm" if args.engine == "vllm" else ""
                 print(
                     f"RESULT bench={name} value={value:.3f} unit=s "
                     f"baseline={baseline:.3f} ratio={value / baseline:.2f} target={TARGET}",
                     flush=True,
                 )
+                if loads:
+                    copy = statistics.median(memcpy_baseline(sd) for _ in range(args.reps))
+                    load = statistics.median(loads)
+                    print(
+                        f"  vllm load per version {[round(x, 3) for x in loads]} s",
+                        flush=True,
+                    )
+                    print(
+                        f"RESULT bench=weight_sync_vllm_load_{method} value={load:.3f} unit=s "
+                        f"baseline={copy:.3f} ratio={load / copy:.2f} target=none",
+                        flush=True,
+                    )
         finally:
             fleet.close()
             stop_children([trainer])
     return 0
+
+
+def vllm_load_times(log_path: Path | None) -> list[float]:
+    """Seconds of each version's load (file write + vLLM's reload) a vllm rollout server
+    logged, in order."""
+    import re
+
+    text = log_path.read_text() if log_path is not None else ""
+    pattern = r"loaded: ([0-9.]+) s writing .* MiB, ([0-9.]+) s in vLLM's reload"
+    return [float(a) + float(b) for a, b in re.findall(pattern, text)]
 
 
 def _port() -> int:

@@ -212,6 +212,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.config = config or RolloutServiceConfig()
         self.runner = EpisodeRunner(engine, tokenizer, self.config)
 
+    async def aclose(self) -> None:
+        """Closes the engine once the server has stopped (``areal-rollout`` calls it): an
+        engine with processes of its own (vllm) stops them rather than leaving them."""
+        await self.engine.close()
+
     # --------------------------------------------------------------------------- episodes
 
     async def RunEpisodes(

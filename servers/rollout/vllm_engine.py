@@ -41,6 +41,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -67,7 +68,7 @@ from safetensors.torch import save_file
 
 from areal_grpc.config import LoraSettings, VllmSettings
 from areal_grpc.errors import FieldError, PreconditionError
-from areal_grpc.model import load_model, load_tokenizer
+from areal_grpc.model import load_model, load_tokenizer, resolve_source
 from areal_grpc.model_source import is_builtin
 from areal_grpc.paths import remove_owned
 
@@ -148,6 +149,8 @@ class VLLMEngine(InferenceEngine):
         self._expected: dict[str, tuple[int, ...]] = {}
         self._tied = False
         self.end_token_ids: frozenset[int] = frozenset()
+        # Seconds the last full update took: writing its file, and vLLM's reload of it.
+        self.last_load_s: tuple[float, float] = (0.0, 0.0)
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -179,9 +182,10 @@ class VLLMEngine(InferenceEngine):
         )
 
     def _prepare_model(self) -> str:
-        """The directory vLLM loads: the model's own, or the built-in one written out once."""
+        """The directory vLLM loads: the model's own (a GGUF file or named model converted
+        once), or the built-in one written out."""
         if not is_builtin(self.model_name):
-            return self.model_name
+            return resolve_source(self.model_name)
         # Built-in models are initialised from the seed in every process; vLLM needs them as
         # a checkpoint, with exactly the weights the trainer starts from.
         root = Path(tempfile.mkdtemp(prefix="areal-vllm-model-"))
@@ -494,12 +498,23 @@ class VLLMEngine(InferenceEngine):
         scratch = Path(tempfile.mkdtemp(prefix="areal-vllm-weights-", dir=base))
         path = scratch / f"v{version}.safetensors"
         try:
+            start = time.perf_counter()
             await asyncio.to_thread(
                 save_file, {n: t.detach().contiguous() for n, t in tensors.items()}, str(path)
             )
+            written = time.perf_counter()
             await self._llm.collective_rpc("areal_load_weights", args=(str(path),))
+            done = time.perf_counter()
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        self.last_load_s = (written - start, done - written)
+        log.info(
+            "vllm engine: version %d loaded: %.3f s writing %.0f MiB, %.3f s in vLLM's reload",
+            version,
+            written - start,
+            nbytes / 2**20,
+            done - written,
+        )
 
     async def _load_adapter(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Loads the adapters as vLLM's run-time adapter for ``version``; new requests use it,
