@@ -35,6 +35,12 @@ Cases (one ``RESULT`` line each, medians where a case repeats):
   per full fleet update vs that method's floor: a memcpy into fresh memory, raw TCP,
   safetensors save+load, bare gloo broadcast).
 
+``--engine vllm`` (needs ``./scripts/setup --vllm``) runs the learning case with the rollout
+server on vLLM (``real_model_learning_vllm``: the same line as for hf), then the same example on
+the hf engine, and compares their wall times (``real_model_wall_vllm``: vLLM's over hf's, no
+target); ``--vllm-reserved-cpus 0`` gives vLLM's model worker every core instead of keeping one
+for its scheduler (the cases get ``_allcores``). Only the learning case runs with it.
+
 ``--quick`` skips the learning and time-to-target runs and takes memory from a
 3-step run of the example instead; about 10 minutes on 2 cores::
 
@@ -562,6 +568,34 @@ def relabel(argv: list[str], renames: dict[str, str]) -> None:
             print(line.replace(f"bench={name.group(1)}", f"bench={renames[name.group(1)]}"))
 
 
+def vllm_learning(tmp: Path, args: argparse.Namespace) -> None:
+    """The documented example with its rollout server on vLLM, then on the hf engine: the
+    learning line, and vLLM's wall time over hf's."""
+    overrides: dict[str, Any] = {"rollout.engine": "vllm"}
+    suffix = "_vllm"
+    if args.vllm_reserved_cpus is not None:
+        overrides["rollout.vllm.reserved_cpus"] = args.vllm_reserved_cpus
+        suffix += "_allcores" if args.vllm_reserved_cpus == 0 else f"_{args.vllm_reserved_cpus}"
+    walls = {}
+    for engine, extra in (("vllm", overrides), ("hf", {})):
+        mesh = run_mesh(example_config(tmp / engine, extra), tmp / engine / "run")
+        walls[engine] = mesh["wall_s"]
+        evals = [(e["step"], e["accuracy"], round(e["wall_s"])) for e in mesh["evals"]]
+        print(f"{engine}: {mesh['wall_s']:.0f} s wall; evaluations {evals}", flush=True)
+        print(f"{engine}: {step_profile(mesh['train'])}", flush=True)
+        first, last = mesh["evals"][0]["accuracy"], mesh["evals"][-1]["accuracy"]
+        if engine == "vllm":
+            result(
+                named(f"real_model_learning{suffix}"),
+                last,
+                "accuracy",
+                first,
+                "0.5",
+                ratio=last - first,
+            )
+    result(named(f"real_model_wall{suffix}"), walls["vllm"], "s", walls["hf"], "none")
+
+
 def main() -> int:
     """Runs the cases (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -598,6 +632,14 @@ def main() -> int:
         type=Path,
         help="keep the runs' data, configs and logs here (default: a temp dir)",
     )
+    parser.add_argument(
+        "--engine", choices=("hf", "vllm"), default="hf", help="vllm: the learning case on vLLM"
+    )
+    parser.add_argument(
+        "--vllm-reserved-cpus",
+        type=int,
+        help="--engine vllm: rollout.vllm.reserved_cpus (0: every core to vLLM's worker)",
+    )
     parser.add_argument("--plain-loop", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global DEVICE
@@ -618,6 +660,9 @@ def main() -> int:
             tmp.mkdir(parents=True, exist_ok=True)
         else:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-real-model-")))
+        if args.engine == "vllm":
+            vllm_learning(tmp, args)
+            return 0
         if "learning" not in skip:
             overrides: dict[str, Any] = {}
             if args.quick:

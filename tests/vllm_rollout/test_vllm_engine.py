@@ -290,3 +290,37 @@ def test_a_request_in_flight_during_an_update_is_interrupted_and_completes_after
     want = [logp[i - 1, traj.token_ids[i]].item() for i in gen[switch:]]
     got = [traj.logprobs[i] for i in gen[switch:]]
     assert got == pytest.approx(want, abs=LOGPROB_TOL)
+
+
+def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
+    """200 full updates (each one a fresh file and a layerwise reload in vLLM's worker): the
+    resident memory of the server's vLLM processes stays put after the first few."""
+    import psutil
+
+    engine = vllm_server.engine
+    weights = initial_weights()
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    vllm_procs = [
+        p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")
+    ]
+    assert len(vllm_procs) >= 1
+
+    def rss() -> int:
+        return sum(p.memory_info().rss for p in vllm_procs)
+
+    def update(n: int) -> None:
+        async def run() -> None:
+            for _ in range(n):
+                await engine.load_weights(weights, engine.version + 1)
+
+        vllm_server.server.call(run(), timeout_s=900)
+
+    update(20)  # allocator and page cache settle
+    before = rss()
+    update(200)
+    grown = rss() - before
+    print(f"vLLM RSS {before / 2**20:.0f} MiB, {grown / 2**20:+.1f} MiB over 200 updates")
+    # A leak of one copy per update would be 200 x the weights (800 MB here).
+    assert grown < 10 * nbytes, f"vLLM grew {grown / 2**20:.0f} MiB over 200 updates"
+    assert vllm_server.greedy(PROMPT).output_ids
+    assert vllm_server.fatal == []
