@@ -471,6 +471,10 @@ class GatewaySettings:
     # A Jinja chat template file used instead of the model's own (e.g. one that renders
     # `tools` for a model whose template does not); "": the model's, else the default one.
     chat_template: str = ""
+    # Seconds one completion may take at its rollout server before the request fails (504).
+    # As long as rollout.episode_timeout_s: on a busy 2-core machine the agent example's
+    # completions took over 300 s.
+    generate_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -942,6 +946,8 @@ def _validate_gateway(cfg: RunConfig) -> None:
     if not 0 <= g.port <= 65535:
         raise FieldError("gateway.port", f"must be in [0, 65535], got {g.port}")
     _at_least("gateway.max_tokens", g.max_tokens, 1)
+    if not 0 < g.generate_timeout_s < float("inf"):
+        raise FieldError("gateway.generate_timeout_s", f"must be > 0, got {g.generate_timeout_s}")
     if g.chat_template:
         read_chat_template(g.chat_template)
 

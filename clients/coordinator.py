@@ -85,6 +85,15 @@ class CoordinatorClient:
             coordinator_pb2.ReleaseRolloutRequest(lease_id=lease_id), timeout=timeout_s
         )
 
+    async def renew(self, lease_id: str, timeout_s: float = 30.0) -> float:
+        """Extends a lease by the run's lease time (a heartbeat of a producer still working
+        on its group); returns the new deadline in wall-clock seconds. NOT_FOUND when the
+        lease is unknown or already expired."""
+        reply = await self.stub.RenewRollout(
+            coordinator_pb2.RenewRolloutRequest(lease_id=lease_id), timeout=timeout_s
+        )
+        return reply.deadline.seconds + reply.deadline.nanos / 1e9
+
     async def submit(
         self,
         groups: Iterable[tuple[str, common_pb2.TrajectoryGroup]],

@@ -3,8 +3,12 @@ areal-grpc: only ``openai``, ``httpx`` and the standard library.
 
 The task: "What is 347 + 589?" (two 3-digit numbers; SmolLM2-135M-Instruct almost never adds
 them right on its own). The agent offers the model one function tool, ``calculator``, through
-the chat-completions ``tools`` field, with one worked example in the conversation (a question,
-the assistant's call, the tool's result, the answer). When a reply calls the tool, the agent
+the chat-completions ``tools`` field, with three worked examples in the conversation (each a
+question, the assistant's call, the tool's result, the answer; ``--worked``). Measured on the
+untrained model: with one worked example (12 + 30) 9% of its replies called the tool and 2%
+answered right, so most groups of 8 replies had no reward to learn from; with three (two of
+them 3-digit sums, like the task) 58% called it and 33% answered right. When a reply calls
+the tool, the agent
 evaluates the expression and sends the result back as a ``tool`` message (up to
 ``--tool-rounds`` times); the model's next reply is its answer. Reward: 1 when the answer's
 last number is the sum, else 0. So the reward rises as the model learns to call the tool,
@@ -18,7 +22,9 @@ on these sessions alone (``data.task=external``):
 (it runs until the run ends and its gateway goes away, or ``--episodes``).
 
 It prints the mean reward and the share of replies that called the tool for every 16
-episodes and, with ``--log``, writes one JSON line per episode for plotting (``--plot``).
+episodes and, with ``--log``, writes one JSON line per episode for plotting (``--plot``). An
+episode whose session expired (the run's lease time passed with nothing of it running) or
+whose completion failed is dropped with one line saying why, and the agent goes on.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import contextlib
 import json
 import operator
 import random
@@ -51,19 +58,29 @@ CALCULATOR = {
 SYSTEM = "Use the calculator, then answer with just the number."
 
 
-def worked_example() -> list[dict[str, Any]]:
-    """One question answered with the tool, as the conversation's first turns."""
-    call = {
-        "id": "call_0",
-        "type": "function",
-        "function": {"name": "calculator", "arguments": json.dumps({"expression": "12 + 30"})},
-    }
-    return [
-        {"role": "user", "content": "What is 12 + 30?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_0", "content": "42"},
-        {"role": "assistant", "content": "42"},
-    ]
+# Questions the worked examples answer with the tool (their sums are what the tool returns).
+WORKED = [(12, 30), (215, 468), (604, 397)]
+
+
+def worked_example(count: int = 1) -> list[dict[str, Any]]:
+    """``count`` questions answered with the tool, as the conversation's first turns."""
+    turns: list[dict[str, Any]] = []
+    for i, (a, b) in enumerate(WORKED[:count]):
+        call = {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {
+                "name": "calculator",
+                "arguments": json.dumps({"expression": f"{a} + {b}"}),
+            },
+        }
+        turns += [
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": str(a + b)},
+            {"role": "assistant", "content": str(a + b)},
+        ]
+    return turns
 
 
 OPERATORS = {
@@ -107,10 +124,25 @@ def run_tool(call: Any) -> str:
     return calculate(expression)
 
 
-def score(answer: str, total: int) -> float:
-    """1 when the answer's last number is the sum."""
+def answered(answer: str, total: int) -> bool:
+    """Whether the answer's last number is the sum."""
     numbers = re.findall(r"-?\d+", answer.replace(",", ""))
-    return 1.0 if numbers and int(numbers[-1]) == total else 0.0
+    return bool(numbers) and int(numbers[-1]) == total
+
+
+def called_right(call: Any, a: int, b: int) -> bool:
+    """Whether a tool call is a well-formed calculator call with the question's numbers
+    whose result is the sum (what the model has to learn before it can copy the result)."""
+    if call.function.name != "calculator":
+        return False
+    try:
+        expression = json.loads(call.function.arguments or "{}").get("expression")
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    if not isinstance(expression, str):
+        return False
+    numbers = sorted(int(n) for n in re.findall(r"\d+", expression))
+    return numbers == sorted((a, b)) and calculate(expression) == str(a + b)
 
 
 async def open_session(http: httpx.AsyncClient, group_size: int) -> str:
@@ -123,40 +155,47 @@ async def open_session(http: httpx.AsyncClient, group_size: int) -> str:
         await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
 
 
+class EpisodeDropped(Exception):
+    """An episode that cannot be trained on: its session ended before its reward was sent
+    (its lease ran out: HTTP 409; the gateway restarted and forgot it: 404), or one of its
+    completions failed (a 5xx, a timeout on a busy machine)."""
+
+
 async def episode(
     http: httpx.AsyncClient, base_url: str, rng: random.Random, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """One session: a question, ``n`` replies, each carried through its tool calls."""
+    """One session: a question, ``n`` replies, each carried through its tool calls, rewarded
+    1 for the right answer and 0 otherwise; :class:`EpisodeDropped` when it cannot be
+    trained on."""
     a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
     sid = await open_session(http, args.n)
     client = openai.AsyncOpenAI(
         base_url=f"{base_url}/v1",
         api_key="unused",
-        max_retries=2,
+        # A failed completion drops the episode (below) instead of waiting out retries: a
+        # retry of a 409 is a 409 again, and one of a timeout may time out again.
+        max_retries=0,
+        # As long as the gateway's own limit (gateway.generate_timeout_s): on a busy machine
+        # a completion can take many minutes.
+        timeout=1800.0,
         default_headers={"X-Session-Id": sid},
     )
     messages: list[Any] = [
         {"role": "system", "content": SYSTEM},
-        *worked_example(),
+        *worked_example(args.worked),
         {"role": "user", "content": f"What is {a} + {b}?"},
     ]
-    first = await client.chat.completions.create(
-        model="policy",
-        messages=messages,
-        tools=[CALCULATOR],  # type: ignore[list-item]
-        n=args.n,
-        max_tokens=48,
-        temperature=1.0,
-    )
 
-    async def carry_on(choice: Any) -> tuple[str, float, bool, str]:
-        """Runs the reply's tool calls until it answers; (completion id, reward, called, policy)."""
-        history, called = list(messages), False
-        reply, cid, policy = choice.message, choice.completion_id, first.system_fingerprint
+    async def carry_on(choice: Any, policy: str) -> tuple[str, bool, bool, bool, str]:
+        """Runs the reply's tool calls until it answers; (completion id, answered right,
+        called the tool, called it right, policy)."""
+        history, called, good_call = list(messages), False, False
+        reply, cid = choice.message, choice.completion_id
         for _ in range(args.tool_rounds):
             if not reply.tool_calls:
                 break
             called = True
+            good_call = good_call or any(called_right(c, a, b) for c in reply.tool_calls)
             # Sent back as the openai package parsed it: the gateway continues the
             # conversation from the ids it sampled, not from a re-rendering of the call.
             history.append(reply.model_dump(exclude_none=True))
@@ -174,20 +213,44 @@ async def episode(
             reply, cid, policy = (
                 again.choices[0].message,
                 again.choices[0].completion_id,  # type: ignore[attr-defined]
-                again.system_fingerprint,
+                again.system_fingerprint or policy,
             )
-        return cid, score(reply.content or "", a + b), called, policy or ""
+        return cid, answered(reply.content or "", a + b), called, good_call, policy
 
-    results = await asyncio.gather(*(carry_on(c) for c in first.choices))
-    await client.close()
-    rewards = {cid: r for cid, r, _, _ in results}
-    reply = await http.post(f"/rl/sessions/{sid}/reward", json={"rewards": rewards})
-    reply.raise_for_status()
+    try:
+        first = await client.chat.completions.create(
+            model="policy",
+            messages=messages,
+            tools=[CALCULATOR],  # type: ignore[list-item]
+            n=args.n,
+            max_tokens=48,
+            temperature=1.0,
+        )
+        results = await asyncio.gather(
+            *(carry_on(c, first.system_fingerprint or "") for c in first.choices)
+        )
+        rewards = {cid: float(right) for cid, right, _, _, _ in results}
+        reply = await http.post(f"/rl/sessions/{sid}/reward", json={"rewards": rewards})
+        if reply.status_code in (404, 409):
+            raise EpisodeDropped(reply.json()["error"]["message"])
+        reply.raise_for_status()
+    except (openai.ConflictError, openai.NotFoundError) as exc:
+        # 409: the lease ran out; 404: the gateway restarted and forgot the session.
+        raise EpisodeDropped(str(exc.message)) from None
+    except (openai.APIStatusError, openai.APITimeoutError) as exc:
+        # The session is still open: give its lease back so another episode can use it.
+        with contextlib.suppress(httpx.HTTPError):
+            await http.delete(f"/rl/sessions/{sid}")
+        raise EpisodeDropped(f"a completion failed: {exc}") from None
+    finally:
+        await client.close()
     return {
         "t": time.time(),
         "reward": sum(rewards.values()) / len(rewards),
-        "tool_rate": sum(c for _, _, c, _ in results) / len(results),
-        "policy": results[-1][3],
+        "right": sum(r[1] for r in results) / len(results),
+        "tool_rate": sum(r[2] for r in results) / len(results),
+        "call_right": sum(r[3] for r in results) / len(results),
+        "policy": results[-1][4],
         "accepted": reply.json()["accepted"],
     }
 
@@ -206,6 +269,10 @@ async def main_async(args: argparse.Namespace) -> None:
                 except (httpx.ConnectError, openai.APIConnectionError):
                     print("the gateway is gone (the run ended): stopping", flush=True)
                     return
+                except EpisodeDropped as exc:
+                    # Its replies can no longer be trained on: drop the episode, go on.
+                    print(f"episode dropped: {exc}", flush=True)
+                    continue
                 record["t"] -= start
                 done.append(record)
                 if log is not None:
@@ -213,11 +280,14 @@ async def main_async(args: argparse.Namespace) -> None:
                     log.flush()
                 if len(done) % 16 == 0:
                     window = done[-16:]
-                    reward = sum(r["reward"] for r in window) / len(window)
-                    tools = sum(r["tool_rate"] for r in window) / len(window)
+
+                    def mean(key: str, part: list[dict[str, Any]] = window) -> float:
+                        return sum(r[key] for r in part) / len(part)
+
                     print(
                         f"{len(done):>5} episodes, {record['t']:6.0f} s: last 16 mean reward "
-                        f"{reward:.3f}, replies calling the tool {tools:.2f} ({record['policy']})",
+                        f"{mean('reward'):.3f}, answers right {mean('right'):.2f}, replies "
+                        f"calling the tool {mean('tool_rate'):.2f} ({record['policy']})",
                         flush=True,
                     )
 
@@ -233,6 +303,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--n", type=int, default=8, help="replies per question (the group)")
     parser.add_argument("--tool-rounds", type=int, default=2, help="tool calls per reply, at most")
+    parser.add_argument(
+        "--worked", type=int, default=len(WORKED), help=f"worked examples (1-{len(WORKED)})"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", help="write one JSON line per episode here")
     parser.add_argument("--plot", help="with --log: draw the curves into this PNG")

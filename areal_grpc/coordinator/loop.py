@@ -52,7 +52,14 @@ from areal_grpc.coordinator.rollout_fleet import (
     RolloutLike,
     RolloutReport,
 )
-from areal_grpc.coordinator.run_log import RunLog, RunResult, batch_lags
+from areal_grpc.coordinator.run_log import (
+    RunLog,
+    RunResult,
+    SignalWatch,
+    batch_lags,
+    groups_with_signal,
+    zero_signal_steps,
+)
 from areal_grpc.coordinator.syncer import (
     SyncOutcome,
     WeightSync,
@@ -133,7 +140,10 @@ class Coordinator:
             s.max_staleness,
             cfg.rollout.max_concurrent_rollouts,
             self.loader,
+            lease_ttl_s=s.lease_ttl_s,
             seed=cfg.model.seed,
+            # The run's dynamic sampling covers the groups producers submit too.
+            drop_uniform_external=cfg.rollout.workflow_params.get("accept") == "nonuniform",
         )
         episode = EpisodeSettings.of(cfg)
         self.fleet = RolloutFleet(
@@ -165,6 +175,9 @@ class Coordinator:
             else None,
         )
         self.run_log = RunLog(out_dir, cfg.output.tensorboard)
+        self.signal = SignalWatch(
+            external=self.loader is None, every=zero_signal_steps(cfg.total_steps)
+        )
         self.fleet.on_restart = self._rollout_restarted
         checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
         self.recovery = Recovery(
@@ -295,10 +308,15 @@ class Coordinator:
         t_sync = time.monotonic() - t0 - t_wait - t_train
         self.pool.global_step = step + 1
         reward = self.run_log.batch(step, version_before, batch)
+        warning = self.signal.step(step + 1, stats, batch)
+        if warning is not None:
+            log.warning(warning)
         st = self.pool.staleness.stats()
         record = {
             "version": version,
             "reward_mean": reward,
+            # Groups whose rewards differ: the ones GRPO learns from.
+            "signal_groups": groups_with_signal(batch),
             **RunLog.step_record(stats, lags),
             "dispatch_balance": self.trainers.last_balance,
             "step_s": time.monotonic() - t0,

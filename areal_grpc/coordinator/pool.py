@@ -145,13 +145,19 @@ class WorkPool:
         lease_ttl_s: float = 60.0,
         vocab_size: int | None = None,
         seed: int = 0,
+        drop_uniform_external: bool = False,
     ) -> None:
+        """``drop_uniform_external``: dynamic sampling for external groups (leases, gateway
+        sessions): a submitted group whose rewards are all equal is rejected (it has no
+        advantage to learn from) and its slot freed for another, as the rollout servers'
+        ``nonuniform`` accept filter does for the run's own prompts."""
         # The version provider reads the pool's version, so capacity follows version bumps.
         self.staleness = StalenessManager(
             batch_size, max_staleness, max_concurrent_rollouts, version=lambda: self.version
         )
         self.loader = loader
         self.lease_ttl_s = lease_ttl_s
+        self.drop_uniform_external = drop_uniform_external
         self.vocab_size = vocab_size
         self.version = 0
         self.global_step = 0
@@ -416,6 +422,23 @@ class WorkPool:
             del self._demand[pid]
         return len(self._demand)
 
+    def renew(self, lease_id: str, now: float | None = None) -> Lease:
+        """Extends a live lease to ``lease_ttl_s`` from now (a producer's heartbeat).
+
+        FieldError when the lease is unknown, used up or already expired: a lease that ran
+        out has given its capacity back (maybe to another producer), so it cannot come back.
+        """
+        self.expire_leases(now)
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise FieldError("lease_id", f"unknown or expired lease {lease_id!r}")
+        mono = time.monotonic() if now is None else now
+        # Never shortened: a lease taken with a longer ttl_s keeps its deadline.
+        if mono + self.lease_ttl_s > lease.deadline:
+            lease.wall_deadline += mono + self.lease_ttl_s - lease.deadline
+            lease.deadline = mono + self.lease_ttl_s
+        return lease
+
     def release(self, lease_id: str) -> None:
         """Gives a lease back; FieldError when it is unknown (or already expired)."""
         lease = self.leases.pop(lease_id, None)
@@ -453,6 +476,16 @@ class WorkPool:
                 f"group.trajectories: first generated token is version {head}, more than "
                 f"max_staleness={self.staleness.max_staleness} versions behind the current "
                 f"version {self.version}"
+            )
+        rewards = {t.reward for t in group.trajectories}
+        if self.drop_uniform_external and len(rewards) == 1:
+            self.staleness.on_rejected()
+            self.stats.rejected_reasons["uniform rewards"] += 1
+            self.notify()
+            return (
+                f"group.trajectories: every reward is {rewards.pop():g}, so every advantage "
+                "is 0; dynamic sampling (rollout.workflow_params.accept=nonuniform) trains "
+                "only groups whose rewards differ: send another"
             )
         self.staleness.on_accepted()
         self._buffer_add(Finished(lease.work, group, head, _group_tokens(group)))

@@ -16,7 +16,30 @@ from arealgrpc.v1 import trainer_pb2
 from areal_grpc.coordinator.metrics import MetricsWriter, plot_curves
 from areal_grpc.coordinator.pool import Finished
 
-__all__ = ["RunLog", "RunResult", "batch_lags"]
+__all__ = [
+    "RunLog",
+    "RunResult",
+    "SignalWatch",
+    "batch_lags",
+    "groups_with_signal",
+    "zero_signal_steps",
+]
+
+# Steps in a row with no learning signal before the run says so (and every this many after),
+# or a fiftieth of the run if that is more: a long run's first steps often have no success
+# at all (the quick start's: about 1 right sample in 256) and it learns anyway.
+ZERO_SIGNAL_STEPS = 3
+ZERO_SIGNAL_SHARE = 50
+
+
+def zero_signal_steps(total_steps: int) -> int:
+    """How many steps in a row without a signal a run of ``total_steps`` reports."""
+    return max(ZERO_SIGNAL_STEPS, total_steps // ZERO_SIGNAL_SHARE)
+
+
+# Advantages this small are zero: what a group of equal rewards leaves after its centring
+# (exactly 0.0 in float arithmetic; the bound only absorbs summation rounding).
+_ZERO_ADVANTAGE = 1e-6
 
 
 @dataclass
@@ -52,6 +75,98 @@ def _trained_versions(batch: Sequence[Finished]) -> Iterator[int]:
 def batch_lags(batch: Sequence[Finished], version: int) -> list[int]:
     """Staleness of every trained token of ``batch`` when trained by weights ``version``."""
     return [version - v for v in _trained_versions(batch)]
+
+
+def groups_with_signal(batch: Sequence[Finished]) -> int:
+    """Groups of ``batch`` whose rewards are not all equal (the others' advantages are 0
+    under GRPO's group centring)."""
+    return sum(len({t.reward for t in f.group.trajectories}) > 1 for f in batch)
+
+
+def zero_advantage(stats: trainer_pb2.StepStats, batch: Sequence[Finished]) -> bool:
+    """Whether every trained token of the step had advantage 0 (its gradient came from no
+    reward). The trainer's advantage statistics say so exactly when it sends them; else a
+    batch whose every group has equal rewards."""
+    extra = stats.extra
+    if "advantage_mean" in extra and "advantage_std" in extra:
+        return (
+            abs(extra["advantage_mean"]) < _ZERO_ADVANTAGE
+            and extra["advantage_std"] < _ZERO_ADVANTAGE
+        )
+    return groups_with_signal(batch) == 0
+
+
+class SignalWatch:
+    """Counts steps in a row whose every advantage was 0, and words the warning a run
+    prints when there have been ``every`` of them (and every as many after; see
+    :func:`zero_signal_steps`): nothing is being learned, and which settings give groups a
+    signal."""
+
+    def __init__(self, external: bool, every: int = ZERO_SIGNAL_STEPS) -> None:
+        # Whether the run's groups come from external producers (leases, gateway sessions).
+        self.external = external
+        self.every = every
+        self.streak = 0
+        self.first = 0
+        # The lowest and highest rewards seen so far (a batch at the top of a run that has
+        # seen others is a solved task, not a missing signal).
+        self.low: float | None = None
+        self.high: float | None = None
+
+    def step(
+        self, step: int, stats: trainer_pb2.StepStats, batch: Sequence[Finished]
+    ) -> str | None:
+        """Records step ``step`` (1-based); the warning line when one is due, else None."""
+        rewards = [t.reward for f in batch for t in f.group.trajectories]
+        if rewards:
+            self.low = min(rewards) if self.low is None else min(self.low, *rewards)
+            self.high = max(rewards) if self.high is None else max(self.high, *rewards)
+        if not zero_advantage(stats, batch):
+            self.streak = 0
+            return None
+        if self.streak == 0:
+            self.first = step
+        self.streak += 1
+        if self.streak % self.every:
+            return None
+        return self.message(step, batch)
+
+    def message(self, step: int, batch: Sequence[Finished]) -> str:
+        """One line: what happened, why, and what helps."""
+        sizes = [len(f.group.trajectories) for f in batch]
+        line = (
+            f"no learning signal in steps {self.first}-{step} ({self.streak} in a row): the "
+            "reward was constant within every group, so every advantage was 0 and nothing "
+            "was learned."
+        )
+        values = {t.reward for f in batch for t in f.group.trajectories}
+        if len(values) == 1 and self.low is not None and self.high is not None:
+            (value,) = values
+            if self.low < self.high == value:
+                # Every sample scored the best this run has seen: there is nothing to fix.
+                return line + (
+                    f" Every sample got {value:g}, the highest reward of the run: the task "
+                    "looks solved for these prompts (stop the run, or give it harder ones)."
+                )
+        singles = sum(n == 1 for n in sizes)
+        if singles:
+            line += (
+                f" {singles} of {len(sizes)} groups had one sample (a lease or gateway session "
+                "opened with group_size 1): a group of one is centred on itself and never has "
+                "an advantage."
+            )
+        if self.external:
+            return line + (
+                " What helps: more samples per session (the group_size producers lease with), "
+                "a reward with partial credit, or dropping groups whose rewards are all equal "
+                "(rollout.workflow_params.accept=nonuniform, so producers send new ones)."
+            )
+        return line + (
+            " What helps: more samples per prompt (staleness.group_size), a higher "
+            "rollout.sampling.temperature, a reward with partial credit, or dynamic sampling "
+            "(rollout.workflow_params.accept=nonuniform, the dapo preset) so that such groups "
+            "are replaced by new prompts."
+        )
 
 
 class RunLog:

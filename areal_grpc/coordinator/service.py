@@ -221,6 +221,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             await abort_with(context, status(grpc.StatusCode.NOT_FOUND, str(exc)))
         return coordinator_pb2.ReleaseRolloutResponse()
 
+    async def RenewRollout(
+        self, request: coordinator_pb2.RenewRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.RenewRolloutResponse:
+        """Extends a lease by the lease time from now; NOT_FOUND when unknown or expired."""
+        try:
+            lease = self.pool.renew(request.lease_id)
+        except FieldError as exc:
+            await abort_with(context, status(grpc.StatusCode.NOT_FOUND, str(exc)))
+        deadline = timestamp_pb2.Timestamp()
+        deadline.FromNanoseconds(int(lease.wall_deadline * 1e9))
+        return coordinator_pb2.RenewRolloutResponse(deadline=deadline)
+
     async def SubmitTrajectories(
         self,
         request_iterator: AsyncIterator[coordinator_pb2.SubmitTrajectoriesRequest],

@@ -51,6 +51,7 @@ def gateway_config(run: RunConfig, coordinator: str) -> GatewayConfig:
         model=run.model.source,
         api_key=key or None,
         default_max_tokens=run.gateway.max_tokens,
+        generate_timeout_s=run.gateway.generate_timeout_s,
         chat_template=read_chat_template(run.gateway.chat_template)
         if run.gateway.chat_template
         else None,

@@ -12,9 +12,10 @@ import contextlib
 import hmac
 import itertools
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ from .chat import ChatRenderer, Conversation, normalize_messages
 from .sessions import Session, SessionGone, SessionStore
 from .tools import ToolSettings, assistant_message, tool_settings
 
+log = logging.getLogger(__name__)
+
 SESSION_HEADER = "x-session-id"
 # Most completions one request may ask for.
 MAX_N = 64
@@ -42,6 +45,9 @@ MAX_STOPS = 4
 _FLEET_TTL_S = 2.0
 # How long a rollout server that did not answer is passed over.
 _DOWN_S = 10.0
+# A session's lease is renewed once less than this share of the lease time is left: at most
+# one RenewRollout per tenth of the lease time per session.
+_RENEW_BELOW = 0.9
 _HTTP_OF_GRPC = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -71,8 +77,8 @@ class GatewayConfig:
     api_key: str | None = None
     producer_id: str = "gateway"
     default_max_tokens: int = 256
-    # Per Generate call to a rollout server.
-    generate_timeout_s: float = 300.0
+    # Per Generate call to a rollout server (gateway.generate_timeout_s).
+    generate_timeout_s: float = 1800.0
     # A chat template to use instead of the model's own (its text); None: the model's.
     chat_template: str | None = None
 
@@ -150,12 +156,82 @@ class Gateway:
         # Rollout servers whose last call failed UNAVAILABLE: address -> when to try again.
         self._down: dict[str, float] = {}
         self._turn = itertools.count()
+        self._heartbeat: asyncio.Task[None] | None = None
+        # Renewals started in the background, held so that none is garbage-collected midway.
+        self._renewing: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        """Starts the heartbeat that keeps working sessions' leases alive."""
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def close(self) -> None:
-        """Closes every channel."""
+        """Stops the heartbeat, closes every channel."""
+        for task in [self._heartbeat, *self._renewing]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(
+            *(t for t in [self._heartbeat, *self._renewing] if t is not None),
+            return_exceptions=True,
+        )
         for client in self._rollouts.values():
             await client.close()
         await self.coordinator.close()
+
+    # -- leases --------------------------------------------------------------------------------
+
+    async def keep_alive(self, session: Session) -> None:
+        """Renews the session's lease unless it was renewed a moment ago (a heartbeat);
+        SessionGone (409) when the coordinator no longer holds it."""
+        if session.remaining_s() > _RENEW_BELOW * session.ttl_s:
+            return
+        if session.renewal is None or session.renewal.done():
+            session.renewal = asyncio.ensure_future(self._renew(session))
+        # Shielded: one caller giving up (its request cancelled) leaves the renewal to the
+        # others that wait for it.
+        await asyncio.shield(session.renewal)
+        if session.lost:
+            raise SessionGone(session.expiry_message())
+
+    def keep_alive_later(self, session: Session) -> None:
+        """:meth:`keep_alive` in the background (a completion just ended)."""
+
+        async def renew() -> None:
+            with contextlib.suppress(SessionGone):
+                await self.keep_alive(session)
+
+        task = asyncio.get_running_loop().create_task(renew())
+        self._renewing.add(task)
+        task.add_done_callback(self._renewing.discard)
+
+    async def _renew(self, session: Session) -> None:
+        """One RenewRollout; a lease the coordinator no longer holds ends the session."""
+        try:
+            session.deadline = await self.coordinator.renew(session.session_id, timeout_s=10.0)
+        except grpc.RpcError as exc:
+            if callable(getattr(exc, "code", None)) and exc.code() == grpc.StatusCode.NOT_FOUND:
+                session.lost = True
+                self.sessions.lose(session.session_id, session.expiry_message())
+                return
+            # Transient (the coordinator restarting, a slow call): the lease keeps its
+            # deadline and the next heartbeat tries again.
+            log.warning("renewing the lease of session %s failed: %s", session.session_id, exc)
+
+    async def _beat(self) -> None:
+        """Renews the leases of sessions with a completion in flight (one can take longer
+        than the lease time on a busy machine)."""
+        limit = self.cfg.generate_timeout_s
+        while True:
+            working = [s for s in self.sessions if s.busy > 0]
+            # A tenth of the shortest lease time, so a renewal comes well before the end.
+            ttl = min((s.ttl_s for s in working), default=10.0)
+            await asyncio.sleep(min(1.0, max(0.02, ttl / 10)))
+            now = time.monotonic()
+            for session in working:
+                # A request that never ended (a stream nobody read) does not keep its
+                # session forever: no completion runs longer than generate_timeout_s.
+                if session.busy > 0 and now - session.active_at < limit + session.ttl_s:
+                    self.keep_alive_later(session)
 
     def rollout(self, address: str) -> RolloutClient:
         """A client of the rollout server at ``address`` (one channel each)."""
@@ -318,7 +394,10 @@ class Call:
     tools: ToolSettings
     # Stop sequences of several tokens, watched for in the decoded text.
     stop_strings: list[str] = field(default_factory=list)
+    # Called with the session when the request ends (the gateway renews its lease).
+    on_end: Callable[[Session], None] | None = None
     branches: list[Conversation] = field(init=False)
+    ended: bool = field(init=False, default=False)
 
     def record(
         self,
@@ -368,9 +447,13 @@ class Call:
             yield tracing.to_proto() if tracing.enabled() else lease
 
     def release(self) -> None:
-        """Ends the request's claim on the conversation it continues."""
-        if self.session is not None:
+        """Ends the request's claim on the conversation it continues (once)."""
+        if self.session is not None and not self.ended:
+            self.ended = True
             self.session.release(self.parent)
+            self.session.end()
+            if self.on_end is not None:
+                self.on_end(self.session)
 
     def envelope(self, obj: str) -> dict[str, Any]:
         """The fields every response object and chunk starts with."""
@@ -486,6 +569,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Made on the server's event loop: gRPC aio channels belong to the loop they start on.
         holder.append(Gateway(cfg))
+        holder[0].start()
         app.state.gateway = holder[0]
         try:
             yield
@@ -552,6 +636,11 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         address = (
             await gateway().session_rollout(session) if session else await gateway().any_rollout()
         )
+        if session is not None:
+            # The lease must outlive the generation: renewed now if it is running down, and
+            # by the heartbeat while the request is in flight.
+            await gateway().keep_alive(session)
+            session.begin()
         return Call(
             body,
             kind,
@@ -565,6 +654,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             cfg.model,
             tools or ToolSettings(None, False),
             stop_strings,
+            on_end=gateway().keep_alive_later,
         )
 
     def choice(
@@ -833,14 +923,22 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             "session_id": session.session_id,
             "policy_version": int(lease.policy_version),
             "expires_at": session.expires_at,
+            # Renewed while the session works: it expires this long after its last
+            # completion ended.
+            "lease_ttl_s": round(session.ttl_s, 3),
             "group_size": int(lease.group_size),
         }
 
     @app.post("/rl/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> Any:
         body = await json_body(request)
-        group = gateway().session(session_id).group(body)
-        # Ended before the submission awaits: later completions of it are 404.
+        session = gateway().session(session_id)
+        group = session.group(body)
+        # A lease about to run out would expire on its way to the coordinator.
+        await gateway().keep_alive(session)
+        # Ended before the submission awaits: later completions of it are 404 (as is this
+        # call when another one ended it meanwhile).
+        gateway().session(session_id)
         gateway().sessions.pop(session_id)
         try:
             reply = await gateway().coordinator.submit([(session_id, group)])

@@ -3,13 +3,18 @@
 A session is one lease (``AcquireRollout``): its completions are generated at the lease's
 rollout server, each conversation becomes one trajectory, and the reward call submits them as
 the lease's trajectory group (``SubmitTrajectories``). A session ends with its reward, its
-release, or its lease's deadline.
+release, or its lease's deadline. The gateway renews the lease (``RenewRollout``) while the
+session works: when a completion starts or ends, and now and then while one is in flight, so
+a slow agent keeps its session, and an abandoned one expires one lease time after its last
+completion.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +42,23 @@ class Session:
     claimed: set[int] = field(default_factory=set)
     # The rollout server its completions go to: the lease's, until that one fails.
     address: str = ""
+    # The lease's deadline (wall-clock seconds), moved on by each renewal.
+    deadline: float = 0.0
+    # The run's lease time, as the first deadline showed it (renewals give this much again).
+    ttl_s: float = 0.0
+    # Completion requests of the session in flight, and when one last started or ended.
+    busy: int = 0
+    active_at: float = field(default_factory=time.monotonic)
+    # The renewal in flight, shared by whoever wants the lease renewed meanwhile.
+    renewal: asyncio.Future[None] | None = None
+    # Set when the coordinator no longer holds the lease (a renewal found it expired).
+    lost: bool = False
 
     def __post_init__(self) -> None:
         self.address = self.address or self.lease.rollout_address
+        d = self.lease.deadline
+        self.deadline = self.deadline or d.seconds + d.nanos / 1e9
+        self.ttl_s = self.ttl_s or max(self.deadline - time.time(), 0.0)
 
     @property
     def session_id(self) -> str:
@@ -48,12 +67,36 @@ class Session:
 
     @property
     def expires_at(self) -> float:
-        """Wall-clock seconds when the lease runs out."""
-        return self.lease.deadline.seconds + self.lease.deadline.nanos / 1e9
+        """Wall-clock seconds when the lease runs out (unless renewed before)."""
+        return self.deadline
 
     def expired(self) -> bool:
         """Whether the lease's deadline has passed."""
-        return time.time() >= self.expires_at
+        return time.time() >= self.deadline
+
+    def remaining_s(self) -> float:
+        """Seconds until the lease runs out."""
+        return self.deadline - time.time()
+
+    def begin(self) -> None:
+        """A completion request of the session starts."""
+        self.busy += 1
+        self.active_at = time.monotonic()
+
+    def end(self) -> None:
+        """A completion request of the session ended (each :meth:`begin` ends once)."""
+        self.busy -= 1
+        self.active_at = time.monotonic()
+
+    def expiry_message(self) -> str:
+        """What the agent is told when it uses the session after its lease ran out."""
+        return (
+            f"session {self.session_id!r} expired: no completion of it ran for "
+            f"{self.ttl_s:.0f} s (the run's lease time, staleness.lease_ttl_s), so its lease "
+            "ran out and its capacity went to other rollouts; its replies can no longer be "
+            "trained on. Open a new session (POST /rl/sessions) and start the episode again "
+            "(a session lives while its completions run and for the lease time after each)"
+        )
 
     def conversation_for(
         self,
@@ -139,11 +182,17 @@ def _number(value: Any, where: str) -> float:
     return out
 
 
+# Expired sessions remembered (so their late requests are told why, not "unknown").
+_MAX_GONE = 4096
+
+
 class SessionStore:
     """The open sessions, dropped when they end or expire."""
 
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
+        # session id -> why it ended (its lease expired), oldest first.
+        self._gone: OrderedDict[str, str] = OrderedDict()
 
     def add(self, session: Session) -> None:
         """Opens a session."""
@@ -153,11 +202,23 @@ class SessionStore:
         """The open session; NOT_FOUND-style KeyError unknown, SessionGone when it expired."""
         session = self._sessions.get(session_id)
         if session is None:
+            if session_id in self._gone:
+                raise SessionGone(self._gone[session_id])
             raise KeyError(session_id)
         if session.expired():
-            del self._sessions[session_id]
-            raise SessionGone(f"session {session_id!r}: its lease expired")
+            self.lose(session_id, session.expiry_message())
+            raise SessionGone(self._gone[session_id])
         return session
+
+    def lose(self, session_id: str, reason: str) -> None:
+        """Ends a session whose lease is gone; its later requests get ``reason`` (409)."""
+        self._sessions.pop(session_id, None)
+        self._gone[session_id] = reason
+        while len(self._gone) > _MAX_GONE:
+            self._gone.popitem(last=False)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
 
     def pop(self, session_id: str) -> Session:
         """Ends a session (see :meth:`get` for the errors)."""

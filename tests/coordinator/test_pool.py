@@ -7,7 +7,9 @@ import json
 
 import pytest
 
+from areal_grpc.config import load_config
 from areal_grpc.coordinator.dataloader import PromptLoader
+from areal_grpc.coordinator.loop import Coordinator
 from areal_grpc.coordinator.pool import NoCapacity, WorkPool, head_version
 from areal_grpc.errors import FieldError
 from areal_grpc.trajectory import make_group
@@ -94,6 +96,59 @@ def test_leases_expire_and_free_capacity():
         pool.acquire("agent", 2)
     pool.release(second.work.task_id)
     pool.acquire("agent", 2)
+
+
+def test_a_renewed_lease_outlives_its_first_deadline_and_an_abandoned_one_expires():
+    """The lease time is the pool's setting (staleness.lease_ttl_s in a run): each renewal
+    gives the lease that much again from now; once it ran out it cannot be renewed (its
+    capacity went back) and the pool says so naming the field."""
+    pool = WorkPool(1, 0, lease_ttl_s=10.0, vocab_size=384)
+    lease = pool.acquire("agent", 2, ttl_s=None)
+    lid = lease.work.task_id
+    start = lease.deadline
+    # Kept alive well past its first deadline by renewals less than a lease time apart.
+    for t in (8.0, 16.0, 24.0):
+        assert pool.renew(lid, now=start - 10.0 + t).deadline == pytest.approx(start + t)
+    assert pool.leases[lid].deadline == pytest.approx(start + 24.0)
+    assert pool.submit(lid, group(lid), "r") is None  # accepted at t = 30, after 3 ttl
+    # Abandoned: the next renewal comes after the deadline.
+    pool.set_version(1)
+    other = pool.acquire("agent", 2).work.task_id
+    with pytest.raises(FieldError) as err:
+        pool.renew(other, now=pool.leases[other].deadline + 0.1)
+    assert err.value.field == "lease_id" and "expired" in str(err.value)
+    assert other not in pool.leases and pool.stats.rejected_reasons["lease expired"] == 1
+    # Its capacity went back: another producer gets the slot.
+    pool.acquire("agent-2", 2)
+    with pytest.raises(FieldError):
+        pool.renew("lease-unknown")
+
+
+def test_dynamic_sampling_rejects_an_external_group_of_equal_rewards_and_frees_its_slot():
+    """With the run's dynamic sampling on (rollout.workflow_params.accept=nonuniform), a
+    submitted group whose rewards are all equal has no advantage: it is rejected, saying
+    why and naming the setting, and its slot goes to the producer's next lease."""
+    pool = WorkPool(1, 0, vocab_size=384, drop_uniform_external=True)
+    lid = pool.acquire("agent", 2).work.task_id
+    reason = pool.submit(lid, make_group(lid, [1.0, 1.0]), "r")
+    assert reason is not None and "every reward is 1" in reason
+    assert "rollout.workflow_params.accept=nonuniform" in reason
+    assert pool.stats.rejected_reasons["uniform rewards"] == 1 and not pool.buffer
+    lid = pool.acquire("agent", 2).work.task_id  # the slot is free again
+    assert pool.submit(lid, make_group(lid, [1.0, 0.0]), "r") is None
+    assert [f.work.task_id for f in pool.buffer] == [lid]
+    # Off (the default): equal rewards are trained like any others.
+    plain = WorkPool(1, 0, vocab_size=384)
+    lid = plain.acquire("agent", 2).work.task_id
+    assert plain.submit(lid, make_group(lid, [1.0, 1.0]), "r") is None
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "nan", "inf"])
+def test_the_lease_time_is_a_setting_and_a_bad_one_names_it(bad: str):
+    assert load_config(None, ["staleness.lease_ttl_s=300"]).staleness.lease_ttl_s == 300.0
+    with pytest.raises(FieldError) as err:
+        load_config(None, [f"staleness.lease_ttl_s={bad}"])
+    assert err.value.field == "staleness.lease_ttl_s"
 
 
 def test_external_submission_validation_staleness_and_acceptance():
@@ -202,3 +257,20 @@ def test_groups_accepted_before_the_run_starts_keep_counting():
     pool.start_at(3)
     assert pool.staleness.stats().accepted == 1 + 3 * 2
     assert pool.capacity() == (1 + 1) * 2 - 1
+
+
+def test_a_runs_settings_reach_its_pool(tmp_path):
+    """The lease time and dynamic sampling of external groups are the run's settings."""
+    cfg = load_config(
+        None,
+        [
+            "data.task=external",
+            "eval.every_steps=0",
+            "staleness.lease_ttl_s=7",
+            "rollout.workflow_params.accept=nonuniform",
+        ],
+    )
+    pool = Coordinator(cfg, [], [], tmp_path).pool
+    assert pool.lease_ttl_s == 7.0 and pool.drop_uniform_external
+    default = Coordinator(load_config(None, []), [], [], tmp_path).pool
+    assert default.lease_ttl_s == 60.0 and not default.drop_uniform_external

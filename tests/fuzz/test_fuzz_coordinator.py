@@ -173,6 +173,32 @@ def test_release_unknown_or_used_leases(coordinator: Coordinator, tally: Tally, 
     coordinator.check_intact()
 
 
+@fuzz(40)
+@given(lease_id=st.one_of(st.just(""), st.text(max_size=40), st.sampled_from(["live", "used"])))
+def test_renew_live_unknown_or_used_leases(
+    coordinator: Coordinator, tally: Tally, lease_id
+) -> None:
+    """A live lease is renewed (its deadline a lease time from now); anything else is
+    NOT_FOUND, and nothing about the pool changes."""
+    if lease_id == "live" and len(coordinator.leases) < CONCURRENT:
+        lease_id = coordinator.acquire()
+    elif lease_id in ("live", "used"):
+        lease_id = next(iter(sorted(coordinator.used)), "never-issued")
+    before = time.time()
+    code, resp = tally.call(
+        "Coordinator.RenewRollout",
+        lambda: coordinator.stub.RenewRollout(
+            pb.RenewRolloutRequest(lease_id=lease_id), timeout=TIMEOUT
+        ),
+    )
+    if lease_id in coordinator.leases:
+        assert code == grpc.StatusCode.OK
+        assert resp.deadline.seconds >= int(before) + 600 - 1  # lease_ttl_s=600 here
+    else:
+        assert code == grpc.StatusCode.NOT_FOUND
+    coordinator.check_intact()
+
+
 # ------------------------------------------------------------------------ SubmitTrajectories
 
 GROUP_FLAWS = [

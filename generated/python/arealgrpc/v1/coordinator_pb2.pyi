@@ -75,6 +75,18 @@ class ReleaseRolloutResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RenewRolloutRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class RenewRolloutResponse(_message.Message):
+    __slots__ = ("deadline",)
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    deadline: _timestamp_pb2.Timestamp
+    def __init__(self, deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
 class SubmitTrajectoriesRequest(_message.Message):
     __slots__ = ("lease_id", "group")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -47,6 +47,11 @@ class CoordinatorServiceStub:
                 request_serializer=arealgrpc_dot_v1_dot_coordinator__pb2.ReleaseRolloutRequest.SerializeToString,
                 response_deserializer=arealgrpc_dot_v1_dot_coordinator__pb2.ReleaseRolloutResponse.FromString,
                 _registered_method=True)
+        self.RenewRollout = channel.unary_unary(
+                '/arealgrpc.v1.CoordinatorService/RenewRollout',
+                request_serializer=arealgrpc_dot_v1_dot_coordinator__pb2.RenewRolloutRequest.SerializeToString,
+                response_deserializer=arealgrpc_dot_v1_dot_coordinator__pb2.RenewRolloutResponse.FromString,
+                _registered_method=True)
         self.SubmitTrajectories = channel.stream_unary(
                 '/arealgrpc.v1.CoordinatorService/SubmitTrajectories',
                 request_serializer=arealgrpc_dot_v1_dot_coordinator__pb2.SubmitTrajectoriesRequest.SerializeToString,
@@ -97,6 +102,16 @@ class CoordinatorServiceServicer:
     def ReleaseRollout(self, request, context):
         """Gives a lease back unused; its capacity is freed. NOT_FOUND when the lease is unknown
         or has expired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewRollout(self, request, context):
+        """Extends a lease: its deadline becomes now plus the run's lease time
+        (staleness.lease_ttl_s). A producer still working on its group sends it now and then (a
+        heartbeat), so that a slow episode keeps its lease while an abandoned one still expires.
+        NOT_FOUND when the lease is unknown, used up or has expired.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +190,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.ReleaseRollout,
                     request_deserializer=arealgrpc_dot_v1_dot_coordinator__pb2.ReleaseRolloutRequest.FromString,
                     response_serializer=arealgrpc_dot_v1_dot_coordinator__pb2.ReleaseRolloutResponse.SerializeToString,
+            ),
+            'RenewRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewRollout,
+                    request_deserializer=arealgrpc_dot_v1_dot_coordinator__pb2.RenewRolloutRequest.FromString,
+                    response_serializer=arealgrpc_dot_v1_dot_coordinator__pb2.RenewRolloutResponse.SerializeToString,
             ),
             'SubmitTrajectories': grpc.stream_unary_rpc_method_handler(
                     servicer.SubmitTrajectories,
@@ -264,6 +284,33 @@ class CoordinatorService:
             '/arealgrpc.v1.CoordinatorService/ReleaseRollout',
             arealgrpc_dot_v1_dot_coordinator__pb2.ReleaseRolloutRequest.SerializeToString,
             arealgrpc_dot_v1_dot_coordinator__pb2.ReleaseRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/arealgrpc.v1.CoordinatorService/RenewRollout',
+            arealgrpc_dot_v1_dot_coordinator__pb2.RenewRolloutRequest.SerializeToString,
+            arealgrpc_dot_v1_dot_coordinator__pb2.RenewRolloutResponse.FromString,
             options,
             channel_credentials,
             insecure,

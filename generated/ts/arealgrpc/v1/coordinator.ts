@@ -178,6 +178,18 @@ export interface ReleaseRolloutRequest {
 export interface ReleaseRolloutResponse {
 }
 
+/** Request to extend a lease. */
+export interface RenewRolloutRequest {
+  /** The lease. */
+  leaseId: string;
+}
+
+/** Result of RenewRollout. */
+export interface RenewRolloutResponse {
+  /** The lease's new deadline. */
+  deadline: Date | undefined;
+}
+
 /** One message of a SubmitTrajectories stream: one group, under one lease. */
 export interface SubmitTrajectoriesRequest {
   /** The lease the group was produced under. */
@@ -799,6 +811,146 @@ export const ReleaseRolloutResponse: MessageFns<ReleaseRolloutResponse> = {
   },
   fromPartial<I extends Exact<DeepPartial<ReleaseRolloutResponse>, I>>(_: I): ReleaseRolloutResponse {
     const message = createBaseReleaseRolloutResponse();
+    return message;
+  },
+};
+
+function createBaseRenewRolloutRequest(): RenewRolloutRequest {
+  return { leaseId: "" };
+}
+
+export const RenewRolloutRequest: MessageFns<RenewRolloutRequest> = {
+  encode(message: RenewRolloutRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.leaseId !== "") {
+      writer.uint32(10).string(message.leaseId);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RenewRolloutRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRenewRolloutRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.leaseId = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): RenewRolloutRequest {
+    return {
+      leaseId: isSet(object.leaseId)
+        ? globalThis.String(object.leaseId)
+        : isSet(object.lease_id)
+        ? globalThis.String(object.lease_id)
+        : "",
+    };
+  },
+
+  toJSON(message: RenewRolloutRequest): unknown {
+    const obj: any = {};
+    if (message.leaseId !== "") {
+      obj.leaseId = message.leaseId;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<RenewRolloutRequest>, I>>(base?: I): RenewRolloutRequest {
+    return RenewRolloutRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RenewRolloutRequest>, I>>(object: I): RenewRolloutRequest {
+    const message = createBaseRenewRolloutRequest();
+    message.leaseId = object.leaseId ?? "";
+    return message;
+  },
+};
+
+function createBaseRenewRolloutResponse(): RenewRolloutResponse {
+  return { deadline: undefined };
+}
+
+export const RenewRolloutResponse: MessageFns<RenewRolloutResponse> = {
+  encode(message: RenewRolloutResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.deadline !== undefined) {
+      Timestamp.encode(toTimestamp(message.deadline), writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RenewRolloutResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRenewRolloutResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.deadline = fromTimestamp(Timestamp.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): RenewRolloutResponse {
+    return { deadline: isSet(object.deadline) ? fromJsonTimestamp(object.deadline) : undefined };
+  },
+
+  toJSON(message: RenewRolloutResponse): unknown {
+    const obj: any = {};
+    if (message.deadline !== undefined) {
+      obj.deadline = message.deadline.toISOString();
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<RenewRolloutResponse>, I>>(base?: I): RenewRolloutResponse {
+    return RenewRolloutResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RenewRolloutResponse>, I>>(object: I): RenewRolloutResponse {
+    const message = createBaseRenewRolloutResponse();
+    message.deadline = object.deadline ?? undefined;
     return message;
   },
 };
@@ -2285,6 +2437,22 @@ export const CoordinatorServiceService = {
     responseDeserialize: (value: Buffer): ReleaseRolloutResponse => ReleaseRolloutResponse.decode(value),
   },
   /**
+   * Extends a lease: its deadline becomes now plus the run's lease time
+   * (staleness.lease_ttl_s). A producer still working on its group sends it now and then (a
+   * heartbeat), so that a slow episode keeps its lease while an abandoned one still expires.
+   * NOT_FOUND when the lease is unknown, used up or has expired.
+   */
+  renewRollout: {
+    path: "/arealgrpc.v1.CoordinatorService/RenewRollout" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: RenewRolloutRequest): Buffer => Buffer.from(RenewRolloutRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): RenewRolloutRequest => RenewRolloutRequest.decode(value),
+    responseSerialize: (value: RenewRolloutResponse): Buffer =>
+      Buffer.from(RenewRolloutResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): RenewRolloutResponse => RenewRolloutResponse.decode(value),
+  },
+  /**
    * Submits trajectory groups produced under leases, one per message; answers when the
    * stream ends. Each group is checked in this order:
    * 1. an empty lease_id ends the call with INVALID_ARGUMENT, as in 3;
@@ -2397,6 +2565,13 @@ export interface CoordinatorServiceServer extends UntypedServiceImplementation {
    */
   releaseRollout: handleUnaryCall<ReleaseRolloutRequest, ReleaseRolloutResponse>;
   /**
+   * Extends a lease: its deadline becomes now plus the run's lease time
+   * (staleness.lease_ttl_s). A producer still working on its group sends it now and then (a
+   * heartbeat), so that a slow episode keeps its lease while an abandoned one still expires.
+   * NOT_FOUND when the lease is unknown, used up or has expired.
+   */
+  renewRollout: handleUnaryCall<RenewRolloutRequest, RenewRolloutResponse>;
+  /**
    * Submits trajectory groups produced under leases, one per message; answers when the
    * stream ends. Each group is checked in this order:
    * 1. an empty lease_id ends the call with INVALID_ARGUMENT, as in 3;
@@ -2476,6 +2651,27 @@ export interface CoordinatorServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: ReleaseRolloutResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Extends a lease: its deadline becomes now plus the run's lease time
+   * (staleness.lease_ttl_s). A producer still working on its group sends it now and then (a
+   * heartbeat), so that a slow episode keeps its lease while an abandoned one still expires.
+   * NOT_FOUND when the lease is unknown, used up or has expired.
+   */
+  renewRollout(
+    request: RenewRolloutRequest,
+    callback: (error: ServiceError | null, response: RenewRolloutResponse) => void,
+  ): ClientUnaryCall;
+  renewRollout(
+    request: RenewRolloutRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: RenewRolloutResponse) => void,
+  ): ClientUnaryCall;
+  renewRollout(
+    request: RenewRolloutRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: RenewRolloutResponse) => void,
   ): ClientUnaryCall;
   /**
    * Submits trajectory groups produced under leases, one per message; answers when the
