@@ -39,7 +39,8 @@ Cases (one ``RESULT`` line each, medians where a case repeats):
 server on vLLM (``real_model_learning_vllm``: the same line as for hf), then the same example on
 the hf engine, and compares their wall times (``real_model_wall_vllm``: vLLM's over hf's, no
 target); ``--vllm-reserved-cpus 0`` gives vLLM's model worker every core instead of keeping one
-for its scheduler (the cases get ``_allcores``). Only the learning case runs with it.
+for its scheduler (the cases get ``_allcores``), and ``--vllm-reserved-cpus default,0`` runs
+both before the one hf run. Only the learning case runs with it.
 
 ``--quick`` skips the learning and time-to-target runs and takes memory from a
 3-step run of the example instead; about 10 minutes on 2 cores::
@@ -569,31 +570,36 @@ def relabel(argv: list[str], renames: dict[str, str]) -> None:
 
 
 def vllm_learning(tmp: Path, args: argparse.Namespace) -> None:
-    """The documented example with its rollout server on vLLM, then on the hf engine: the
-    learning line, and vLLM's wall time over hf's."""
-    overrides: dict[str, Any] = {"rollout.engine": "vllm"}
-    suffix = "_vllm"
-    if args.vllm_reserved_cpus is not None:
-        overrides["rollout.vllm.reserved_cpus"] = args.vllm_reserved_cpus
-        suffix += "_allcores" if args.vllm_reserved_cpus == 0 else f"_{args.vllm_reserved_cpus}"
+    """The documented example with its rollout server on vLLM (once per
+    ``--vllm-reserved-cpus`` value), then on the hf engine: the learning line of each vLLM
+    run, and its wall time over hf's."""
+    variants: list[tuple[str, dict[str, Any]]] = []
+    for reserved in args.vllm_reserved_cpus.split(","):
+        overrides: dict[str, Any] = {"rollout.engine": "vllm"}
+        suffix = "_vllm"
+        if reserved != "default":
+            overrides["rollout.vllm.reserved_cpus"] = int(reserved)
+            suffix += "_allcores" if int(reserved) == 0 else f"_reserved{reserved}"
+        variants.append((suffix, overrides))
     walls = {}
-    for engine, extra in (("vllm", overrides), ("hf", {})):
-        mesh = run_mesh(example_config(tmp / engine, extra), tmp / engine / "run")
-        walls[engine] = mesh["wall_s"]
+    for label, extra in [*variants, ("hf", {})]:
+        mesh = run_mesh(example_config(tmp / label, extra), tmp / label / "run")
+        walls[label] = mesh["wall_s"]
         evals = [(e["step"], e["accuracy"], round(e["wall_s"])) for e in mesh["evals"]]
-        print(f"{engine}: {mesh['wall_s']:.0f} s wall; evaluations {evals}", flush=True)
-        print(f"{engine}: {step_profile(mesh['train'])}", flush=True)
+        print(f"{label}: {mesh['wall_s']:.0f} s wall; evaluations {evals}", flush=True)
+        print(f"{label}: {step_profile(mesh['train'])}", flush=True)
         first, last = mesh["evals"][0]["accuracy"], mesh["evals"][-1]["accuracy"]
-        if engine == "vllm":
+        if label != "hf":
             result(
-                named(f"real_model_learning{suffix}"),
+                named(f"real_model_learning{label}"),
                 last,
                 "accuracy",
                 first,
                 "0.5",
                 ratio=last - first,
             )
-    result(named(f"real_model_wall{suffix}"), walls["vllm"], "s", walls["hf"], "none")
+    for label, _ in variants:
+        result(named(f"real_model_wall{label}"), walls[label], "s", walls["hf"], "none")
 
 
 def main() -> int:
@@ -637,8 +643,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--vllm-reserved-cpus",
-        type=int,
-        help="--engine vllm: rollout.vllm.reserved_cpus (0: every core to vLLM's worker)",
+        default="default",
+        help="--engine vllm: rollout.vllm.reserved_cpus values, comma-separated, one run each "
+        "(default: vLLM's own, one core; 0: every core to vLLM's worker)",
     )
     parser.add_argument("--plain-loop", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -141,6 +141,7 @@ def test_bad_override_names_the_key(override, field, words):
         ("rollout.vllm.kv_cache_gib=0", "rollout.vllm.kv_cache_gib"),
         ("rollout.vllm.dtype=int8", "rollout.vllm.dtype"),
         ("rollout.vllm.max_num_seqs=0", "rollout.vllm.max_num_seqs"),
+        ("rollout.vllm.idle_spin_s=-1", "rollout.vllm.idle_spin_s"),
         ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
         ("rollout.max_concurrent_rollouts=0", "rollout.max_concurrent_rollouts"),
         ("rollout.max_restarts=-1", "rollout.max_restarts"),

@@ -172,6 +172,11 @@ class VLLMEngine(InferenceEngine):
         self.pad_token_id = tokenizer.pad_token_id
         self.end_token_ids = frozenset(_end_token_ids(Path(served), self.eos_token_id))
         self._llm = self._build(served)
+        changed = await self._llm.collective_rpc(
+            "areal_idle_spin", args=(self.settings.idle_spin_s,)
+        )
+        if not any(changed):
+            log.warning("vllm engine: found no message queue to set idle_spin_s on")
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         log.info(
             "vllm engine: %s (%s, max_model_len %d, KV cache %.1f GiB)",

@@ -324,3 +324,22 @@ def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
     assert grown < 10 * nbytes, f"vLLM grew {grown / 2**20:.0f} MiB over 200 updates"
     assert vllm_server.greedy(PROMPT).output_ids
     assert vllm_server.fatal == []
+
+
+def test_an_idle_worker_gives_its_core_back(vllm_server: VllmServer):
+    """Right after generation ends, vLLM's model worker would spin for a second after every
+    message (its shared-memory queue's busy wait), health pings included: a core's worth of
+    CPU that a trainer sharing the machine loses. With ``rollout.vllm.idle_spin_s`` (0.05 s
+    here) it sleeps instead: over the 4 s after a generation it uses a small share of the
+    CPU seconds one spinning second alone would take (CPU time, not wall time: a busy
+    machine cannot make it pass or fail)."""
+    import psutil
+
+    (worker,) = [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::Worker"]
+    assert vllm_server.greedy(PROMPT, n=8).output_ids
+    before = worker.cpu_times()
+    time.sleep(4.0)
+    after = worker.cpu_times()
+    used = (after.user - before.user) + (after.system - before.system)
+    print(f"vLLM worker: {used:.2f} CPU s in the 4 s after generation")
+    assert used < 0.3, f"vLLM's worker used {used:.2f} CPU s while idle"
