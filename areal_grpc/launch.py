@@ -257,8 +257,25 @@ def stop_children(children: Sequence[Child], grace_s: float = 15.0) -> dict[str,
     return codes
 
 
-def kill_group_leftovers(pgid: int, name: str) -> None:
-    """SIGKILLs whatever is left of process group ``pgid`` (its leader has exited)."""
+# How long a stopped child's process group may take to empty by itself: helpers such as
+# multiprocessing's resource tracker exit on their own a moment after their parent.
+_LEFTOVER_GRACE_S = 2.0
+
+
+def kill_group_leftovers(pgid: int, name: str, grace_s: float = _LEFTOVER_GRACE_S) -> None:
+    """SIGKILLs whatever is left of process group ``pgid`` (its leader has exited) once
+    ``grace_s`` has passed without the group emptying by itself."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return  # nothing left
+        except PermissionError:
+            break
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
