@@ -133,7 +133,7 @@ def first_char_reward(
 
     The built-in tasks have one-character answers, so only the first generated token is
     judged; whatever follows (EOS or not) neither helps nor hurts, which is what a tiny
-    random-init model can learn quickly (reference/tiny-grpo-facts.md).
+    random-init model can learn quickly.
     """
     answer = str(item.get("answer", ""))
     if not answer:

@@ -1,7 +1,7 @@
 """Built-in procedurally generated tasks: datasets deterministic by seed, with their rewards.
 
 Chosen from measurements of what a tiny random-init byte-level model learns with GRPO on a
-CPU (reference/tiny-grpo-facts.md: 32 prompts x 8 samples, temperature 1, lr 1e-3, max 2 new
+CPU (32 prompts x 8 samples, temperature 1, lr 1e-3, max 2 new
 tokens, reward on the first generated token):
 
 ``first3`` (the default)

@@ -123,13 +123,6 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class GroupParams:
     """Where and how a weight group rendezvouses; this process is ``rank``."""
@@ -257,7 +250,6 @@ __all__ = [
     "WeightGroup",
     "decode_push_request",
     "encode_push_request",
-    "free_port",
     "plan_buckets",
     "run_in_thread",
     "spec_nbytes",

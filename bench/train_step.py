@@ -47,7 +47,6 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from teardown import exit_on_sigterm
 from areal_grpc.dispatch import dispatch_groups
 from areal_grpc.durations import seconds
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
+from areal_grpc.ports import free_port
 from areal_grpc.server import sync_channel
 
 WORLD = 2
@@ -366,13 +366,6 @@ def padding_bench(args: argparse.Namespace) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------- driver
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (for a process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def passthrough(args: argparse.Namespace) -> list[str]:

@@ -383,7 +383,7 @@ def _bcast_rank(
 def broadcast_baseline(model_dir: Path, link: shaped.Link | None = None) -> float:
     """A bare torch.distributed (gloo) broadcast of the same tensors, two processes (rank 1
     across ``link``); seconds."""
-    from areal_grpc.weight_transfer import free_port
+    from areal_grpc.ports import free_port
 
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
@@ -645,7 +645,7 @@ def vllm_load_times(log_path: Path | None) -> list[float]:
 
 
 def _port() -> int:
-    from areal_grpc.weight_transfer import free_port
+    from areal_grpc.ports import free_port
 
     return free_port()
 

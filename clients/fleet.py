@@ -1,6 +1,6 @@
 """The fleet weight update, as one operation for the coordinator.
 
-``update_fleet_weights`` runs the protocol of DESIGN.md §3 step 5:
+``update_fleet_weights`` runs the fleet's weight update (README "Architecture"):
 
 1. pause every rollout server (``PauseGeneration``; in-flight requests end interrupted and
    resume later from their partial output). The call returns without waiting for the decode

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from areal_grpc.ffd import ffd_allocate, first_fit_decreasing, lpt_partition, refine_partition
 
 
-# AReaL's own seqpack.ffd_allocate produced these (reference §3.1); ours must match exactly
+# AReaL's own seqpack.ffd_allocate produced these (areal/utils/seqpack.py); ours must match
 # because ranks that mix implementations must agree on a plan.
 @pytest.mark.parametrize(
     ("values", "capacity", "min_groups", "divisor", "expected"),

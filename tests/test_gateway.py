@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -46,18 +45,13 @@ from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.errors import FieldError
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
 from areal_grpc.model import load_tokenizer
+from areal_grpc.ports import free_port
 from areal_grpc.server import BackgroundServer, ServerOptions, sync_channel
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "builtin:micro"
 VOCAB = 384
 BATCH = 4  # the 429 test's capacity: BATCH x (max_staleness + 1) = 4 leases at version 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

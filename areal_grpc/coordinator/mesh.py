@@ -13,7 +13,6 @@ import glob
 import json
 import logging
 import os
-import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from areal_grpc.launch import (
     start_children,
     stop_children,
 )
+from areal_grpc.ports import free_port
 from areal_grpc.server_config import config_argv
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "LocalFleet",
     "Mesh",
     "MeshStartCancelled",
-    "free_port",
     "rollout_argv",
     "start_local_mesh",
     "trainer_argv",
@@ -51,13 +50,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for the trainers' rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def server_host(cfg: RunConfig, role: str, index: int) -> str:

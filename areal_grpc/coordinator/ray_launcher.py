@@ -47,7 +47,6 @@ from areal_grpc.config import RunConfig
 from areal_grpc.coordinator.mesh import (
     Mesh,
     MeshStartCancelled,
-    free_port,
     rollout_argv,
     trainer_argv,
     wait_healthy,
@@ -62,6 +61,7 @@ from areal_grpc.launch import (
     start_child,
     stop_children,
 )
+from areal_grpc.ports import free_port
 from areal_grpc.security import is_loopback
 
 __all__ = ["RayMesh", "ServerActor", "bundle_layout", "start_ray_mesh"]

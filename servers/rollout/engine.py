@@ -371,7 +371,7 @@ class PauseGate:
 async def generate_resumable(
     engine: InferenceEngine, input_ids: Sequence[int], params: SamplingConfig
 ) -> GenerationResult:
-    """Generates one sample to completion across pauses (reference behaviour §2.5).
+    """Generates one sample to completion across pauses (AReaL's ``RemoteInfEngine.agenerate``).
 
     When a pause interrupts the request, it is re-sent after resume as prompt + partial
     output with the remaining token budget, so the result can mix policy versions; the

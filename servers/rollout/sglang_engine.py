@@ -1,16 +1,17 @@
 """The ``sglang`` engine: drives an SGLang server over its HTTP API.
 
-Payloads follow SGLang 0.5.10's HTTP protocol as AReaL uses it (reference/areal-behaviour.md
-§6.4): ``POST /generate`` with ``input_ids``, ``sampling_params``, ``return_logprob: true``,
-``stream: false``; ``POST /pause_generation {}`` and ``POST /continue_generation {}`` around
-a weight update; ``POST /update_weights_from_disk {"model_path", "abort_all_requests": true}``;
-``GET /health`` for readiness; ``/init_weights_update_group`` and
-``/update_weights_from_distributed`` (one attempt each) for the distributed data plane. With
-LoRA, a weight update is a peft adapter directory loaded with ``POST /load_lora_adapter
-{"lora_name": "<name>-v<version>", "lora_path"}``, generation names it in ``lora_path``, and an
-adapter no request uses any more is dropped with ``POST /unload_lora_adapter {"lora_name"}``. A
-request aborted by a pause comes back as ``FinishReason.INTERRUPTED`` with its partial output;
-:func:`generate_resumable` re-sends prompt + partial output after resume (§2.5). Each returned
+Payloads follow SGLang 0.5.10's HTTP protocol as AReaL uses it (AReaL's
+``areal/engine/sglang_remote.py``): ``POST /generate`` with ``input_ids``, ``sampling_params``,
+``return_logprob: true``, ``stream: false``; ``POST /pause_generation {}`` and ``POST
+/continue_generation {}`` around a weight update; ``POST /update_weights_from_disk
+{"model_path", "abort_all_requests": true}``; ``GET /health`` for readiness;
+``/init_weights_update_group`` and ``/update_weights_from_distributed`` (one attempt each) for
+the distributed data plane. With LoRA, a weight update is a peft adapter directory loaded with
+``POST /load_lora_adapter {"lora_name": "<name>-v<version>", "lora_path"}``, generation names
+it in ``lora_path``, and an adapter no request uses any more is dropped with ``POST
+/unload_lora_adapter {"lora_name"}``. A request aborted by a pause comes back as
+``FinishReason.INTERRUPTED`` with its partial output; :func:`generate_resumable` re-sends
+prompt + partial output after resume (as AReaL's ``RemoteInfEngine.agenerate``). Each returned
 token gets the policy version read when the response arrived.
 
 Calls are retried with tenacity on transient failures (connection errors, timeouts, HTTP
@@ -175,7 +176,7 @@ async def http_request(
 def generate_payload(
     input_ids: Sequence[int], params: SamplingConfig, lora_path: str = ""
 ) -> dict[str, Any]:
-    """The ``/generate`` request body for one sample (reference §6.4, exactly); ``lora_path``
+    """The ``/generate`` request body for one sample (SGLang's, exactly); ``lora_path``
     names a loaded adapter to generate with."""
     payload: dict[str, Any] = {
         "input_ids": list(input_ids),

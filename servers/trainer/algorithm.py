@@ -1,4 +1,5 @@
-"""GRPO / decoupled-PPO math in one file (reference/areal-behaviour.md §5).
+"""GRPO / decoupled-PPO math in one file (AReaL's ``areal/trainer/ppo/actor.py`` and
+``areal/utils/functional/functional.py``, at AReaL commit cbff54d6).
 
 Where this file departs from AReaL on purpose, the README's "Differences from AReaL" table
 says so and why; everything else computes what AReaL computes.

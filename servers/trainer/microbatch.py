@@ -1,4 +1,5 @@
-"""Token-budget micro-batches (reference/areal-behaviour.md §3.5).
+"""Token-budget micro-batches (AReaL's ``split_padded_tensor_dict_into_mb_list``,
+``areal/utils/data.py``).
 
 A rank's shard is packed with :func:`areal_grpc.ffd.ffd_allocate` into micro-batches of at
 most ``max_tokens_per_mb`` real tokens. FSDP runs collectives in every forward and backward,

@@ -57,10 +57,10 @@ from areal_grpc.chunk_wire import stream_channel_options
 from areal_grpc.errors import status_proto_of
 from areal_grpc.host_memory import tune_malloc
 from areal_grpc.model import adapter_names, is_lora
+from areal_grpc.ports import free_port
 from areal_grpc.server import ChannelCache
 from areal_grpc.weight_transfer import (
     cuda_uuid,
-    free_port,
     plan_buckets,
 )
 

@@ -28,11 +28,12 @@ from areal_grpc.config import RunConfig
 from areal_grpc.coordinator.dataloader import PromptLoader
 from areal_grpc.coordinator.launcher import start_mesh
 from areal_grpc.coordinator.loop import Coordinator, RunResult, TrainerGroupFailed
-from areal_grpc.coordinator.mesh import Mesh, free_port, trainer_argv
+from areal_grpc.coordinator.mesh import Mesh, trainer_argv
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.errors import field_violations
 from areal_grpc.launch import start_child, stop_children
+from areal_grpc.ports import free_port
 from areal_grpc.server import ServerOptions, aio_channel, service, start_server
 from areal_grpc.trajectory import make_group
 

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Answers a handler may give to bad input (see DESIGN.md "Errors" and the service docstrings).
+# Answers a handler may give to bad input (see the README's "Errors" and the service docstrings).
 DOCUMENTED = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,

@@ -7,23 +7,38 @@ missing. ``./scripts/setup`` installs it, so CI runs these tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
+from areal_clients.gateway import GatewayConfig, create_app
 from areal_servers.rollout.engine import InferenceEngine
 from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
 from areal_servers.rollout.receive.base import WeightSyncConfig
 from areal_servers.rollout.service import RolloutServicer
 from areal_servers.rollout.weight_sync import build_weight_sync_service
 from areal_servers.trainer.service import TrainerService
-from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from arealgrpc.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 
+from areal_grpc.coordinator.pool import WorkPool
+from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.model import load_tokenizer, resolve_source
 from areal_grpc.model_source import NAMED_MODELS
-from areal_grpc.server import BackgroundServer, service
+from areal_grpc.ports import free_port
+from areal_grpc.server import BackgroundServer, ServerOptions, service, sync_channel
 
 REAL_MODEL = "smollm2-135m-instruct"
 
@@ -93,3 +108,75 @@ def _serve(
 def serve() -> Callable[[TrainerService, str, Path], Served]:
     """Serves a trainer service beside a real rollout server of ``model_dir`` (see Served)."""
     return _serve
+
+
+@dataclass
+class Coordinator:
+    """A CoordinatorService on loopback with one rollout server registered."""
+
+    pool: WorkPool
+    server: BackgroundServer
+    address: str
+
+    def leases(self) -> list[str]:
+        """The ids of the leases the pool holds now."""
+
+        async def ids() -> list[str]:
+            return list(self.pool.leases)
+
+        return self.server.call(ids())
+
+    def buffered(self) -> list[Any]:
+        """The finished work in the pool's buffer (each has ``work`` and ``group``)."""
+
+        async def items() -> list[Any]:
+            return list(self.pool.buffer)
+
+        return self.server.call(items())
+
+
+@contextlib.contextmanager
+def coordinator_with(rollout_address: str, pool: WorkPool) -> Iterator[Coordinator]:
+    """Serves ``pool`` as the CoordinatorService with the rollout server registered."""
+    servicer = CoordinatorServicer(pool)
+    server = BackgroundServer([servicer.as_service()], ServerOptions(host="127.0.0.1", port=0))
+    address = server.start().address
+
+    async def start() -> None:
+        servicer.start()
+
+    server.call(start())
+    try:
+        with sync_channel(address) as channel:
+            coordinator_pb2_grpc.CoordinatorServiceStub(channel).RegisterWorker(
+                coordinator_pb2.RegisterWorkerRequest(
+                    role=coordinator_pb2.WORKER_ROLE_ROLLOUT,
+                    address=rollout_address,
+                    worker_id="rollout-0",
+                ),
+                timeout=30,
+            )
+        yield Coordinator(pool, server, address)
+    finally:
+        server.call(servicer.stop())
+        server.stop()
+
+
+@contextlib.contextmanager
+def gateway_serving(cfg: GatewayConfig) -> Iterator[str]:
+    """The agent gateway on a loopback port, in a thread; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from areal_grpc.batch import groups_to_batch
 from areal_grpc.model import load_tokenizer
-from areal_grpc.weight_transfer import free_port
+from areal_grpc.ports import free_port
 
 TIMEOUT = 300.0
 # The ``serve`` fixture (conftest.py): (trainer service, model dir, weights root) -> Served.

@@ -14,8 +14,6 @@ server over loopback gRPC), with the rollout server on vLLM:
 from __future__ import annotations
 
 import functools
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,19 +21,15 @@ import httpx
 import openai
 import pytest
 import transformers
-import uvicorn
-from areal_clients.gateway import GatewayConfig, create_app
+from areal_clients.gateway import GatewayConfig
 from areal_clients.gateway.chat import ChatRenderer
 from areal_servers.rollout.vllm_engine import VLLMEngine
-from arealgrpc.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from areal_grpc.config import VllmSettings
 from areal_grpc.coordinator.pool import WorkPool
-from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.model import load_tokenizer
-from areal_grpc.server import BackgroundServer, ServerOptions, sync_channel
-from areal_grpc.weight_transfer import free_port
 
+from .conftest import Coordinator, coordinator_with, gateway_serving
 from .test_real_correctness import (
     Mesh,
     Serve,
@@ -91,110 +85,78 @@ def test_vllm_logprobs_equal_the_trainers_recomputation(vllm_mesh: Mesh, tokeniz
     print(f"vllm: max |served - recomputed| log-prob {diff:.2e}")
 
 
-def serve_gateway(coordinator: str, model_dir: str) -> tuple[str, uvicorn.Server, threading.Thread]:
-    port = free_port()
-    app = create_app(GatewayConfig(coordinator=coordinator, model=model_dir, default_max_tokens=8))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, thread
-
-
 def test_a_gateway_session_on_vllm_trains_exactly_the_sampled_ids(
     vllm_mesh: Mesh, real_model_dir: str, tmp_path: Path
 ) -> None:
     pool = WorkPool(8, 0, vocab_size=vllm_mesh.rollout.vocab_size)
-    servicer = CoordinatorServicer(pool)
-    coordinator = BackgroundServer([servicer.as_service()], ServerOptions(host="127.0.0.1", port=0))
-    address = coordinator.start().address
+    with coordinator_with(vllm_mesh.rollout_address, pool) as co:
+        cfg = GatewayConfig(coordinator=co.address, model=real_model_dir, default_max_tokens=8)
+        with gateway_serving(cfg) as url:
+            session_trains_sampled_ids(vllm_mesh, co, url, real_model_dir)
 
-    async def start() -> None:
-        servicer.start()
 
-    coordinator.call(start())
-    with sync_channel(address) as channel:
-        coordinator_pb2_grpc.CoordinatorServiceStub(channel).RegisterWorker(
-            coordinator_pb2.RegisterWorkerRequest(
-                role=coordinator_pb2.WORKER_ROLE_ROLLOUT,
-                address=vllm_mesh.rollout_address,
-                worker_id="rollout-0",
-            ),
-            timeout=30,
-        )
-    url, gateway, thread = serve_gateway(address, real_model_dir)
-    try:
-        reply = httpx.post(f"{url}/rl/sessions", json={"group_size": 2}, timeout=60)
-        assert reply.status_code == 200, reply.text
-        sid = reply.json()["session_id"]
-        c = openai.OpenAI(
-            base_url=f"{url}/v1",
-            api_key="unused",
-            max_retries=0,
-            default_headers={"X-Session-Id": sid},
-            timeout=120,
-        )
-        messages = [{"role": "user", "content": "Name a color."}]
-        sampled: list[list[int]] = []
-        for turn in ("Another one.", "One more."):
-            r = c.chat.completions.create(
-                model=real_model_dir,
-                messages=messages,  # type: ignore[arg-type]
-                max_tokens=8,
-                temperature=1.0,
-                seed=3,
-                extra_body={"return_token_ids": True},
-            )
-            sampled.append(r.choices[0].model_extra["token_ids"])  # type: ignore[index]
-            messages += [
-                {"role": "assistant", "content": r.choices[0].message.content or ""},
-                {"role": "user", "content": turn},
-            ]
-        # A second conversation in the session, cut by a stop string: the same seeded reply
-        # in full first (outside the session), then with a stop string from its text.
-        free = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        same = {"max_tokens": 12, "temperature": 1.0, "seed": 7}
-        full = free.chat.completions.create(
+def session_trains_sampled_ids(mesh: Mesh, co: Coordinator, url: str, real_model_dir: str) -> None:
+    """Two turns and a stop-string reply in one session, then what the pool trains on."""
+    reply = httpx.post(f"{url}/rl/sessions", json={"group_size": 2}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    sid = reply.json()["session_id"]
+    c = openai.OpenAI(
+        base_url=f"{url}/v1",
+        api_key="unused",
+        max_retries=0,
+        default_headers={"X-Session-Id": sid},
+        timeout=120,
+    )
+    messages = [{"role": "user", "content": "Name a color."}]
+    sampled: list[list[int]] = []
+    for turn in ("Another one.", "One more."):
+        r = c.chat.completions.create(
             model=real_model_dir,
-            messages=messages[:1],  # type: ignore[arg-type]
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=1.0,
+            seed=3,
             extra_body={"return_token_ids": True},
-            **same,  # type: ignore[arg-type]
         )
-        text = str(full.choices[0].message.content)
-        full_ids = full.choices[0].model_extra["token_ids"]  # type: ignore[index]
-        stop = next(text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].strip())
-        cut = c.chat.completions.create(
-            model=real_model_dir,
-            messages=messages[:1],  # type: ignore[arg-type]
-            stop=[stop],
-            **same,  # type: ignore[arg-type]
-        )
-        assert cut.choices[0].message.content == text[: text.index(stop)]
-        assert cut.choices[0].finish_reason == "stop"
-        reward = httpx.post(f"{url}/rl/sessions/{sid}/reward", json={"reward": 1.0}, timeout=60)
-        assert reward.status_code == 200, reward.text
-        assert reward.json()["accepted"] is True, reward.text
+        sampled.append(r.choices[0].model_extra["token_ids"])  # type: ignore[index]
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content or ""},
+            {"role": "user", "content": turn},
+        ]
+    # A second conversation in the session, cut by a stop string: the same seeded reply
+    # in full first (outside the session), then with a stop string from its text.
+    free = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    same = {"max_tokens": 12, "temperature": 1.0, "seed": 7}
+    full = free.chat.completions.create(
+        model=real_model_dir,
+        messages=messages[:1],  # type: ignore[arg-type]
+        extra_body={"return_token_ids": True},
+        **same,  # type: ignore[arg-type]
+    )
+    text = str(full.choices[0].message.content)
+    full_ids = full.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    stop = next(text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].strip())
+    cut = c.chat.completions.create(
+        model=real_model_dir,
+        messages=messages[:1],  # type: ignore[arg-type]
+        stop=[stop],
+        **same,  # type: ignore[arg-type]
+    )
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    reward = httpx.post(f"{url}/rl/sessions/{sid}/reward", json={"reward": 1.0}, timeout=60)
+    assert reward.status_code == 200, reward.text
+    assert reward.json()["accepted"] is True, reward.text
 
-        async def buffered():
-            return [f.group for f in pool.buffer if f.work.task_id == sid]
-
-        [group] = coordinator.call(buffered())
-        first, second = group.trajectories
-        trained = [t for t, m in zip(first.token_ids, first.loss_mask, strict=True) if m]
-        assert trained == [t for turn in sampled for t in turn]
-        renderer = ChatRenderer(load_tokenizer(real_model_dir))
-        opening = renderer.encode(renderer.text(messages[:1]))
-        assert list(first.token_ids[: first.prompt_length]) == opening
-        # The cut reply trains the ids up to the token that completed the stop string.
-        cut_ids = [t for t, m in zip(second.token_ids, second.loss_mask, strict=True) if m]
-        assert 0 < len(cut_ids) < len(full_ids) and cut_ids == full_ids[: len(cut_ids)]
-        version = vllm_mesh.rollout.version
-        assert {v for v, m in zip(first.versions, first.loss_mask, strict=True) if m} == {version}
-    finally:
-        gateway.should_exit = True
-        thread.join(timeout=30)
-        coordinator.call(servicer.stop())
-        coordinator.stop()
+    [group] = [f.group for f in co.buffered() if f.work.task_id == sid]
+    first, second = group.trajectories
+    trained = [t for t, m in zip(first.token_ids, first.loss_mask, strict=True) if m]
+    assert trained == [t for turn in sampled for t in turn]
+    renderer = ChatRenderer(load_tokenizer(real_model_dir))
+    opening = renderer.encode(renderer.text(messages[:1]))
+    assert list(first.token_ids[: first.prompt_length]) == opening
+    # The cut reply trains the ids up to the token that completed the stop string.
+    cut_ids = [t for t, m in zip(second.token_ids, second.loss_mask, strict=True) if m]
+    assert 0 < len(cut_ids) < len(full_ids) and cut_ids == full_ids[: len(cut_ids)]
+    version = mesh.rollout.version
+    assert {v for v, m in zip(first.versions, first.loss_mask, strict=True) if m} == {version}

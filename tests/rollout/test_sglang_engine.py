@@ -1,8 +1,9 @@
 """The ``sglang`` engine against a fake SGLang HTTP server on loopback.
 
 SGLang needs a GPU, so these tests use a stand-in that checks every request against the
-documented protocol (reference/areal-behaviour.md §6.4): exact /generate payload keys and
-values, pause/continue bodies, update_weights_from_disk, health. Test names say "fake_server".
+documented protocol (SGLang 0.5.10, as AReaL's ``areal/engine/sglang_remote.py`` sends it):
+exact /generate payload keys and values, pause/continue bodies, update_weights_from_disk,
+health. Test names say "fake_server".
 """
 
 from __future__ import annotations

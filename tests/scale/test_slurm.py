@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from areal_grpc.coordinator.metrics import read_jsonl
+from areal_grpc.ports import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "salloc", "sbatch", "squeue", "scancel", "sinfo", "scontrol")
@@ -35,12 +36,6 @@ SLURM = ("launcher.mode=slurm", "output.progress_bar=false")
 
 def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(cond, timeout: float, what: str) -> None:
@@ -78,8 +73,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                 f"SlurmctldHost={host}",
                 "SlurmUser=root",
                 "SlurmdUser=root",
-                f"SlurmctldPort={_free_port()}",
-                f"SlurmdPort={_free_port()}",
+                f"SlurmctldPort={free_port()}",
+                f"SlurmdPort={free_port()}",
                 "AuthType=auth/munge",
                 "CredType=cred/munge",
                 f"AuthInfo=socket={sock}",

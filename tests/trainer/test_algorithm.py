@@ -1,7 +1,8 @@
 """The GRPO / decoupled-PPO math against element-by-element reference computations.
 
-The references are written here straight from reference/areal-behaviour.md §5 with Python
-loops over plain floats, independent of the vectorised code under test.
+The references are written here from AReaL's formulas (``areal/trainer/ppo/actor.py`` and
+``areal/utils/functional/functional.py`` at commit cbff54d6) with Python loops over plain
+floats, independent of the vectorised code under test.
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def test_trainable_mask_drops_token_zero_and_padding():
 
 
 def ref_token_loss(theta, prox, behave, adv, cfg: PPOConfig):
-    """(loss, kept, clipped, w) of one token straight from §5.3."""
+    """(loss, kept, clipped, w) of one token straight from AReaL's ``ppo_actor_loss_fn``."""
     ratio = math.exp(theta - prox)
     hi = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
     clipped_ratio = min(max(ratio, 1 - cfg.eps_clip), 1 + hi)

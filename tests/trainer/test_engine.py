@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import traceback
 
 import pytest
@@ -28,6 +27,7 @@ from areal_servers.trainer.microbatch import MicroBatchSpec
 from areal_servers.trainer.weight_publisher import gather_buckets, published_tensors, tensor_metas
 from torch.distributed.tensor import DTensor
 
+from areal_grpc.ports import free_port
 from areal_grpc.weight_transfer import plan_buckets
 
 MODEL = "builtin:micro"
@@ -62,12 +62,6 @@ def params(engine: TrainerEngine) -> dict[str, torch.Tensor]:
 def max_diff(a, b) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_warmup_schedule():

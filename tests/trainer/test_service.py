@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,18 +31,13 @@ from safetensors.torch import load_file
 from areal_grpc.batch import batch_to_trajectories, groups_to_batch
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_tokenizer
+from areal_grpc.ports import free_port
 from areal_grpc.server import sync_channel
 
 MODEL = "builtin:micro"
 LR = 1e-5
 MAX_TOKENS = 30
 RPC_TIMEOUT = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -13,7 +13,6 @@ import hashlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -42,16 +41,11 @@ from arealgrpc.v1 import (
 
 from areal_grpc.config import LoraSettings
 from areal_grpc.model import load_tokenizer
+from areal_grpc.ports import free_port
 from areal_grpc.server import BackgroundServer, service, sync_channel
 
 MODEL = "builtin:micro"
 RPC_TIMEOUT = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def nccl_offer(**params: Any) -> weight_sync_pb2.TransferOption:

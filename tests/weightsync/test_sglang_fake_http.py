@@ -1,9 +1,9 @@
 """WeightSyncService over the sglang engine, against a fake SGLang HTTP server.
 
 SGLang cannot run here (it needs a GPU), so a fake HTTP server stands in for it and records
-what it is sent. The test checks the exact documented payloads (reference/areal-behaviour.md
-§6.4, SGLang 0.5.10): ``/init_weights_update_group`` once per group, one
-``/update_weights_from_distributed`` per bucket, ``/update_weights_from_disk`` with the
+what it is sent. The test checks the exact documented payloads (SGLang 0.5.10, as AReaL's
+``areal/engine/sglang_remote.py`` sends them): ``/init_weights_update_group`` once per group,
+one ``/update_weights_from_distributed`` per bucket, ``/update_weights_from_disk`` with the
 confined path; and that refused updates send SGLang nothing.
 """
 
