@@ -279,8 +279,9 @@ class InferenceEngine(abc.ABC):
 
         ``owned``: the caller hands the tensors over (fresh, referenced by nobody else, never
         changed afterwards), so the engine may keep them without a copy and hand back the
-        tensors they replaced, by name, for the caller to reuse; ``{}`` when it hands nothing
-        back (always, for an engine that copies). Raises
+        tensors they replaced, by name, for the caller to reuse (an engine that copies may
+        hand back the given ones once it is done with them); ``{}`` when it hands nothing
+        back. Raises
         :class:`areal_grpc.errors.PreconditionError` unless ``version`` is newer than the
         served one, and ValueError (nothing changed) when the state dict does not match.
         """

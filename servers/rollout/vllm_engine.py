@@ -139,6 +139,8 @@ class VLLMEngine(InferenceEngine):
         self._adapters = AdapterBook()
         self._adapter_ids: dict[str, int] = {}
         self._unloads: set[asyncio.Task[None]] = set()
+        # Weight files being removed in the background (off the update's path).
+        self._removals: set[asyncio.Future[None]] = set()
         self._watchdog: asyncio.Task[None] | None = None
         self._failure: str | None = None
         self._closed = False
@@ -254,6 +256,7 @@ class VLLMEngine(InferenceEngine):
         """Stops vLLM's processes and removes what this engine wrote."""
         self._closed = True
         self._gate.open()
+        await asyncio.gather(*list(self._removals), return_exceptions=True)
         tasks = [t for t in (self._watchdog, *self._unloads) if t is not None]
         for t in tasks:
             t.cancel()
@@ -444,8 +447,12 @@ class VLLMEngine(InferenceEngine):
     async def load_weights(
         self, state_dict: Mapping[str, torch.Tensor], version: int, *, owned: bool = False
     ) -> dict[str, torch.Tensor]:
-        """Checks ``state_dict`` against the model, then loads it into vLLM (see the module);
-        vLLM keeps its own copy, so nothing is handed back."""
+        """Checks ``state_dict`` against the model, then loads it into vLLM (see the module).
+
+        vLLM keeps its own copy, so tensors handed over (``owned``) are handed back once
+        loaded: the next update receives into them, pages already mapped, instead of into
+        fresh memory (513 MiB for SmolLM2: a copy into warm buffers costs a fifth of one
+        into fresh memory here)."""
         self._check_alive()
         async with self._update_lock:
             if version <= self._version:
@@ -470,7 +477,7 @@ class VLLMEngine(InferenceEngine):
             self._version = version
             if paused_here:
                 await self.resume()
-        return {}
+        return dict(state_dict) if owned else {}
 
     def _checked(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors to load, or ValueError (nothing changed) when they do not fit."""
@@ -511,7 +518,13 @@ class VLLMEngine(InferenceEngine):
             await self._llm.collective_rpc("areal_load_weights", args=(str(path),))
             done = time.perf_counter()
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            # Off the update's path: freeing the file's pages (513 MiB for SmolLM2) takes
+            # 0.07 s here, which generation need not wait for.
+            removal = asyncio.ensure_future(
+                asyncio.to_thread(shutil.rmtree, scratch, ignore_errors=True)
+            )
+            self._removals.add(removal)
+            removal.add_done_callback(self._removals.discard)
         self.last_load_s = (written - start, done - written)
         log.info(
             "vllm engine: version %d loaded: %.3f s writing %.0f MiB, %.3f s in vLLM's reload",

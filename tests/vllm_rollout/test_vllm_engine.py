@@ -8,8 +8,10 @@ seed is the reference for tokens and log-probs.
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -324,6 +326,13 @@ def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
     assert grown < 10 * nbytes, f"vLLM grew {grown / 2**20:.0f} MiB over 200 updates"
     assert vllm_server.greedy(PROMPT).output_ids
     assert vllm_server.fatal == []
+    # Each update's file is removed in the background: none of the 220 is left behind.
+    deadline = time.monotonic() + 60
+    while left := list(Path(tempfile.gettempdir()).glob("areal-vllm-weights-*")) + list(
+        Path("/dev/shm").glob("areal-vllm-weights-*")
+    ):
+        assert time.monotonic() < deadline, f"weight files left behind: {left[:3]}"
+        time.sleep(0.1)
 
 
 def test_an_idle_worker_gives_its_core_back(vllm_server: VllmServer):
