@@ -303,6 +303,10 @@ class VLLMEngine(InferenceEngine):
                 llm.collective_rpc("areal_ping", timeout=timeout_s), timeout=timeout_s
             )
         except asyncio.TimeoutError:
+            # A ping sent just before the engine process died waits out its time instead of
+            # failing: say what happened, not only that nothing answered.
+            if llm.errored:
+                return "its engine process died"
             return f"its processes did not answer within {timeout_s:g} s"
         except Exception as exc:
             return f"its engine process died ({type(exc).__name__}: {exc})"

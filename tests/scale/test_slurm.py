@@ -193,7 +193,8 @@ def test_the_default_run_under_salloc_starts_its_servers_as_job_steps(
     assert len({s.split(".")[0] for s in steps}) == 1 and len(set(steps)) == 3
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
-    assert _queue(slurm) == []
+    # salloc returns once its command exits; slurmctld completes the job just after.
+    _wait(lambda: _queue(slurm) == [], 60, "the allocation to leave the queue")
     # Outside an allocation the mode is refused, naming it.
     refused = subprocess.run(
         _coordinator(small, tmp_path / "refused"),
@@ -249,7 +250,7 @@ def test_a_killed_step_is_restarted_inside_the_allocation(slurm, tmp_path, coord
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     seqs = [g["seq"] for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
     assert len(seqs) == len(set(seqs)) == steps * 2
-    assert _queue(slurm) == []
+    _wait(lambda: _queue(slurm) == [], 60, "the allocation to leave the queue")
 
 
 def test_a_submitted_run_is_stopped_by_scancel_with_nothing_left(
