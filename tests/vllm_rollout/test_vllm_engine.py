@@ -317,6 +317,12 @@ def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
 
         vllm_server.server.call(run(), timeout_s=900)
 
+    def weight_files() -> set[Path]:
+        roots = (Path(tempfile.gettempdir()), Path("/dev/shm"))
+        return {d for r in roots if r.is_dir() for d in r.glob("areal-vllm-weights-*")}
+
+    # Left by other runs (a server killed with SIGKILL mid-update cannot remove its own).
+    earlier = weight_files()
     update(20)  # allocator and page cache settle
     before = rss()
     update(200)
@@ -328,10 +334,8 @@ def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
     assert vllm_server.fatal == []
     # Each update's file is removed in the background: none of the 220 is left behind.
     deadline = time.monotonic() + 60
-    while left := list(Path(tempfile.gettempdir()).glob("areal-vllm-weights-*")) + list(
-        Path("/dev/shm").glob("areal-vllm-weights-*")
-    ):
-        assert time.monotonic() < deadline, f"weight files left behind: {left[:3]}"
+    while left := weight_files() - earlier:
+        assert time.monotonic() < deadline, f"weight files left behind: {sorted(left)[:3]}"
         time.sleep(0.1)
 
 
