@@ -20,8 +20,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ __all__ = [
     "TrainerConfig",
     "VllmSettings",
     "WeightSyncConfig",
+    "describe",
     "load_config",
     "to_json",
     "to_yaml",
@@ -80,7 +82,8 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 # Named algorithms as settings of the same objective: what ``algorithm: <name>`` sets, below
 # whatever the file and the overrides set (so each of these keys can still be changed).
-# Meanings as in AReaL's docs/en/algorithms/grpo_series.md.
+# Meanings as in AReaL's
+# https://github.com/inclusionAI/AReaL/blob/main/docs/en/algorithms/grpo_series.md
 ALGORITHMS: dict[str, dict[str, Any]] = {
     # Group-normalised rewards, token-level ratios, token mean over the batch.
     "grpo": {},
@@ -143,6 +146,22 @@ WEIGHT_SYNC_METHODS = ("distributed", "shared_memory", "socket", "stream", "disk
 LAUNCH_MODES = ("local", "attach", "ray", "slurm")
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    help: str,
+    choices: Sequence[str] = (),
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A config field with its help text and, for one of a fixed set of strings (or a list
+    of them), that set: :func:`validate_config` refuses any other value, naming the key."""
+    meta = {"help": help, "choices": tuple(choices)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -151,56 +170,87 @@ class LoraSettings:
     weight update; the base weights stay frozen in every process. ``rank`` 0: no LoRA, the
     whole model trains."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    # Module names (or suffixes) that get adapters; "all-linear" is every linear layer but
-    # the output head (peft's meaning).
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    dropout: float = 0.0
-    # Exports hold the adapter (adapter_config.json + adapter_model.safetensors, for peft);
-    # with this set, also the merged full model in <export>/merged.
-    merged_export: bool = False
+    rank: int = setting(0, help="Adapter rank r; 0: no LoRA, the whole model trains.")
+    alpha: float = setting(
+        16.0,
+        help="LoRA's alpha: the adapter's update is scaled by alpha / rank.",
+    )
+    target_modules: list[str] = setting(
+        factory=lambda: ["all-linear"],
+        help='Module names (or suffixes) that get adapters; "all-linear" is every linear layer'
+        " but the output head (peft's meaning).",
+    )
+    dropout: float = setting(0.0, help="Dropout on the adapters' input during training.")
+    merged_export: bool = setting(
+        False,
+        help="Exports hold the adapter (adapter_config.json + adapter_model.safetensors, for "
+        "peft); with this set, also the merged full model in <export>/merged.",
+    )
 
 
 @dataclass
 class ModelConfig:
     """Which policy to train."""
 
-    # "builtin:micro" (0.16M params), "builtin:tiny" (about 1M), or a local HF checkpoint dir.
-    # micro is the default because the measured runs that learn within a minute on one CPU
-    # core used a model of that size; larger ones learned several times slower.
-    source: str = "builtin:micro"
-    # Seeds model init, the dataloader order and sampling.
-    seed: int = 0
-    lora: LoraSettings = field(default_factory=LoraSettings)
+    source: str = setting(
+        "builtin:micro",
+        help="builtin:micro (0.16M params), builtin:tiny (about 1M), a local HF checkpoint "
+        "directory, a GGUF file, or a named model (smollm2-135m-instruct, converted once "
+        "into the cache). micro is the default: the measured runs that learn within a "
+        "minute on one CPU core used a model of that size.",
+    )
+    seed: int = setting(0, help="Seeds model init, the dataloader order and sampling.")
+    lora: LoraSettings = setting(
+        factory=LoraSettings,
+        help="LoRA adapters on the policy (rank 0: none).",
+    )
 
 
 @dataclass
 class DataConfig:
     """The prompts."""
 
-    # A built-in task (areal_grpc.tasks: "first3", "echo"), a task whose items come from path,
-    # or "external": no prompts of the run's own, it trains only on the groups producers
-    # submit (the gateway's sessions, SubmitTrajectories).
-    task: str = "first3"
-    # Train items (JSONL or Parquet, read with the datasets library) for tasks that are not
-    # built in (e.g. "gsm8k"); None for built-ins.
-    path: str | None = None
-    # Held-out items for eval (same formats); None: the first 10% of path is held out.
-    eval_path: str | None = None
-    shuffle: bool = True
+    task: str = setting(
+        "first3",
+        help='A built-in task (areal_grpc.tasks: "first3", "echo"), a task whose items come '
+        'from path, or "external": no prompts of the run\'s own, it trains only on the '
+        "groups producers submit (the gateway's sessions, SubmitTrajectories).",
+    )
+    path: str | None = setting(
+        None,
+        help="Train items (JSONL or Parquet, read with the datasets library) for tasks that are "
+        'not built in (e.g. "gsm8k"); None for built-ins.',
+    )
+    eval_path: str | None = setting(
+        None,
+        help="Held-out items for eval (same formats); None: the first 10% of path is held out.",
+    )
+    shuffle: bool = setting(
+        True,
+        help="Shuffle the train items (seeded by model.seed) before each pass.",
+    )
 
 
 @dataclass
 class SamplingSettings:
     """Sampling of rollouts."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    # 0: no top-k limit.
-    top_k: int = 0
-    # None: the task's own answer length (2 tokens for the built-in tasks).
-    max_new_tokens: int | None = None
+    temperature: float = setting(
+        1.0,
+        help="Sampling temperature; 0 is greedy. The trainer recomputes log-probs under the same"
+        " temperature.",
+    )
+    top_p: float = setting(
+        1.0,
+        help="Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: "
+        "all).",
+    )
+    top_k: int = setting(0, help="Sample among the k most likely tokens only; 0: no limit.")
+    max_new_tokens: int | None = setting(
+        None,
+        help="Tokens generated per sample at most; null: the task's own answer length (2 tokens "
+        "for the built-in tasks).",
+    )
 
 
 @dataclass
@@ -211,77 +261,148 @@ class VllmSettings:
     KV cache, eager mode.
     """
 
-    # KV cache per server, GiB (host memory on the CPU backend, GPU memory on a GPU).
-    kv_cache_gib: float = 2.0
-    # Sequences decoded at once at most (vLLM's max_num_seqs).
-    max_num_seqs: int = 64
-    # Longest prompt + output; 0: the model's context, capped at 4096 (the KV cache must
-    # hold one sequence of this length).
-    max_model_len: int = 0
-    dtype: str = "float32"
-    # CPU cores vLLM keeps for its own scheduler process (None: vLLM's default, one); the
-    # rest run its model worker. 0 gives the worker every core.
-    reserved_cpus: int | None = None
-    # Seconds the engine may take to start (imports, its processes, the model load).
-    start_timeout_s: float = 600.0
-    # vLLM's engine process is asked whether it is alive this often; one that has died or
-    # does not answer within health_timeout_s takes the server down, so its launcher
-    # replaces it.
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 60.0
-    # Seconds vLLM's model worker busy-waits for its next message before it sleeps (vLLM
-    # itself spins 1 s after every message, a core's worth of CPU that the trainer sharing
-    # these cores lost: on 2 cores its steps took 19.5 s instead of 14.9 s). A step of a
-    # running batch comes sooner than this, so generation does not wait on a wake-up.
-    idle_spin_s: float = 0.05
+    kv_cache_gib: float = setting(
+        2.0,
+        help="KV cache per server, GiB (host memory on the CPU backend, GPU memory on a GPU).",
+    )
+    max_num_seqs: int = setting(64, help="Sequences decoded at once at most (vLLM's max_num_seqs).")
+    max_model_len: int = setting(
+        0,
+        help="Longest prompt + output; 0: the model's context, capped at 4096 (the KV cache must"
+        " hold one sequence of this length).",
+    )
+    dtype: str = setting(
+        "float32",
+        help="The dtype vLLM loads the model in (fp32 on CPUs without fast bf16).",
+        choices=VLLM_DTYPES,
+    )
+    reserved_cpus: int | None = setting(
+        None,
+        help="CPU cores vLLM keeps for its own scheduler process (None: vLLM's default, one); "
+        "the rest run its model worker. 0 gives the worker every core.",
+    )
+    start_timeout_s: float = setting(
+        600.0,
+        help="Seconds the engine may take to start (imports, its processes, the model load).",
+    )
+    health_interval_s: float = setting(
+        5.0,
+        help="vLLM's engine process is asked whether it is alive this often; one that has died "
+        "or does not answer within health_timeout_s takes the server down, so its launcher "
+        "replaces it.",
+    )
+    health_timeout_s: float = setting(
+        60.0,
+        help="Seconds a liveness check of vLLM's engine process may take (see health_interval_s).",
+    )
+    idle_spin_s: float = setting(
+        0.05,
+        help="Seconds vLLM's model worker busy-waits for its next message before it sleeps (vLLM"
+        " itself spins 1 s after every message, a core's worth of CPU that the trainer "
+        "sharing these cores lost: on 2 cores its steps took 19.5 s instead of 14.9 s). A "
+        "step of a running batch comes sooner than this, so generation does not wait on a "
+        "wake-up.",
+    )
 
 
 @dataclass
 class RolloutConfig:
     """The rollout (inference) servers and what they run."""
 
-    num_servers: int = 1
-    engine: str = "hf"
-    device: str = "auto"
-    # One SGLang base URL per rollout server when engine is "sglang" in local mode.
-    sglang_urls: list[str] = field(default_factory=list)
-    # A registered workflow name or an import path "pkg.mod:name".
-    workflow: str = "rlvr"
-    # A reward in areal_grpc.rewards.REWARD_FNS ("task": the task's own) or an import path.
-    reward: str = "task"
-    # Prompts through the model's chat template: "auto" when the tokenizer has one, "on"
-    # (an error without one), "off" (raw text).
-    chat_template: str = "auto"
-    # The system message of chat prompts (None: the template's own default, if any).
-    system_prompt: str | None = None
-    # Torch CPU threads of each rollout server.
-    torch_threads: int = 1
-    # Requests each hf server decodes at once at most (rows of its batch).
-    max_running_requests: int = 256
-    # Default parameters of the workflow (a request's own params override them).
-    workflow_params: dict[str, Any] = field(default_factory=dict)
-    # KV cache budget of each hf server in token slots (rows x the longest row's prompt +
-    # max_new_tokens); requests wait until they fit; None: unbounded but for 256 rows.
-    max_batch_tokens: int | None = None
-    sampling: SamplingSettings = field(default_factory=SamplingSettings)
-    vllm: VllmSettings = field(default_factory=VllmSettings)
-    # Prompts generating at once over all servers; None: staleness.batch_size (AReaL's default).
-    max_concurrent_rollouts: int | None = None
-    # A server holding a task longer than this is taken as stalled: out of rotation, its work
-    # re-queued elsewhere. Generous: one episode of a long workflow may take minutes.
-    episode_timeout_s: float = 1800.0
-    # Liveness check of every server in rotation: a server whose health check fails (or does
-    # not answer within health_timeout_s) is treated like a stalled one.
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 5.0
-    # Restarts of rollout servers that died (their process is gone, or they stayed out of
-    # rotation too long), over the whole run and all servers; local and Ray launchers only.
-    max_restarts: int = 3
-    # A launcher's server that still runs but has been out of rotation this long is replaced
-    # (stopped, a fresh one started) instead of waited for; one whose process is gone at once.
-    replace_after_s: float = 60.0
-    # With no server left in rotation for this long, the run fails instead of waiting forever.
-    no_server_timeout_s: float = 300.0
+    num_servers: int = setting(
+        1,
+        help="Rollout servers the launcher starts (attach mode: the addresses given).",
+    )
+    engine: str = setting(
+        "hf",
+        help="The rollout servers' inference engine: the in-process transformers engine (hf), "
+        "vLLM, or an SGLang server per rollout server.",
+        choices=ENGINES,
+    )
+    device: str = setting(
+        "auto",
+        help="Where the rollout servers generate; auto: a GPU when one is visible, else the CPU.",
+        choices=DEVICES,
+    )
+    sglang_urls: list[str] = setting(
+        factory=list,
+        help='One SGLang base URL per rollout server when engine is "sglang" in local mode.',
+    )
+    workflow: str = setting(
+        "rlvr",
+        help='A registered workflow name or an import path "pkg.mod:name".',
+    )
+    reward: str = setting(
+        "task",
+        help='A reward in areal_grpc.rewards.REWARD_FNS ("task": the task\'s own) or an import '
+        "path.",
+    )
+    chat_template: str = setting(
+        "auto",
+        help='Prompts through the model\'s chat template: "auto" when the tokenizer has one, '
+        '"on" (an error without one), "off" (raw text).',
+        choices=CHAT_TEMPLATE_MODES,
+    )
+    system_prompt: str | None = setting(
+        None,
+        help="The system message of chat prompts (None: the template's own default, if any).",
+    )
+    torch_threads: int = setting(1, help="Torch CPU threads of each rollout server.")
+    max_running_requests: int = setting(
+        256,
+        help="Requests each hf server decodes at once at most (rows of its batch).",
+    )
+    workflow_params: dict[str, Any] = setting(
+        factory=dict,
+        help="Default parameters of the workflow (a request's own params override them).",
+    )
+    max_batch_tokens: int | None = setting(
+        None,
+        help="KV cache budget of each hf server in token slots (rows x the longest row's prompt "
+        "+ max_new_tokens); requests wait until they fit; None: unbounded but for 256 rows.",
+    )
+    sampling: SamplingSettings = setting(
+        factory=SamplingSettings,
+        help="Sampling of the run's own rollouts (a request's own parameters override them).",
+    )
+    vllm: VllmSettings = setting(factory=VllmSettings, help="The vllm engine's own settings.")
+    max_concurrent_rollouts: int | None = setting(
+        None,
+        help="Prompts generating at once over all servers; None: staleness.batch_size (AReaL's "
+        "default).",
+    )
+    episode_timeout_s: float = setting(
+        1800.0,
+        help="A server holding a task longer than this is taken as stalled: out of rotation, its"
+        " work re-queued elsewhere. Generous: one episode of a long workflow may take "
+        "minutes.",
+    )
+    health_interval_s: float = setting(
+        5.0,
+        help="Liveness check of every server in rotation: a server whose health check fails (or "
+        "does not answer within health_timeout_s) is treated like a stalled one.",
+    )
+    health_timeout_s: float = setting(
+        5.0,
+        help="Seconds a server's health check may take (see health_interval_s).",
+    )
+    max_restarts: int = setting(
+        3,
+        help="Restarts of rollout servers that died (their process is gone, or they stayed out "
+        "of rotation too long), over the whole run and all servers; local and Ray launchers"
+        " only.",
+    )
+    replace_after_s: float = setting(
+        60.0,
+        help="A launcher's server that still runs but has been out of rotation this long is "
+        "replaced (stopped, a fresh one started) instead of waited for; one whose process "
+        "is gone at once.",
+    )
+    no_server_timeout_s: float = setting(
+        300.0,
+        help="With no server left in rotation for this long, the run fails instead of waiting "
+        "forever.",
+    )
 
 
 @dataclass
@@ -293,13 +414,24 @@ class NormSettings:
     REINFORCE++ batch/batch; none/none leaves the values as they are.
     """
 
-    mean_level: str = "group"
-    std_level: str = "group"
-    # The mean of the *other* members of the group (RLOO's baseline).
-    mean_leave1out: bool = False
-    # n - 1 in the std's denominator.
-    std_unbiased: bool = True
-    eps: float = 1e-5
+    mean_level: str = setting(
+        "group",
+        help="Where the mean is taken: per trajectory group, over the global batch, or none (no "
+        "centring).",
+        choices=NORM_LEVELS,
+    )
+    std_level: str = setting(
+        "group",
+        help="Where the std is taken: per trajectory group, over the global batch, or none "
+        "(divide by 1 and drop eps).",
+        choices=NORM_LEVELS,
+    )
+    mean_leave1out: bool = setting(
+        False,
+        help="The mean of the *other* members of the group (RLOO's baseline).",
+    )
+    std_unbiased: bool = setting(True, help="n - 1 in the std's denominator.")
+    eps: float = setting(1e-5, help="Added to the std before dividing.")
 
 
 @dataclass
@@ -312,149 +444,287 @@ class RejectionSettings:
     IcePop adds lower 0.5; metric "none": no weight.
     """
 
-    metric: str = "ratio"
-    level: str = "token"
-    action: str = "mask"
-    agg: str = "mean"
-    lower: float | None = None
-    upper: float = 5.0
+    metric: str = setting(
+        "ratio",
+        help="What is measured per token: the ratio exp(prox - behaviour), a KL estimator of it "
+        "(kl_k1..kl_k3), KPop's binary_kl; none: no behaviour weight at all.",
+        choices=REJECTION_METRICS,
+    )
+    level: str = setting(
+        "token",
+        help="Judge each token, or a whole sequence by agg of its tokens' values.",
+        choices=IMPORTANCE_SAMPLING_LEVELS,
+    )
+    action: str = setting(
+        "mask",
+        help="What happens to what falls outside [lower, upper]: dropped from the loss (mask), "
+        "or, for metric ratio, its weight clamped into the bounds (clamp).",
+        choices=REJECTION_ACTIONS,
+    )
+    agg: str = setting(
+        "mean",
+        help="How a sequence's token values are combined at level sequence (for ratio, of the "
+        "log-ratios: mean is the geometric mean ratio).",
+        choices=REJECTION_AGGS,
+    )
+    lower: float | None = setting(
+        None,
+        help="Lower bound of the metric (a ratio for metric ratio); null: none.",
+    )
+    upper: float = setting(5.0, help="Upper bound of the metric (a ratio for metric ratio).")
 
 
 @dataclass
 class PPOSettings:
     """GRPO / decoupled-PPO actor settings (AReaL's defaults where it has one)."""
 
-    eps_clip: float = 0.2
-    # Upper clip (clip-higher); None: eps_clip.
-    eps_clip_higher: float | None = None
-    # Dual-clip constant (> 1); None disables it.
-    c_clip: float | None = None
-    # Which tokens the decoupled loss trusts (see RejectionSettings).
-    rejection: RejectionSettings = field(default_factory=RejectionSettings)
-    # Normalisation of the (shaped) sequence rewards before they become advantages: GRPO's
-    # per-group mean and std by default.
-    reward_norm: NormSettings = field(default_factory=NormSettings)
-    # Extra normalisation of the token advantages; none, as in the measured GRPO runs.
-    adv_norm: NormSettings = field(default_factory=lambda: NormSettings("none", "none"))
-    # Rewards are (r + overlong penalty + reward_bias) * reward_scale, clipped to
-    # +-reward_clip, before norms.
-    reward_bias: float = 0.0
-    reward_scale: float = 1.0
-    reward_clip: float = 20.0
-    kl_ctl: float = 0.0
-    # KL estimator of the penalty (Schulman's k1, k2, k3).
-    kl_estimator: str = "k1"
-    # KL to the reference (initial) model as a loss term, beta * KL per trained token,
-    # instead of or beside the reward penalty kl_ctl; either one loads the reference model.
-    kl_loss_coef: float = 0.0
-    kl_loss_estimator: str = "k3"
-    # PPO mini-batches: the batch is cut into n_minibatches token-balanced slices (the same
-    # count on every rank), one optimizer step each, and passed over `epochs` times; the
-    # policy version still advances once per batch. More than one update per batch
-    # recomputes the proximal log-probs before the first (one extra forward pass).
-    n_minibatches: int = 1
-    epochs: int = 1
-    # The proximal log-probs when several updates (or dropout) make them cost a forward pass:
-    # "recompute" (that pass), "loglinear" (interpolated by version, no pass), "metrics"
-    # (recompute, and report loglinear's error as prox_approx_* step stats).
-    prox_logp_method: str = "recompute"
-    # "token" ratios, or "sequence": GSPO's one ratio per sequence (exp of its mean token
-    # log-ratio) with the sequence's mean advantage.
-    importance_sampling_level: str = "token"
-    # Token losses to the step's loss: "token_mean" over the batch, "seq_mean" (each
-    # sequence's token mean, averaged), "constant" (token sum over loss_constant_len x
-    # sequences, Dr.GRPO; loss_constant_len 0: rollout.sampling.max_new_tokens).
-    loss_agg: str = "token_mean"
-    loss_constant_len: int = 0
-    # DAPO's overlong penalty, added to the raw reward (before bias and scale): 0 up to
-    # overlong_max_len - overlong_cache response tokens, then down linearly to
-    # -overlong_factor at overlong_max_len and beyond (overlong_max_len 0: off).
-    overlong_max_len: int = 0
-    overlong_cache: int = 0
-    overlong_factor: float = 1.0
+    eps_clip: float = setting(
+        0.2,
+        help="PPO's clip range: the ratio is clipped to [1 - eps_clip, 1 + eps_clip_higher].",
+    )
+    eps_clip_higher: float | None = setting(None, help="Upper clip (clip-higher); None: eps_clip.")
+    c_clip: float | None = setting(None, help="Dual-clip constant (> 1); None disables it.")
+    rejection: RejectionSettings = setting(
+        factory=RejectionSettings,
+        help="Which tokens the decoupled loss trusts: the behaviour importance weight "
+        "exp(prox - behaviour) and the tokens it rejects.",
+    )
+    reward_norm: NormSettings = setting(
+        factory=NormSettings,
+        help="Normalisation of the (shaped) sequence rewards before they become advantages: "
+        "GRPO's per-group mean and std by default.",
+    )
+    adv_norm: NormSettings = setting(
+        factory=lambda: NormSettings("none", "none"),
+        help="Extra normalisation of the token advantages; none, as in the measured GRPO runs.",
+    )
+    reward_bias: float = setting(
+        0.0,
+        help="Rewards are (r + overlong penalty + reward_bias) * reward_scale, clipped to "
+        "+-reward_clip, before norms.",
+    )
+    reward_scale: float = setting(
+        1.0,
+        help="Rewards are multiplied by this after the bias (see reward_bias).",
+    )
+    reward_clip: float = setting(20.0, help="Shaped rewards are clipped to +-reward_clip.")
+    kl_ctl: float = setting(
+        0.0,
+        help="KL-to-reference penalty in the token rewards, -kl_ctl * KL summed from each token "
+        "on (0: none; else the reference model is loaded on every rank).",
+    )
+    kl_estimator: str = setting(
+        "k1",
+        help="KL estimator of the penalty (Schulman's k1, k2, k3).",
+        choices=KL_ESTIMATORS,
+    )
+    kl_loss_coef: float = setting(
+        0.0,
+        help="KL to the reference (initial) model as a loss term, beta * KL per trained token, "
+        "instead of or beside the reward penalty kl_ctl; either one loads the reference "
+        "model.",
+    )
+    kl_loss_estimator: str = setting(
+        "k3",
+        help="KL estimator of the loss term kl_loss_coef (k3 is unbiased and never negative).",
+        choices=KL_ESTIMATORS,
+    )
+    n_minibatches: int = setting(
+        1,
+        help="PPO mini-batches: the batch is cut into n_minibatches token-balanced slices (the "
+        "same count on every rank), one optimizer step each, and passed over `epochs` "
+        "times; the policy version still advances once per batch. More than one update per "
+        "batch recomputes the proximal log-probs before the first (one extra forward pass).",
+    )
+    epochs: int = setting(1, help="Passes over the batch's mini-batches (see n_minibatches).")
+    prox_logp_method: str = setting(
+        "recompute",
+        help="The proximal log-probs when several updates (or dropout) make them cost a forward "
+        'pass: "recompute" (that pass), "loglinear" (interpolated by version, no pass),'
+        ' "metrics" (recompute, and report loglinear\'s error as prox_approx_* step '
+        "stats).",
+        choices=PROX_LOGP_METHODS,
+    )
+    importance_sampling_level: str = setting(
+        "token",
+        help='"token" ratios, or "sequence": GSPO\'s one ratio per sequence (exp of its mean '
+        "token log-ratio) with the sequence's mean advantage.",
+        choices=IMPORTANCE_SAMPLING_LEVELS,
+    )
+    loss_agg: str = setting(
+        "token_mean",
+        help='Token losses to the step\'s loss: "token_mean" over the batch, "seq_mean" (each'
+        ' sequence\'s token mean, averaged), "constant" (token sum over loss_constant_len '
+        "x sequences, Dr.GRPO; loss_constant_len 0: rollout.sampling.max_new_tokens).",
+        choices=LOSS_AGGREGATIONS,
+    )
+    loss_constant_len: int = setting(
+        0,
+        help="The constant of loss_agg constant (0: rollout.sampling.max_new_tokens).",
+    )
+    overlong_max_len: int = setting(
+        0,
+        help="DAPO's overlong penalty, added to the raw reward (before bias and scale): 0 up to "
+        "overlong_max_len - overlong_cache response tokens, then down linearly to "
+        "-overlong_factor at overlong_max_len and beyond (overlong_max_len 0: off).",
+    )
+    overlong_cache: int = setting(
+        0,
+        help="Response tokens over which the overlong penalty ramps down (see overlong_max_len).",
+    )
+    overlong_factor: float = setting(
+        1.0,
+        help="The overlong penalty at and beyond overlong_max_len, in reward units (see "
+        "overlong_max_len).",
+    )
 
 
 @dataclass
 class TrainerConfig:
     """The trainer ranks (one SPMD group) and the optimiser."""
 
-    ranks: int = 2
-    # Torch CPU threads of each rank.
-    torch_threads: int = 1
-    # "auto": gloo on CPU, nccl on GPU.
-    backend: str = "auto"
-    device: str = "auto"
-    lr: float = 1e-3
-    # Weight decay 0: the measured runs used none.
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
-    # The linear / cosine schedule decays to lr x min_lr_ratio at total_steps.
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0
-    max_tokens_per_mb: int = 16384
-    # Parameter dtype, and bf16 compute with fp32 reduce ("auto": on GPUs that support it).
-    dtype: str = "float32"
-    mixed_precision: str = "auto"
-    # False: a single plain process without FSDP or a process group (one rank only).
-    fsdp: bool = True
-    # Deadline of one collective inside a rank (gloo/NCCL timeout).
-    collective_timeout_s: float = 600.0
-    ppo: PPOSettings = field(default_factory=PPOSettings)
-    # Deadline of each collective call to the ranks (TrainStep, checkpoints, export): a rank
-    # that hangs (rather than dies) fails the call instead of stopping the run for good.
-    call_timeout_s: float = 3600.0
-    # Restarts of a failed trainer group (from the latest checkpoint) before the run fails.
-    max_restarts: int = 3
-    # How long a restarted group may take to come back (attach mode: restarted by its own
-    # supervisor, e.g. torchrun) before the run fails.
-    restart_timeout_s: float = 300.0
-    # During a collective call the ranks' health is checked this often (0: never): a rank
-    # that hangs (frozen, not dead) fails the call within about interval + timeout instead
-    # of call_timeout_s, and the group is restarted.
-    health_interval_s: float = 10.0
-    health_timeout_s: float = 10.0
+    ranks: int = setting(2, help="Trainer ranks: one SPMD group sharding the model with FSDP2.")
+    torch_threads: int = setting(1, help="Torch CPU threads of each rank.")
+    backend: str = setting(
+        "auto",
+        help="The ranks' process-group backend; auto: gloo on CPU, nccl on GPU.",
+        choices=BACKENDS,
+    )
+    device: str = setting(
+        "auto",
+        help="Where the ranks train; auto: a GPU per rank when there are any, else the CPU.",
+        choices=DEVICES,
+    )
+    lr: float = setting(1e-3, help="AdamW's learning rate (peak, after warm-up).")
+    weight_decay: float = setting(0.0, help="AdamW's weight decay (the measured runs used none).")
+    warmup_steps: int = setting(
+        0,
+        help="Linear warm-up of the learning rate over this many steps (0: none).",
+    )
+    lr_schedule: str = setting(
+        "constant",
+        help="After warm-up: constant, or a linear or cosine decay to lr x min_lr_ratio at "
+        "total_steps.",
+        choices=LR_SCHEDULES,
+    )
+    min_lr_ratio: float = setting(
+        0.0,
+        help="The linear / cosine schedule decays to lr x min_lr_ratio at total_steps.",
+    )
+    grad_clip: float = setting(1.0, help="Global gradient-norm clip.")
+    max_tokens_per_mb: int = setting(
+        16384,
+        help="Tokens per micro-batch at most (rows are packed by first-fit-decreasing; a longer "
+        "row gets one alone).",
+    )
+    dtype: str = setting(
+        "float32",
+        help="Parameter (and optimizer state) dtype; float64 for exactness checks.",
+        choices=DTYPES,
+    )
+    mixed_precision: str = setting(
+        "auto",
+        help="bf16 compute with fp32 gradient reduction; auto: on GPUs that support it, off on "
+        "CPUs.",
+        choices=MIXED_PRECISION,
+    )
+    fsdp: bool = setting(
+        True,
+        help="Shard the model with FSDP2 in a process group; false: one plain process (one rank "
+        "only).",
+    )
+    collective_timeout_s: float = setting(
+        600.0,
+        help="Deadline of one collective inside a rank (gloo/NCCL timeout).",
+    )
+    ppo: PPOSettings = setting(factory=PPOSettings, help="The GRPO / decoupled-PPO objective.")
+    call_timeout_s: float = setting(
+        3600.0,
+        help="Deadline of each collective call to the ranks (TrainStep, checkpoints, export): a "
+        "rank that hangs (rather than dies) fails the call instead of stopping the run for "
+        "good.",
+    )
+    max_restarts: int = setting(
+        3,
+        help="Restarts of a failed trainer group (from the latest checkpoint) before the run "
+        "fails.",
+    )
+    restart_timeout_s: float = setting(
+        300.0,
+        help="How long a restarted group may take to come back (attach mode: restarted by its "
+        "own supervisor, e.g. torchrun) before the run fails.",
+    )
+    health_interval_s: float = setting(
+        10.0,
+        help="During a collective call the ranks' health is checked this often (0: never): a "
+        "rank that hangs (frozen, not dead) fails the call within about interval + timeout "
+        "instead of call_timeout_s, and the group is restarted.",
+    )
+    health_timeout_s: float = setting(
+        10.0,
+        help="Seconds a rank's health check may take (see health_interval_s).",
+    )
 
 
 @dataclass
 class StalenessConfig:
     """Asynchrony: how far rollouts may run ahead of training."""
 
-    # eta: a rollout is trained at most this many versions after it started; 0 is synchronous.
-    max_staleness: int = 2
-    # Prompts (groups) per training step.
-    batch_size: int = 32
-    # Samples per prompt.
-    group_size: int = 8
-    # Seconds an external producer's lease (AcquireRollout, a gateway session) lasts since it
-    # was taken or last renewed (RenewRollout; the gateway renews while a session works): an
-    # abandoned lease frees its capacity after this long.
-    lease_ttl_s: float = 60.0
+    max_staleness: int = setting(
+        2,
+        help="eta: a rollout is trained at most this many versions after it started; 0 is "
+        "synchronous.",
+    )
+    batch_size: int = setting(32, help="Prompts (groups) per training step.")
+    group_size: int = setting(8, help="Samples per prompt.")
+    lease_ttl_s: float = setting(
+        60.0,
+        help="Seconds an external producer's lease (AcquireRollout, a gateway session) lasts "
+        "since it was taken or last renewed (RenewRollout; the gateway renews while a "
+        "session works): an abandoned lease frees its capacity after this long.",
+    )
 
 
 @dataclass
 class WeightSyncConfig:
     """How new weights reach the rollout servers."""
 
-    # False: rollout servers keep their initial weights (only for debugging the loop: the run
-    # cannot learn, and versions advance on the trainers alone).
-    enabled: bool = True
-    # Offered in this order; each server accepts the first it supports. Empty: the trainer's
-    # order for its device (README "Which method wins where"): shared_memory, distributed,
-    # socket, stream, disk on CPU; distributed first on GPU.
-    methods: list[str] = field(default_factory=list)
-    # Seconds one fleet update may take before the step fails.
-    timeout_s: float = 600.0
-    # Root for the disk method; None: <output.dir>/weights.
-    disk_root: str | None = None
-    # Versions kept under disk_root (older ones are pruned).
-    keep_versions: int = 2
-    # Parameters are gathered and sent in buckets of this many MiB.
-    bucket_mb: float = 64.0
-    # Address rollout servers use to reach trainer rank 0's weight group (None: its gRPC host).
-    master_addr: str | None = None
-    # Backend of the distributed method's group: "auto" is nccl on GPU, gloo on CPU.
-    backend: str = "auto"
+    enabled: bool = setting(
+        True,
+        help="Send each new version to the rollout servers; false keeps their initial weights "
+        "(only for debugging the loop: the run cannot learn, and versions advance on the "
+        "trainers alone).",
+    )
+    methods: list[str] = setting(
+        factory=list,
+        help="The methods offered, in this order; each server accepts the first it supports. "
+        'Empty: the trainer\'s order for its device (README "Which method wins where"): '
+        "shared_memory, distributed, socket, stream, disk on CPU; distributed first on GPU.",
+        choices=WEIGHT_SYNC_METHODS,
+    )
+    timeout_s: float = setting(
+        600.0,
+        help="Seconds one fleet update may take before the step fails.",
+    )
+    disk_root: str | None = setting(
+        None,
+        help="Root for the disk method; None: <output.dir>/weights.",
+    )
+    keep_versions: int = setting(2, help="Versions kept under disk_root (older ones are pruned).")
+    bucket_mb: float = setting(
+        64.0,
+        help="Parameters are gathered and sent in buckets of this many MiB.",
+    )
+    master_addr: str | None = setting(
+        None,
+        help="Address rollout servers use to reach trainer rank 0's weight group (None: its gRPC"
+        " host).",
+    )
+    backend: str = setting(
+        "auto",
+        help='Backend of the distributed method\'s group: "auto" is nccl on GPU, gloo on CPU.',
+        choices=BACKENDS,
+    )
 
     def accepted_methods(self) -> tuple[str, ...]:
         """The methods the run may use: those listed, or every one when none is."""
@@ -465,55 +735,79 @@ class WeightSyncConfig:
 class GatewaySettings:
     """The OpenAI-compatible agent gateway (areal-gateway) the coordinator may start."""
 
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    # 0: any free port (printed as GATEWAY http://host:port/v1).
-    port: int = 0
-    # Environment variable holding the bearer token clients must send (unset: no auth).
-    api_key_env: str = "AREAL_GATEWAY_API_KEY"
-    # max_tokens of requests that give none.
-    max_tokens: int = 256
-    # A Jinja chat template file used instead of the model's own (e.g. one that renders
-    # `tools` for a model whose template does not); "": the model's, else the default one.
-    chat_template: str = ""
-    # Seconds one completion may take at its rollout server before the request fails (504).
-    # As long as rollout.episode_timeout_s: on a busy 2-core machine the agent example's
-    # completions took over 300 s.
-    generate_timeout_s: float = 1800.0
+    enabled: bool = setting(
+        False,
+        help="Start the gateway beside the run (data.task external trains on what its sessions "
+        "submit).",
+    )
+    host: str = setting("127.0.0.1", help="Interface the gateway listens on.")
+    port: int = setting(
+        0,
+        help="Port the gateway listens on; 0: any free port (printed as GATEWAY "
+        "http://host:port/v1).",
+    )
+    api_key_env: str = setting(
+        "AREAL_GATEWAY_API_KEY",
+        help="Environment variable holding the bearer token clients must send (unset: no auth).",
+    )
+    max_tokens: int = setting(256, help="The max_tokens of requests that give none.")
+    chat_template: str = setting(
+        "",
+        help="A Jinja chat template file used instead of the model's own (e.g. one that renders "
+        '`tools` for a model whose template does not); "": the model\'s, else the default '
+        "one.",
+    )
+    generate_timeout_s: float = setting(
+        1800.0,
+        help="Seconds one completion may take at its rollout server before the request fails "
+        "(504). As long as rollout.episode_timeout_s: on a busy 2-core machine the agent "
+        "example's completions took over 300 s.",
+    )
 
 
 @dataclass
 class EvalConfig:
     """Evaluation on the task's eval split (greedy)."""
 
-    # 0 disables evaluation.
-    every_steps: int = 25
-    # None: the whole eval split.
-    max_prompts: int | None = None
+    every_steps: int = setting(
+        25,
+        help="Greedy held-out evaluation every this many steps (0: never).",
+    )
+    max_prompts: int | None = setting(
+        None,
+        help="Eval prompts per evaluation at most; null: the whole eval split.",
+    )
 
 
 @dataclass
 class CheckpointConfig:
     """Recovery checkpoints and the final export."""
 
-    # 0 disables periodic checkpoints.
-    every_steps: int = 50
-    # None: <output.dir>/checkpoints.
-    dir: str | None = None
-    # Write a Hugging Face model at the end.
-    export_hf: bool = True
+    every_steps: int = setting(50, help="A recovery checkpoint every this many steps (0: none).")
+    dir: str | None = setting(None, help="Where checkpoints go; null: <output.dir>/checkpoints.")
+    export_hf: bool = setting(True, help="Write a Hugging Face model at the end.")
 
 
 @dataclass
 class OutputConfig:
     """Where metrics and logs go."""
 
-    dir: str = "outputs/run"
-    log_level: str = "INFO"
-    # TensorBoard event files under dir/tensorboard (needs the tensorboard package).
-    tensorboard: bool = False
-    plot: bool = True
-    progress_bar: bool = True
+    dir: str = setting(
+        "outputs/run",
+        help="Metrics (metrics.jsonl), logs, plots, checkpoints and exports go under this "
+        "directory.",
+    )
+    log_level: str = setting(
+        "INFO",
+        help="The log level of every process of the run.",
+        choices=LOG_LEVELS,
+    )
+    tensorboard: bool = setting(
+        False,
+        help="TensorBoard event files under dir/tensorboard (needs the tensorboard package).",
+    )
+    plot: bool = setting(True, help="Write reward and eval plots (PNG) under dir at the end.")
+    progress_bar: bool = setting(True, help="Show a progress bar on a terminal.")
 
 
 @dataclass
@@ -521,37 +815,83 @@ class LauncherConfig:
     """Start the mesh here (local), on a Ray cluster (ray), as job steps of the Slurm
     allocation the coordinator runs in (slurm), or use running servers (attach)."""
 
-    mode: str = "local"
-    host: str = "127.0.0.1"
-    # Port of the coordinator's own gRPC service (external producers connect here); 0: any free.
-    coordinator_port: int = 0
-    # attach mode: one host:port per rollout server / trainer rank.
-    rollout_addresses: list[str] = field(default_factory=list)
-    trainer_addresses: list[str] = field(default_factory=list)
-    # ray mode: the cluster (host:port of the head's GCS, "auto" for the one `ray start` made
-    # on this machine, or ray://host:port); None starts a private Ray instance on this machine
-    # (stopped with the run).
-    ray_address: str | None = None
-    # ray mode: one placement-group bundle per node; the servers (trainer ranks first, then
-    # rollout servers) are dealt to the bundles in contiguous blocks.
-    ray_nodes: int = 1
-    ray_strategy: str = "PACK"
-    # ray mode: logical resources each server reserves (Ray schedules by these; a server may
-    # use more or less). slurm mode: each server's step asks for these CPUs and GPUs (gres).
-    rollout_cpus: float = 1.0
-    rollout_gpus: float = 0.0
-    trainer_cpus: float = 1.0
-    trainer_gpus: float = 0.0
-    # ray mode: how long placement and the servers' start may take before the run fails.
-    ray_start_timeout_s: float = 300.0
-    # slurm mode, for the job `python -m areal_grpc.coordinator.submit` writes and submits:
-    # nodes, time limit, partition, account, gres per node (e.g. "gpu:8"); None: the
-    # cluster's default.
-    slurm_nodes: int = 1
-    slurm_time: str = "01:00:00"
-    slurm_partition: str | None = None
-    slurm_account: str | None = None
-    slurm_gres: str | None = None
+    mode: str = setting(
+        "local",
+        help="Where the servers run: started here (local), on a Ray cluster (ray), as steps of "
+        "the Slurm allocation (slurm), or already running (attach).",
+        choices=LAUNCH_MODES,
+    )
+    host: str = setting(
+        "127.0.0.1",
+        help="Interface the servers and the coordinator listen on, and the address they give "
+        "each other.",
+    )
+    coordinator_port: int = setting(
+        0,
+        help="Port of the coordinator's own gRPC service (external producers connect here); 0: "
+        "any free.",
+    )
+    rollout_addresses: list[str] = setting(
+        factory=list,
+        help="attach mode: one host:port per rollout server.",
+    )
+    trainer_addresses: list[str] = setting(
+        factory=list,
+        help="attach mode: one host:port per trainer rank, in rank order.",
+    )
+    ray_address: str | None = setting(
+        None,
+        help='ray mode: the cluster (host:port of the head\'s GCS, "auto" for the one `ray '
+        "start` made on this machine, or ray://host:port); None starts a private Ray "
+        "instance on this machine (stopped with the run).",
+    )
+    ray_nodes: int = setting(
+        1,
+        help="ray mode: one placement-group bundle per node; the servers (trainer ranks first, "
+        "then rollout servers) are dealt to the bundles in contiguous blocks.",
+    )
+    ray_strategy: str = setting(
+        "PACK",
+        help="ray mode: the placement group's strategy.",
+        choices=RAY_STRATEGIES,
+    )
+    rollout_cpus: float = setting(
+        1.0,
+        help="CPUs each rollout server reserves: Ray's logical resources in ray mode (Ray "
+        "schedules by these; a server may use more or less), its job step's CPUs in slurm "
+        "mode.",
+    )
+    rollout_gpus: float = setting(
+        0.0,
+        help="GPUs each rollout server reserves (see rollout_cpus; its gres in slurm mode).",
+    )
+    trainer_cpus: float = setting(1.0, help="CPUs each trainer rank reserves (see rollout_cpus).")
+    trainer_gpus: float = setting(0.0, help="GPUs each trainer rank reserves (see rollout_cpus).")
+    ray_start_timeout_s: float = setting(
+        300.0,
+        help="ray mode: how long placement and the servers' start may take before the run fails.",
+    )
+    slurm_nodes: int = setting(
+        1,
+        help="slurm mode: nodes of the job that `python -m areal_grpc.coordinator.submit` writes"
+        " and submits.",
+    )
+    slurm_time: str = setting(
+        "01:00:00",
+        help="slurm mode: the job's time limit (see slurm_nodes).",
+    )
+    slurm_partition: str | None = setting(
+        None,
+        help="slurm mode: the partition; null: the cluster's default.",
+    )
+    slurm_account: str | None = setting(
+        None,
+        help="slurm mode: the account; null: the cluster's default.",
+    )
+    slurm_gres: str | None = setting(
+        None,
+        help="slurm mode: generic resources per node (e.g. gpu:8); null: none.",
+    )
 
 
 @dataclass
@@ -561,41 +901,73 @@ class SecurityConfig:
     All None/False (the default) is plaintext, which the servers accept only on loopback.
     """
 
-    # This process's certificate chain and key (PEM): every server of the run serves with them
-    # and, with mutual_tls, every client presents them.
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    # CA (PEM) that signed the servers' certificates; clients verify servers against it, and
-    # with mutual_tls servers verify clients against it.
-    tls_ca: str | None = None
-    mutual_tls: bool = False
-    # File holding the bearer token every call must carry; None: $AREAL_AUTH_TOKEN if set.
-    auth_token_file: str | None = None
-    # Serve without TLS on a non-loopback launcher.host.
-    allow_plaintext: bool = False
+    tls_cert: str | None = setting(
+        None,
+        help="This process's certificate chain (PEM): every server of the run serves with it "
+        "and, with mutual_tls, every client presents it.",
+    )
+    tls_key: str | None = setting(None, help="The private key (PEM) of tls_cert.")
+    tls_ca: str | None = setting(
+        None,
+        help="CA (PEM) that signed the servers' certificates; clients verify servers against it,"
+        " and with mutual_tls servers verify clients against it.",
+    )
+    mutual_tls: bool = setting(
+        False,
+        help="Servers require, and clients present, certificates signed by tls_ca.",
+    )
+    auth_token_file: str | None = setting(
+        None,
+        help="File holding the bearer token every call must carry; None: $AREAL_AUTH_TOKEN if set.",
+    )
+    allow_plaintext: bool = setting(
+        False,
+        help="Serve without TLS on a non-loopback launcher.host.",
+    )
 
 
 @dataclass
 class RunConfig:
     """A whole run."""
 
-    name: str = "builtin"
-    # A named algorithm (one of ALGORITHMS): the settings it stands for are applied first,
-    # then the file and the overrides; --print-config shows the result.
-    algorithm: str = "grpo"
-    total_steps: int = 400
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    staleness: StalenessConfig = field(default_factory=StalenessConfig)
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    name: str = setting("builtin", help="The run's name (in its logs, metrics and traces).")
+    algorithm: str = setting(
+        "grpo",
+        help="A named algorithm (one of ALGORITHMS): the settings it stands for are applied "
+        "first, then the file and the overrides; --print-config shows the result.",
+        choices=tuple(ALGORITHMS),
+    )
+    total_steps: int = setting(400, help="Training steps (policy versions) of the run.")
+    model: ModelConfig = setting(factory=ModelConfig, help="The policy.")
+    data: DataConfig = setting(factory=DataConfig, help="The prompts.")
+    rollout: RolloutConfig = setting(factory=RolloutConfig, help="The rollout servers.")
+    trainer: TrainerConfig = setting(
+        factory=TrainerConfig,
+        help="The trainer ranks and the objective.",
+    )
+    staleness: StalenessConfig = setting(
+        factory=StalenessConfig,
+        help="How far rollouts may run ahead of training.",
+    )
+    weight_sync: WeightSyncConfig = setting(
+        factory=WeightSyncConfig,
+        help="How new weights reach the rollout servers.",
+    )
+    eval: EvalConfig = setting(factory=EvalConfig, help="Held-out evaluation.")
+    checkpoint: CheckpointConfig = setting(
+        factory=CheckpointConfig,
+        help="Checkpoints and the final export.",
+    )
+    output: OutputConfig = setting(factory=OutputConfig, help="Where the run writes.")
+    launcher: LauncherConfig = setting(
+        factory=LauncherConfig,
+        help="Where and how the servers are started.",
+    )
+    security: SecurityConfig = setting(factory=SecurityConfig, help="TLS and bearer tokens.")
+    gateway: GatewaySettings = setting(
+        factory=GatewaySettings,
+        help="The OpenAI-compatible agent gateway.",
+    )
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -714,12 +1086,55 @@ def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def describe(prefix: str = "") -> str:
+    """Each setting at or under the dotted key ``prefix`` ("": all) with its default, its
+    choices and its help text, one paragraph per setting; ValueError for an unknown key."""
+    out = []
+
+    def walk(section: Any, path: str) -> None:
+        for f in fields(section):
+            key, value = f"{path}{f.name}", getattr(section, f.name)
+            inside = not prefix or key == prefix or key.startswith(prefix + ".")
+            if is_dataclass(value):
+                if inside:
+                    out.append(f"{key}: {f.metadata['help']}")
+                if inside or prefix.startswith(key + "."):
+                    walk(value, key + ".")
+                continue
+            if inside:
+                line = f"{key} = {json.dumps(value)}"
+                if f.metadata["choices"]:
+                    line += f"  (one of: {', '.join(f.metadata['choices'])})"
+                help_text = textwrap.fill(
+                    f.metadata["help"], 96, initial_indent="    ", subsequent_indent="    "
+                )
+                out.append(f"{line}\n{help_text}")
+
+    walk(RunConfig(), "")
+    if not out:
+        raise ValueError(f"no setting {prefix!r}")
+    return "\n".join(out) + "\n"
+
+
 # -- validation ------------------------------------------------------------------------------
 
 
-def _choice(key: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise FieldError(key, f"must be one of {', '.join(choices)}; got {value!r}")
+def _check_choices(section: Any, prefix: str, *, nested: bool = True) -> None:
+    """Every field of ``section`` (and, if ``nested``, of its subsections) that declares its
+    choices holds one of them (a list: each element)."""
+    for f in fields(section):
+        value, key = getattr(section, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            if nested:
+                _check_choices(value, f"{key}.")
+            continue
+        choices = f.metadata.get("choices", ())
+        if not choices:
+            continue
+        for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            if item not in choices:
+                where = key if i is None else f"{key}[{i}]"
+                raise FieldError(where, f"must be one of {', '.join(choices)}; got {item!r}")
 
 
 def _at_least(key: str, value: float, low: float) -> None:
@@ -812,9 +1227,6 @@ def _validate_rollout(cfg: RunConfig) -> None:
     _at_least("rollout.max_running_requests", r.max_running_requests, 1)
     if r.max_batch_tokens is not None:
         _at_least("rollout.max_batch_tokens", r.max_batch_tokens, 2)
-    _choice("rollout.engine", r.engine, ENGINES)
-    _choice("rollout.device", r.device, DEVICES)
-    _choice("rollout.chat_template", r.chat_template, ("auto", "on", "off"))
     for name in ("workflow", "reward"):
         if not getattr(r, name):
             raise FieldError(f"rollout.{name}", "must not be empty")
@@ -836,7 +1248,6 @@ def _validate_rollout(cfg: RunConfig) -> None:
     _positive("rollout.vllm.kv_cache_gib", v.kv_cache_gib)
     _at_least("rollout.vllm.max_num_seqs", v.max_num_seqs, 1)
     _at_least("rollout.vllm.max_model_len", v.max_model_len, 0)
-    _choice("rollout.vllm.dtype", v.dtype, VLLM_DTYPES)
     if v.reserved_cpus is not None:
         _at_least("rollout.vllm.reserved_cpus", v.reserved_cpus, 0)
     _positive("rollout.vllm.start_timeout_s", v.start_timeout_s)
@@ -865,16 +1276,11 @@ def _validate_trainer(cfg: RunConfig) -> None:
     t = cfg.trainer
     _at_least("trainer.ranks", t.ranks, 1)
     _at_least("trainer.torch_threads", t.torch_threads, 1)
-    _choice("trainer.backend", t.backend, BACKENDS)
-    _choice("trainer.device", t.device, DEVICES)
     _positive("trainer.lr", t.lr)
     _at_least("trainer.weight_decay", t.weight_decay, 0.0)
     _at_least("trainer.warmup_steps", t.warmup_steps, 0)
-    _choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise FieldError("trainer.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
-    _choice("trainer.dtype", t.dtype, DTYPES)
-    _choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
     _positive("trainer.collective_timeout_s", t.collective_timeout_s)
     _positive("trainer.grad_clip", t.grad_clip)
     _at_least("trainer.max_tokens_per_mb", t.max_tokens_per_mb, 1)
@@ -886,8 +1292,6 @@ def _validate_trainer(cfg: RunConfig) -> None:
         raise FieldError("trainer.ppo.c_clip", f"must be > 1 when set, got {p.c_clip}")
     _validate_rejection(p.rejection)
     for name, norm in (("reward_norm", p.reward_norm), ("adv_norm", p.adv_norm)):
-        _choice(f"trainer.ppo.{name}.mean_level", norm.mean_level, NORM_LEVELS)
-        _choice(f"trainer.ppo.{name}.std_level", norm.std_level, NORM_LEVELS)
         _at_least(f"trainer.ppo.{name}.eps", norm.eps, 0.0)
         if norm.mean_leave1out and norm.mean_level != "group":
             raise FieldError(
@@ -896,18 +1300,9 @@ def _validate_trainer(cfg: RunConfig) -> None:
             )
     _positive("trainer.ppo.reward_clip", p.reward_clip)
     _at_least("trainer.ppo.kl_ctl", p.kl_ctl, 0.0)
-    _choice("trainer.ppo.kl_estimator", p.kl_estimator, KL_ESTIMATORS)
     _at_least("trainer.ppo.kl_loss_coef", p.kl_loss_coef, 0.0)
-    _choice("trainer.ppo.kl_loss_estimator", p.kl_loss_estimator, KL_ESTIMATORS)
     _at_least("trainer.ppo.n_minibatches", p.n_minibatches, 1)
     _at_least("trainer.ppo.epochs", p.epochs, 1)
-    _choice("trainer.ppo.prox_logp_method", p.prox_logp_method, PROX_LOGP_METHODS)
-    _choice(
-        "trainer.ppo.importance_sampling_level",
-        p.importance_sampling_level,
-        IMPORTANCE_SAMPLING_LEVELS,
-    )
-    _choice("trainer.ppo.loss_agg", p.loss_agg, LOSS_AGGREGATIONS)
     _at_least("trainer.ppo.loss_constant_len", p.loss_constant_len, 0)
     _at_least("trainer.ppo.overlong_max_len", p.overlong_max_len, 0)
     _at_least("trainer.ppo.overlong_cache", p.overlong_cache, 0)
@@ -925,10 +1320,6 @@ def _validate_trainer(cfg: RunConfig) -> None:
 
 def _validate_rejection(r: RejectionSettings) -> None:
     key = "trainer.ppo.rejection"
-    _choice(f"{key}.metric", r.metric, REJECTION_METRICS)
-    _choice(f"{key}.level", r.level, IMPORTANCE_SAMPLING_LEVELS)
-    _choice(f"{key}.action", r.action, REJECTION_ACTIONS)
-    _choice(f"{key}.agg", r.agg, REJECTION_AGGS)
     if r.metric == "none":
         return
     if r.level == "token" and r.agg != "mean":
@@ -1001,8 +1392,6 @@ def _validate_staleness(cfg: RunConfig) -> None:
 
 def _validate_weight_sync(cfg: RunConfig) -> None:
     w = cfg.weight_sync
-    for i, m in enumerate(w.methods):
-        _choice(f"weight_sync.methods[{i}]", m, WEIGHT_SYNC_METHODS)
     if len(set(w.methods)) != len(w.methods):
         raise FieldError("weight_sync.methods", f"lists a method twice: {w.methods}")
     _positive("weight_sync.timeout_s", w.timeout_s)
@@ -1010,7 +1399,6 @@ def _validate_weight_sync(cfg: RunConfig) -> None:
     _positive("weight_sync.bucket_mb", w.bucket_mb)
     if w.master_addr is not None and not w.master_addr:
         raise FieldError("weight_sync.master_addr", "must not be empty (leave it unset instead)")
-    _choice("weight_sync.backend", w.backend, BACKENDS)
 
 
 def _validate_eval(cfg: RunConfig) -> None:
@@ -1026,7 +1414,6 @@ def _validate_checkpoint(cfg: RunConfig) -> None:
 def _validate_output(cfg: RunConfig) -> None:
     if not cfg.output.dir:
         raise FieldError("output.dir", "must not be empty")
-    _choice("output.log_level", cfg.output.log_level, LOG_LEVELS)
     if cfg.output.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise FieldError(
             "output.tensorboard", "needs the tensorboard package (pip install tensorboard)"
@@ -1036,7 +1423,6 @@ def _validate_output(cfg: RunConfig) -> None:
 def _validate_launcher(cfg: RunConfig) -> None:
     r, t = cfg.rollout, cfg.trainer
     la = cfg.launcher
-    _choice("launcher.mode", la.mode, LAUNCH_MODES)
     if not la.host:
         raise FieldError("launcher.host", "must not be empty")
     if not 0 <= la.coordinator_port < 65536:
@@ -1047,7 +1433,6 @@ def _validate_launcher(cfg: RunConfig) -> None:
         for i, addr in enumerate(getattr(la, key)):
             _address(f"launcher.{key}[{i}]", addr)
     _at_least("launcher.ray_nodes", la.ray_nodes, 1)
-    _choice("launcher.ray_strategy", la.ray_strategy, RAY_STRATEGIES)
     for key in ("rollout_cpus", "rollout_gpus", "trainer_cpus", "trainer_gpus"):
         _at_least(f"launcher.{key}", getattr(la, key), 0)
     _positive("launcher.ray_start_timeout_s", la.ray_start_timeout_s)
@@ -1112,4 +1497,8 @@ def validate_config(cfg: RunConfig, sections: Sequence[str] | None = None) -> No
     coordinator's data files.
     """
     for name in sections if sections is not None else SECTION_CHECKS:
+        if name == "run":
+            _check_choices(cfg, "", nested=False)
+        else:
+            _check_choices(getattr(cfg, name), f"{name}.")
         SECTION_CHECKS[name](cfg)

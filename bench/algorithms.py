@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator_run import coordinator, interrupt, metrics_records, watch
+from results import result
 from teardown import exit_on_sigterm
 
 from areal_grpc.config import ALGORITHMS
@@ -114,13 +115,7 @@ def main() -> int:
     print(f"plot: {args.png}", flush=True)
     base = curves["grpo"][-1][1] if "grpo" in curves else float("nan")
     for name, curve in curves.items():
-        value = curve[-1][1]
-        ratio = value / base if base else float("nan")
-        print(
-            f"RESULT bench=algo_{name} value={value:.4g} unit=accuracy baseline={base:.4g} "
-            f"ratio={ratio:.4g} target=none",
-            flush=True,
-        )
+        result(f"algo_{name}", curve[-1][1], "accuracy", base, "none")
     return 0
 
 

@@ -70,6 +70,7 @@ from typing import Any
 
 from coordinator_run import coordinator, metrics_records
 from latency_engine import LogNormalDelay
+from results import result
 
 from areal_grpc.config import load_config
 from areal_grpc.coordinator.mesh import (
@@ -249,10 +250,7 @@ def main() -> None:
         f"speedup {speedup:.2f}x (AReaL reports 2.77x), bound {bound:.2f}x, "
         f"{speedup / bound:.1%} of the bound"
     )
-    print(
-        f"RESULT bench=async_speedup value={speedup:.3f} unit=x baseline={bound:.3f} "
-        f"ratio={speedup / bound:.3f} target=0.9"
-    )
+    result("async_speedup", speedup, "x", bound, "0.9")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ from typing import Any
 import grpc
 from areal_clients.coordinator import CoordinatorClient
 from arealgrpc.v1 import common_pb2, coordinator_pb2
+from results import result
 from teardown import exit_on_sigterm
 
 from areal_grpc.config import load_config
@@ -540,14 +541,8 @@ def main() -> None:
     meas_traj = report("gRPC", meas, args.group_size)
     base_p99 = pct(base["acq_ms"], 0.99)
     meas_p99 = pct(meas["acq_ms"], 0.99)
-    print(
-        f"RESULT bench=coordinator_load value={meas_traj:.1f} unit=traj/s "
-        f"baseline={base_traj:.1f} ratio={meas_traj / base_traj:.4f} target=0.5"
-    )
-    print(
-        f"RESULT bench=acquire_p99 value={meas_p99:.3f} unit=ms baseline={base_p99:.4f} "
-        f"ratio={meas_p99 / base_p99:.2f} target=1000"
-    )
+    result("coordinator_load", meas_traj, "traj/s", base_traj, "0.5")
+    result("acquire_p99", meas_p99, "ms", base_p99, "1000")
     if args.training_steps > 0:
         measured: dict[int, float] = {}
         with tempfile.TemporaryDirectory(prefix="coordinator-load-") as tmp:
@@ -565,10 +560,7 @@ def main() -> None:
                     mesh.stop()
                 measured[producers] = report_training(name, r)
         own_traj, ext_traj = measured[0], measured[args.producers]
-        print(
-            f"RESULT bench=coordinator_load_training value={ext_traj:.1f} unit=traj/s "
-            f"baseline={own_traj:.1f} ratio={ext_traj / own_traj:.4f} target=0.9"
-        )
+        result("coordinator_load_training", ext_traj, "traj/s", own_traj, "0.9")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import random
 import statistics
 import time
 
+from results import result
+
 from areal_grpc.dispatch import DEFAULT_METHOD, METHODS, balance_ratio, dispatch_groups
 
 GROUP_SIZE = 8
@@ -53,7 +55,7 @@ def main() -> None:
     print(
         f"{'M':>3} {'bound':>7} " + " ".join(f"{m:>13}" for m in METHODS) + "  (mean/p99 max/mean)"
     )
-    results: list[str] = []
+    results: list[tuple[int, float, float]] = []
     for n_ranks in (2, 4, 8):
         means: dict[str, float] = {}
         cells = []
@@ -70,14 +72,11 @@ def main() -> None:
             )
         bound = statistics.fmean(max(1.0, max(b) * n_ranks / sum(b)) for b in batches)
         print(f"{n_ranks:>3} {bound:>7.4f} " + " ".join(f"{c:>13}" for c in cells))
-        value, baseline = means[DEFAULT_METHOD], means["ffd"]
-        results.append(
-            f"RESULT bench=dispatch_balance_m{n_ranks} value={value:.4f} unit=max_over_mean "
-            f"baseline={baseline:.4f} ratio={value / baseline:.4f} target=1.0"
-        )
+        results.append((n_ranks, means[DEFAULT_METHOD], means["ffd"]))
     print(f"chosen method: {DEFAULT_METHOD}; baseline: ffd (AReaL's variant)")
-    for line in results:
-        print(line)
+    for n_ranks, value, baseline in results:
+        # Four decimals, not results.py's default .4g: the methods differ in the fourth.
+        result(f"dispatch_balance_m{n_ranks}", value, "max_over_mean", baseline, "1.0", spec=".4f")
 
 
 if __name__ == "__main__":

@@ -69,9 +69,11 @@ def run(method: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def engine_step_times(args: argparse.Namespace) -> dict[str, float]:
     """Median seconds of one TrainerEngine step per method, steps interleaved."""
     import torch
-    from areal_servers.trainer.algorithm import PPOConfig, token_logprobs
+    from areal_servers.trainer.algorithm import token_logprobs
     from areal_servers.trainer.engine import EngineConfig, OptimConfig, TrainerEngine
     from areal_servers.trainer.microbatch import MicroBatchSpec
+
+    from areal_grpc.config import PPOSettings
 
     torch.manual_seed(0)
     rows, width, prompt = args.groups * args.group_size, args.tokens, args.tokens // 4
@@ -83,7 +85,7 @@ def engine_step_times(args: argparse.Namespace) -> dict[str, float]:
                 fsdp=False,
                 device="cpu",
                 optim=OptimConfig(lr=1e-4),
-                ppo=PPOConfig(n_minibatches=args.minibatches, prox_logp_method=method),
+                ppo=PPOSettings(n_minibatches=args.minibatches, prox_logp_method=method),
                 microbatch=MicroBatchSpec(max_tokens_per_mb=4096),
             )
         )

@@ -29,6 +29,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from results import result
+
 from areal_grpc.config import load_config
 from areal_grpc.coordinator.launcher import new_mesh, start_mesh
 
@@ -89,10 +91,7 @@ def main() -> None:
         + f"; local: up {local_up:.2f}s, stop {med('local', 'stop'):.2f}s; "
         f"Ray adds {ray_up - local_up:.2f}s to the start"
     )
-    print(
-        f"RESULT bench=ray_launch_startup value={ray_up:.2f} unit=s baseline={local_up:.2f} "
-        f"ratio={ray_up / local_up:.2f} target=+15s"
-    )
+    result("ray_launch_startup", ray_up, "s", local_up, "+15s")
 
 
 if __name__ == "__main__":

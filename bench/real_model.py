@@ -81,6 +81,7 @@ from coordinator_run import coordinator, interrupt, metrics_records, watch
 from results import result
 from teardown import exit_on_sigterm
 
+from areal_grpc.config import PPOSettings
 from areal_grpc.data import load_file, write_arithmetic
 from areal_grpc.launch import python_module_argv, start_child, stop_children
 from areal_grpc.model import load_model, load_tokenizer, masked_logits, resolve_source
@@ -272,7 +273,6 @@ def plain_eval(
 def plain_loop(config: Path, target: float, threads: int) -> None:
     """On-policy GRPO in one process (the baseline); prints one JSON line per evaluation."""
     from areal_servers.trainer.algorithm import (
-        PPOConfig,
         compute_advantages,
         masked_token_logprobs,
         ppo_loss,
@@ -296,7 +296,7 @@ def plain_loop(config: Path, target: float, threads: int) -> None:
     temperature = float(sampling["temperature"])
     system = cfg["rollout"].get("system_prompt")
     opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
-    ppo = PPOConfig(temperature=temperature)
+    ppo = PPOSettings()
     every = cfg["eval"]["every_steps"]
     # Seconds generating and training so far (the step's profile beside the mesh's).
     spent = {"generate_s": 0.0, "train_s": 0.0}

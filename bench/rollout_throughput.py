@@ -56,6 +56,7 @@ from areal_servers.rollout.service import EpisodeRunner, RolloutServiceConfig, i
 from areal_servers.rollout.workflows import prompt_ids_of
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from google.protobuf import json_format
+from results import result
 from teardown import exit_on_sigterm
 
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
@@ -97,8 +98,8 @@ async def grpc_round(
     call = stub.RunEpisodes(iter([rollout_pb2.RunEpisodesRequest(task=t) for t in tasks]))
     tokens = 0
     count = 0
-    async for result in call:
-        tokens += generated_tokens(result)
+    async for reply in call:
+        tokens += generated_tokens(reply)
         count += 1
     elapsed = time.perf_counter() - start
     if count != len(tasks):
@@ -253,14 +254,8 @@ async def bench(args: argparse.Namespace, server: Child) -> None:
         await engine.close()
 
     print("(values are medians over the timed rounds; warm-up rounds not counted)")
-    print(
-        f"RESULT bench=rollout_throughput value={grpc_rate:.1f} unit=tok/s "
-        f"baseline={inproc_rate:.1f} ratio={grpc_rate / inproc_rate:.4f} target=0.9"
-    )
-    print(
-        f"RESULT bench=continuous_batching value={batched_rate:.1f} unit=tok/s "
-        f"baseline={sequential_rate:.1f} ratio={batched_rate / sequential_rate:.4f} target=1.0"
-    )
+    result("rollout_throughput", grpc_rate, "tok/s", inproc_rate, "0.9")
+    result("continuous_batching", batched_rate, "tok/s", sequential_rate, "1.0")
 
 
 async def raw_vllm_round(
@@ -314,7 +309,7 @@ async def bench_vllm(args: argparse.Namespace, server: Child) -> None:
     hf = HFEngine(HFEngineConfig(model=args.model, seed=args.seed, device="cpu"))
     channel = aio_channel(server.address)
     stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-    results: list[str] = []
+    results: list[tuple[str, float, str, float, str]] = []
     try:
         for batch in args.batches:
             prompts_n = max(1, batch // args.group_size)
@@ -358,21 +353,15 @@ async def bench_vllm(args: argparse.Namespace, server: Child) -> None:
             g = summary("gRPC RunEpisodes (vllm)", grpc_s)
             raw = summary("in-process vLLM generate", raw_s)
             h = summary("in-process hf engine", hf_s)
-            results.append(
-                f"RESULT bench=rollout_vllm_b{len(prompts)} value={g:.1f} unit=tok/s "
-                f"baseline={raw:.1f} ratio={g / raw:.4f} target=0.9"
-            )
-            results.append(
-                f"RESULT bench=rollout_vllm_vs_hf_b{len(prompts)} value={raw:.1f} unit=tok/s "
-                f"baseline={h:.1f} ratio={raw / h:.4f} target=none"
-            )
+            results.append((f"rollout_vllm_b{len(prompts)}", g, "tok/s", raw, "0.9"))
+            results.append((f"rollout_vllm_vs_hf_b{len(prompts)}", raw, "tok/s", h, "none"))
     finally:
         await channel.close()
         await hf.close()
         await vllm.close()
     print("(values are medians over the timed rounds; warm-up rounds not counted)")
     for line in results:
-        print(line)
+        result(*line)
 
 
 def main() -> None:

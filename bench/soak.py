@@ -10,8 +10,8 @@ pid under the same name) is compared from its own early sample.
 
 One line per measure, the worst process's end/early ratio (target: at most 1.1)::
 
-    RESULT bench=soak_rss value=<end/early, worst process> unit=ratio baseline=1.0 ...
-    RESULT bench=soak_fds value=<end/early, worst process> unit=ratio baseline=1.0 ...
+    RESULT bench=soak_rss value=<end/early, worst process> unit=ratio baseline=1 ...
+    RESULT bench=soak_fds value=<end/early, worst process> unit=ratio baseline=1 ...
 
     .venv/bin/python bench/soak.py [--steps 2000] [--minutes 20]
 """
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 from coordinator_run import coordinator, interrupt, metrics_records, watch
+from results import result
 
 TARGET = 1.1
 
@@ -105,14 +106,8 @@ def main() -> int:
                 f"{s.end[0] / 2**20:7.1f} MiB ({r_rss:.3f}x, peak {s.peak_rss / 2**20:.1f}), "
                 f"fds {s.early[1]} -> {s.end[1]} ({r_fds:.3f}x)"
             )
-        print(
-            f"RESULT bench=soak_rss value={worst_rss:.3f} unit=ratio baseline=1.0 "
-            f"ratio={worst_rss:.3f} target={TARGET}"
-        )
-        print(
-            f"RESULT bench=soak_fds value={worst_fds:.3f} unit=ratio baseline=1.0 "
-            f"ratio={worst_fds:.3f} target={TARGET}"
-        )
+        result("soak_rss", worst_rss, "ratio", 1.0, str(TARGET))
+        result("soak_fds", worst_fds, "ratio", 1.0, str(TARGET))
     return 0
 
 

@@ -58,6 +58,7 @@ import grpc
 import link as shaped
 import torch
 from arealgrpc.v1 import tensor_pb2
+from results import result
 
 from areal_grpc import side_channel as sc
 from areal_grpc.checksum import crc32c
@@ -486,20 +487,14 @@ def run(args: argparse.Namespace, link: shaped.Link | None) -> None:
             "grpc_ceiling": ("tensor_stream_grpc_ceiling", "none"),
         }.get(case.name, (case.name, "0.8"))
         name += f"_{link.label}" if link else ""
-        print(
-            f"RESULT bench={name} value={value:.0f} unit=MB/s baseline={base_mbs:.0f} "
-            f"ratio={value / base_mbs:.2f} target={target}"
-        )
+        result(name, value, "MB/s", base_mbs, target)
     by_name = {c.name: c for c in cases}
     if "grpc_ceiling" in by_name and "tensor_stream" in by_name:
         # The STREAM path against what its transport allows at all (target: none set).
         value = total / statistics.median(by_name["tensor_stream"].seconds) / 1e6
         ceiling = total / statistics.median(by_name["grpc_ceiling"].seconds) / 1e6
-        print(
-            f"RESULT bench=tensor_stream_vs_grpc_ceiling{f'_{link.label}' if link else ''} "
-            f"value={value:.0f} unit=MB/s "
-            f"baseline={ceiling:.0f} ratio={value / ceiling:.2f} target=none"
-        )
+        name = "tensor_stream_vs_grpc_ceiling" + (f"_{link.label}" if link else "")
+        result(name, value, "MB/s", ceiling, "none")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from results import result
 from teardown import exit_on_sigterm
 
 from areal_grpc.dispatch import dispatch_groups
@@ -459,14 +460,8 @@ def driver_main(args: argparse.Namespace) -> None:
             stop_children(children)
     ffd_waste, fixed_waste = padding_bench(args)
     print("(tok/s: medians over the timed steps; waste: means over the trials)")
-    print(
-        f"RESULT bench=train_step value={grpc_rate:.1f} unit=tok/s baseline={inproc_rate:.1f} "
-        f"ratio={grpc_rate / inproc_rate:.4f} target=0.9"
-    )
-    print(
-        f"RESULT bench=microbatch_padding value={ffd_waste:.4f} unit=fraction "
-        f"baseline={fixed_waste:.4f} ratio={ffd_waste / fixed_waste:.4f} target=1.0"
-    )
+    result("train_step", grpc_rate, "tok/s", inproc_rate, "0.9")
+    result("microbatch_padding", ffd_waste, "fraction", fixed_waste, "1.0")
 
 
 def main() -> None:

@@ -72,6 +72,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import link as shaped
 import torch
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from results import result
 from safetensors.torch import load_file, save_file
 from transformers import ByT5Tokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -611,11 +612,7 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                 name += f"_{link.label}" if link else ""
                 name += f"_{args.servers}servers" if args.servers > 1 else ""
                 name += "_vllm" if args.engine == "vllm" else ""
-                print(
-                    f"RESULT bench={name} value={value:.3f} unit=s "
-                    f"baseline={baseline:.3f} ratio={value / baseline:.2f} target={TARGET}",
-                    flush=True,
-                )
+                result(name, value, "s", baseline, str(TARGET))
                 if loads:
                     copy = statistics.median(memcpy_baseline(sd) for _ in range(args.reps))
                     load = statistics.median(loads)
@@ -623,11 +620,7 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                         f"  vllm load per version {[round(x, 3) for x in loads]} s",
                         flush=True,
                     )
-                    print(
-                        f"RESULT bench=weight_sync_vllm_load_{method} value={load:.3f} unit=s "
-                        f"baseline={copy:.3f} ratio={load / copy:.2f} target=none",
-                        flush=True,
-                    )
+                    result(f"weight_sync_vllm_load_{method}", load, "s", copy, "none")
         finally:
             fleet.close()
             stop_children([trainer])

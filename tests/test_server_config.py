@@ -43,8 +43,9 @@ def test_a_standalone_trainer_takes_the_run_configs_defaults():
     assert engine.optim.max_grad_norm == run.trainer.grad_clip
     assert engine.optim.total_steps == run.total_steps
     assert engine.microbatch.max_tokens_per_mb == run.trainer.max_tokens_per_mb
-    assert engine.ppo.rejection is not None
-    assert engine.ppo.rejection.upper == run.trainer.ppo.rejection.upper
+    # The trainer's PPO settings are the run's section itself, not a copy of some fields
+    # (with Dr.GRPO's length constant, 0 there, resolved to the response budget).
+    assert dataclasses.replace(engine.ppo, loss_constant_len=0) == run.trainer.ppo
 
 
 def test_ppo_minibatches_and_epochs_reach_the_trainer_engine():
@@ -94,7 +95,7 @@ def test_the_trainer_reads_the_coordinators_file_and_overrides(tmp_path: Path):
     assert cfg.engine.ppo.kl_estimator == "k3"
     # RLOO: a leave-one-out group mean and no std, with the configured eps.
     norm = cfg.engine.ppo.reward_norm
-    assert norm is not None and norm.mean_leave1out and norm.std_level is None
+    assert norm.mean_leave1out and norm.std_level == "none"
     assert norm.eps == 1e-3
     # It may write under the run's output directory only; no disk method, no weights root.
     assert cfg.path_roots == (str((tmp_path / "out").resolve()),)

@@ -35,7 +35,7 @@ from arealgrpc.v1 import coordinator_pb2
 
 from areal_grpc import tracing
 from areal_grpc.cli import plaintext_weights_warning, run_channel_options, run_server_options
-from areal_grpc.config import RunConfig, load_config, to_yaml
+from areal_grpc.config import RunConfig, describe, load_config, to_yaml
 from areal_grpc.coordinator.gateway_process import GatewayProcess
 from areal_grpc.coordinator.launcher import fleet_launcher, new_mesh, start_mesh
 from areal_grpc.coordinator.loop import (
@@ -79,6 +79,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
+    )
+    parser.add_argument(
+        "--explain",
+        nargs="?",
+        const="",
+        metavar="KEY",
+        help="print each setting (under KEY, e.g. trainer.ppo) with its default, choices and "
+        "meaning, and exit",
     )
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=5e-4"
@@ -368,6 +376,13 @@ def _fmt(x: float | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse, configure, run; 130 on SIGINT, 143 on SIGTERM."""
     args = parse_args(argv)
+    if args.explain is not None:
+        try:
+            print(describe(args.explain), end="")
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.launcher.mode in ("local", "ray", "slurm"):

@@ -29,125 +29,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from areal_grpc.config import NormSettings, PPOSettings, RejectionSettings
+
 # Sums a tensor over the data-parallel ranks (identity on one process).
 Reducer = Callable[[torch.Tensor], torch.Tensor]
-
-Level = Literal["batch", "group"] | None
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@dataclass
-class RewardConfig:
-    """Sequence reward shaping: DAPO's overlong penalty (when ``overlong_max_len`` is set, see
-    :func:`overlong_penalty`) is added to the raw reward r, then
-    ``clip((r + penalty + bias) * scale, -clip, +clip)`` (AReaL's order)."""
-
-    bias: float = 0.0
-    scale: float = 1.0
-    # None disables clipping.
-    clip: float | None = 20.0
-    # DAPO's soft overlong punishment: responses longer than max_len - cache lose up to
-    # `overlong_factor` reward, linearly, and the full factor beyond max_len (0: off).
-    overlong_max_len: int = 0
-    overlong_cache: int = 0
-    overlong_factor: float = 1.0
-
-
-@dataclass
-class NormConfig:
-    """Mean/std normalisation (AReaL's Normalization)."""
-
-    # "batch": over all valid elements of the global batch; "group": per trajectory group;
-    # None: no centring.
-    mean_level: Level = "group"
-    # Same levels for the std; None divides by 1 (and drops eps).
-    std_level: Level = "group"
-    # RLOO: subtract the mean of the *other* elements (the element itself when alone).
-    mean_leave1out: bool = False
-    std_unbiased: bool = True
-    eps: float = 1e-5
-
-
-@dataclass
-class RejectionConfig:
-    """Which tokens the decoupled loss trusts, by how far the proximal policy has moved from
-    the behaviour one (AReaL's rejection sampling; IcePop and KPop are settings of it).
-
-    ``metric`` per token, with ``log r = prox - behaviour``: "ratio" (r, compared in log
-    space), "kl_k1" (log r), "kl_k2" ((log r)^2 / 2), "kl_k3" (1/r - 1 + log r: AReaL's k3
-    of (prox, behaviour), Schulman's k3 with the roles of the two policies swapped),
-    "binary_kl" (KPop: the larger of the two Bernoulli KLs between the token's probabilities).
-    ``level`` "sequence" judges a whole sequence by ``agg`` of its tokens' values (for
-    "ratio", of log r: "mean" is the geometric mean ratio, "sum" the product, "max" the
-    largest); ``agg`` only decides which sequences are out of bounds, and at the token level
-    it is not used. A sequence's ratio weight is always its geometric mean ratio (AReaL's).
-    ``action`` "mask" drops the tokens (sequences) outside ``[lower, upper]``; "clamp"
-    (ratio only) clamps their weight into it.
-    """
-
-    metric: Literal["ratio", "kl_k1", "kl_k2", "kl_k3", "binary_kl"] = "ratio"
-    level: Literal["token", "sequence"] = "token"
-    action: Literal["mask", "clamp"] = "mask"
-    agg: Literal["mean", "sum", "max"] = "mean"
-    lower: float | None = None
-    upper: float = 5.0
-
-
-@dataclass
-class PPOConfig:
-    """Decoupled PPO / GRPO actor settings (defaults follow AReaL where it has one)."""
-
-    eps_clip: float = 0.2
-    # Upper clip (DAPO clip-higher); None uses eps_clip.
-    eps_clip_higher: float | None = None
-    # Dual clip constant (> 1); None disables it.
-    c_clip: float | None = None
-    # The behaviour importance weight exp(prox - behaviour) and which tokens it rejects;
-    # None: no weight (every token weighs 1, nothing is rejected).
-    rejection: RejectionConfig | None = field(default_factory=RejectionConfig)
-    # KL-to-reference reward penalty coefficient (0: no reference model needed).
-    kl_ctl: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    # KL to the reference model as a loss term instead (GRPO paper's beta * KL(pi || ref),
-    # per trained token, aggregated like the policy loss); k3 is unbiased and never negative.
-    kl_loss_coef: float = 0.0
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
-    # Logits are divided by this before log-softmax (match the sampler's temperature).
-    temperature: float = 1.0
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    # Normalisation of the shaped sequence rewards (GRPO: per group); None skips it.
-    reward_norm: NormConfig | None = field(default_factory=NormConfig)
-    # Normalisation of the token advantages (over loss-mask tokens); None skips it.
-    adv_norm: NormConfig | None = None
-    # Optimizer steps per batch: n_minibatches token-balanced slices, each pass of `epochs`.
-    n_minibatches: int = 1
-    epochs: int = 1
-    # How the proximal log-probs are had when they are not free (several updates per batch,
-    # or dropout): "recompute" (a forward pass with the pre-step weights), "loglinear"
-    # (no pass: interpolated between behaviour and current log-probs by version, see
-    # loglinear_prox_logp), "metrics" (recompute, and report loglinear's error).
-    prox_logp_method: Literal["recompute", "loglinear", "metrics"] = "recompute"
-    # "token": one importance ratio per token; "sequence": GSPO's, exp of the mean token
-    # log-ratio of the sequence for all its tokens, with the sequence's mean advantage.
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    # How token losses become the step's loss: "token_mean" over the global batch (DAPO,
-    # GRPO as AReaL runs it), "seq_mean" (mean over sequences of each one's token mean, the
-    # GRPO paper's), or "constant": the token sum over loss_constant_len x sequences
-    # (Dr.GRPO: long answers are not down-weighted per token).
-    loss_agg: Literal["token_mean", "seq_mean", "constant"] = "token_mean"
-    loss_constant_len: int = 0
-
-
-def overlong_penalty(lengths: torch.Tensor, cfg: RewardConfig) -> torch.Tensor:
+def overlong_penalty(lengths: torch.Tensor, cfg: PPOSettings) -> torch.Tensor:
     """DAPO's soft overlong punishment of responses of ``lengths`` tokens (float32, [B]).
 
     With L_max = ``overlong_max_len`` and L_c = ``overlong_cache``: 0 up to L_max - L_c, then
@@ -162,12 +60,10 @@ def overlong_penalty(lengths: torch.Tensor, cfg: RewardConfig) -> torch.Tensor:
     return penalty * cfg.overlong_factor
 
 
-def shape_rewards(rewards: torch.Tensor, cfg: RewardConfig) -> torch.Tensor:
-    """``clip((rewards + bias) * scale, -clip, clip)`` in float32."""
-    r = (rewards.float() + cfg.bias) * cfg.scale
-    if cfg.clip is not None:
-        r = r.clamp(-cfg.clip, cfg.clip)
-    return r
+def shape_rewards(rewards: torch.Tensor, cfg: PPOSettings) -> torch.Tensor:
+    """``clip((rewards + reward_bias) * reward_scale, -reward_clip, reward_clip)`` in float32."""
+    r = (rewards.float() + cfg.reward_bias) * cfg.reward_scale
+    return r.clamp(-cfg.reward_clip, cfg.reward_clip)
 
 
 def _group_sum(x: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -176,9 +72,14 @@ def _group_sum(x: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Te
     return sums[groups]
 
 
+def normalizes(cfg: NormSettings) -> bool:
+    """Whether ``cfg`` changes anything (levels "none" and "none" leave the values as they are)."""
+    return cfg.mean_level != "none" or cfg.std_level != "none"
+
+
 def normalize(
     x: torch.Tensor,
-    cfg: NormConfig,
+    cfg: NormSettings,
     *,
     mask: torch.Tensor | None = None,
     group_index: torch.Tensor | None = None,
@@ -199,7 +100,7 @@ def normalize(
     n_groups = int(group_index.max()) + 1 if b else 0
     rowdims = tuple(range(1, xd.dim()))
 
-    def stats(level: Level, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def stats(level: str, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum, count) of masked ``values`` at ``level``, broadcastable to ``x``."""
         v = values * m
         if level == "batch":
@@ -211,7 +112,7 @@ def normalize(
         shape = (b,) + (1,) * len(rowdims)
         return gs.view(shape), gn.view(shape)
 
-    if cfg.mean_level is None:
+    if cfg.mean_level == "none":
         mean = torch.zeros_like(xd)
     else:
         total, n = stats(cfg.mean_level, xd)
@@ -224,7 +125,7 @@ def normalize(
         else:
             mean = torch.where(n > 0, total / n.clamp(min=1), 0.0)
     centred = (xd - mean) * m
-    if cfg.std_level is None:
+    if cfg.std_level == "none":
         return centred.float()
     sq, n = stats(cfg.std_level, centred * centred)
     denom = n - 1 if cfg.std_unbiased else n
@@ -250,7 +151,7 @@ def kl_estimate(
 def compute_advantages(
     rewards: torch.Tensor,
     loss_mask: torch.Tensor,
-    cfg: PPOConfig,
+    cfg: PPOSettings,
     *,
     group_index: torch.Tensor | None = None,
     behave_logp: torch.Tensor | None = None,
@@ -267,9 +168,9 @@ def compute_advantages(
     mask = loss_mask.to(torch.bool)
     # The overlong penalty joins the raw reward, so bias and scale apply to it as well
     # (AReaL's order; DAPO's example scales rewards by 10).
-    penalty = overlong_penalty(mask.sum(dim=-1), cfg.reward)
-    r = shape_rewards(rewards.float() + penalty, cfg.reward)
-    if cfg.reward_norm is not None:
+    penalty = overlong_penalty(mask.sum(dim=-1), cfg)
+    r = shape_rewards(rewards.float() + penalty, cfg)
+    if normalizes(cfg.reward_norm):
         r = normalize(r, cfg.reward_norm, group_index=group_index, reduce=reduce)
     adv = r[:, None].expand(mask.shape).clone()
     if cfg.kl_ctl != 0.0:
@@ -281,7 +182,7 @@ def compute_advantages(
         # Return-to-go: reverse cumulative sum over positions t..S-1.
         adv = adv + kl_r.flip(-1).cumsum(-1).flip(-1)
     adv = adv * mask
-    if cfg.adv_norm is not None:
+    if normalizes(cfg.adv_norm):
         adv = normalize(adv, cfg.adv_norm, mask=mask, group_index=group_index, reduce=reduce)
     return adv.float()
 
@@ -434,17 +335,17 @@ def behaviour_weights(
     prox_logp: torch.Tensor,
     behave_logp: torch.Tensor,
     mask: torch.Tensor,
-    cfg: RejectionConfig | None,
+    cfg: RejectionSettings,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(importance weight exp(prox - behaviour), rejected) for token-aligned [B, S] inputs.
 
     The weight is 0 outside ``mask`` and on rejected tokens; ``rejected`` is the boolean
     mask of tokens of ``mask`` that ``cfg`` drops. A non-finite log-ratio gets weight 0 (it
-    would poison the loss) without counting as rejected. With ``cfg`` None every token of
+    would poison the loss) without counting as rejected. With metric "none" every token of
     ``mask`` weighs 1.
     """
     mask = mask.to(torch.bool)
-    if cfg is None:
+    if cfg.metric == "none":
         return mask.float(), torch.zeros_like(mask)
     log_r = torch.where(mask, prox_logp.float() - behave_logp.float(), 0.0)
     log_r = torch.where(torch.isfinite(log_r), log_r, float("-inf"))
@@ -501,7 +402,7 @@ def ppo_loss(
     behave_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    cfg: PPOConfig,
+    cfg: PPOSettings,
     total_tokens: float,
     entropy: torch.Tensor | None = None,
     total_seqs: float = 0.0,

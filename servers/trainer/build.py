@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
-from areal_servers.trainer.algorithm import (
-    NormConfig,
-    PPOConfig,
-    RejectionConfig,
-    RewardConfig,
-)
 from areal_servers.trainer.engine import DistConfig, EngineConfig, OptimConfig
 from areal_servers.trainer.microbatch import MicroBatchSpec
 from areal_servers.trainer.publish.base import PublisherConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import trainer_pb2, trainer_pb2_grpc
 
-from areal_grpc.config import NormSettings, RejectionSettings, RunConfig
+from areal_grpc.config import RunConfig
 from areal_grpc.server import Service, service
 from areal_grpc.server_config import (
     TRAINER_SECTIONS,
@@ -33,33 +28,6 @@ from areal_grpc.server_config import (
 )
 
 __all__ = ["config_from_args", "service_config", "trainer_services"]
-
-
-def _norm(n: NormSettings) -> NormConfig | None:
-    """The engine's normalisation for the run config's (None: none at all)."""
-    if n.mean_level == "none" and n.std_level == "none":
-        return None
-    return NormConfig(
-        mean_level=None if n.mean_level == "none" else n.mean_level,  # type: ignore[arg-type]
-        std_level=None if n.std_level == "none" else n.std_level,  # type: ignore[arg-type]
-        mean_leave1out=n.mean_leave1out,
-        std_unbiased=n.std_unbiased,
-        eps=n.eps,
-    )
-
-
-def _rejection(r: RejectionSettings) -> RejectionConfig | None:
-    """The engine's rejection rule for the run config's (None: no behaviour weight)."""
-    if r.metric == "none":
-        return None
-    return RejectionConfig(
-        metric=r.metric,  # type: ignore[arg-type]
-        level=r.level,  # type: ignore[arg-type]
-        action=r.action,  # type: ignore[arg-type]
-        agg=r.agg,  # type: ignore[arg-type]
-        lower=r.lower,
-        upper=r.upper,
-    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainerServiceConfig:
@@ -89,35 +57,9 @@ def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceCo
             min_lr_ratio=t.min_lr_ratio,
             max_grad_norm=t.grad_clip,
         ),
-        ppo=PPOConfig(
-            eps_clip=p.eps_clip,
-            eps_clip_higher=p.eps_clip_higher,
-            c_clip=p.c_clip,
-            rejection=_rejection(p.rejection),
-            kl_ctl=p.kl_ctl,
-            kl_estimator=p.kl_estimator,  # type: ignore[arg-type]
-            kl_loss_coef=p.kl_loss_coef,
-            kl_loss_estimator=p.kl_loss_estimator,  # type: ignore[arg-type]
-            n_minibatches=p.n_minibatches,
-            epochs=p.epochs,
-            prox_logp_method=p.prox_logp_method,  # type: ignore[arg-type]
-            importance_sampling_level=p.importance_sampling_level,  # type: ignore[arg-type]
-            loss_agg=p.loss_agg,  # type: ignore[arg-type]
-            loss_constant_len=p.loss_constant_len or max_new_tokens(run),
-            # Log-probs are recomputed under the temperature the rollouts sampled with
-            # (greedy, 0, samples nothing to correct: 1).
-            temperature=run.rollout.sampling.temperature or 1.0,
-            reward=RewardConfig(
-                bias=p.reward_bias,
-                scale=p.reward_scale,
-                clip=p.reward_clip,
-                overlong_max_len=p.overlong_max_len,
-                overlong_cache=p.overlong_cache,
-                overlong_factor=p.overlong_factor,
-            ),
-            reward_norm=_norm(p.reward_norm),
-            adv_norm=_norm(p.adv_norm),
-        ),
+        ppo=replace(p, loss_constant_len=p.loss_constant_len or max_new_tokens(run)),
+        # Log-probs are recomputed under the temperature the rollouts sampled with.
+        temperature=run.rollout.sampling.temperature or 1.0,
         microbatch=MicroBatchSpec(max_tokens_per_mb=t.max_tokens_per_mb),
     )
     dist_cfg = DistConfig(

@@ -36,7 +36,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from areal_servers.trainer.algorithm import (
     LossStats,
-    PPOConfig,
     compute_advantages,
     loglinear_prox_logp,
     masked_token_logprobs,
@@ -61,7 +60,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from areal_grpc.config import LoraSettings, ModelConfig, TrainerConfig
+from areal_grpc.config import LoraSettings, ModelConfig, PPOSettings, TrainerConfig
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import (
     adapter_names,
@@ -141,7 +140,12 @@ class EngineConfig:
     # Parameter (and optimizer state) dtype: "float32", or "float64" for exactness checks.
     dtype: Literal["float32", "float64"] = _T.dtype  # type: ignore[assignment]
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
+    # The run's trainer.ppo section, with loss_constant_len resolved (0 there means the
+    # rollouts' max_new_tokens, which only the run knows).
+    ppo: PPOSettings = field(default_factory=PPOSettings)
+    # Logits are divided by this before log-softmax: the temperature the rollouts sampled
+    # with (greedy sampling, 0, has nothing to correct: 1).
+    temperature: float = 1.0
     microbatch: MicroBatchSpec = field(default_factory=MicroBatchSpec)
 
 
@@ -372,7 +376,7 @@ class TrainerEngine:
             return masked_logits(model, mb["input_ids"], mb["attention_mask"], keep)
 
         return masked_token_logprobs(
-            forward, mb["input_ids"], mb["train_mask"], self.cfg.ppo.temperature
+            forward, mb["input_ids"], mb["train_mask"], self.cfg.temperature
         )
 
     def _reference_logprobs(self, mb: Batch) -> torch.Tensor:

@@ -351,7 +351,7 @@ def check_logprobs_equal_recomputation(mesh: Mesh, tokenizer, tolerance: float) 
 
     batch = groups_to_batch(groups, pad_token_id=engine.pad_token_id, vocab_size=engine.vocab_size)
     mask = trainable_mask(batch["loss_mask"], batch["attention_mask"])
-    assert engine.cfg.ppo.temperature == 1.0
+    assert engine.cfg.temperature == 1.0
     with torch.no_grad():
         recomputed, _ = engine._forward_logprobs(
             engine.model,

@@ -8,14 +8,11 @@ floats, independent of the vectorised code under test.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from areal_servers.trainer.algorithm import (
-    NormConfig,
-    PPOConfig,
-    RejectionConfig,
-    RewardConfig,
     behaviour_weights,
     compute_advantages,
     kl_estimate,
@@ -29,11 +26,15 @@ from areal_servers.trainer.algorithm import (
     trainable_mask,
 )
 
-from areal_grpc.config import load_config
+from areal_grpc.config import NormSettings, PPOSettings, RejectionSettings, load_config
 from areal_grpc.errors import FieldError
 
+# Off switches as the run config spells them.
+NO_NORM = NormSettings("none", "none")
+NO_REJECTION = RejectionSettings(metric="none")
 
-def ref_normalize(xs, masks, groups, cfg: NormConfig):
+
+def ref_normalize(xs, masks, groups, cfg: NormSettings):
     """Loop version of AReaL's Normalization over rows ``xs`` (lists) with ``masks``."""
     rows = len(xs)
 
@@ -48,7 +49,7 @@ def ref_normalize(xs, masks, groups, cfg: NormConfig):
         for t in range(len(xs[i])):
             if not masks[i][t]:
                 continue
-            if cfg.mean_level is None:
+            if cfg.mean_level == "none":
                 mean = 0.0
             else:
                 vals = [xs[j][u] for j, u in valid(members(i, cfg.mean_level))]
@@ -57,14 +58,14 @@ def ref_normalize(xs, masks, groups, cfg: NormConfig):
                     mean = (sum(vals) - xs[i][t]) / (n - 1) if n > 1 else xs[i][t]
                 else:
                     mean = sum(vals) / len(vals)
-            if cfg.std_level is None:
+            if cfg.std_level == "none":
                 out[i][t] = xs[i][t] - mean
                 continue
             # The std of the centred values of the std level's set, each centred by its own
             # mean (leave-one-out means differ per element).
             sq, n = 0.0, 0
             for j, u in valid(members(i, cfg.std_level)):
-                if cfg.mean_level is None:
+                if cfg.mean_level == "none":
                     mj = 0.0
                 else:
                     vals_j = [xs[k][w] for k, w in valid(members(j, cfg.mean_level))]
@@ -85,13 +86,13 @@ def ref_normalize(xs, masks, groups, cfg: NormConfig):
 
 
 LEVELS = [
-    NormConfig("group", "group"),
-    NormConfig("batch", "batch"),
-    NormConfig("group", "batch"),
-    NormConfig("group", None),
-    NormConfig("group", None, mean_leave1out=True),
-    NormConfig("batch", "group", std_unbiased=False),
-    NormConfig(None, "batch"),
+    NormSettings("group", "group"),
+    NormSettings("batch", "batch"),
+    NormSettings("group", "batch"),
+    NormSettings("group", "none"),
+    NormSettings("group", "none", mean_leave1out=True),
+    NormSettings("batch", "group", std_unbiased=False),
+    NormSettings("none", "batch"),
 ]
 
 
@@ -127,7 +128,7 @@ def test_equal_rewards_in_a_group_give_zero_advantage_never_nan(cfg):
 def test_batch_level_statistics_are_summed_over_ranks():
     # Two "ranks" with halves of a batch: reducing their sums must equal the whole batch.
     x = torch.tensor([0.0, 1.0, 3.0, 7.0])
-    cfg = NormConfig("batch", "batch")
+    cfg = NormSettings("batch", "batch")
     whole = normalize(x, cfg)
     # The mean pass gives the other half's (sum, count); the std pass needs its squared sum,
     # so emulate the second collective with the known global mean.
@@ -148,16 +149,16 @@ def test_batch_level_statistics_are_summed_over_ranks():
 
 def test_shape_rewards_bias_scale_clip():
     r = torch.tensor([0.0, 1.0, 5.0, -5.0])
-    got = shape_rewards(r, RewardConfig(bias=-0.5, scale=10.0, clip=20.0))
+    got = shape_rewards(r, PPOSettings(reward_bias=-0.5, reward_scale=10.0, reward_clip=20.0))
     assert got.tolist() == [-5.0, 5.0, 20.0, -20.0]
-    assert shape_rewards(r, RewardConfig(clip=None)).tolist() == r.tolist()
+    assert shape_rewards(r, PPOSettings(reward_clip=math.inf)).tolist() == r.tolist()
 
 
 def test_advantages_put_the_normalised_reward_on_every_generated_token():
     loss_mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=torch.bool)
     rewards = torch.tensor([1.0, 0.0, 0.0])
     groups = torch.tensor([0, 0, 1])
-    cfg = PPOConfig(reward=RewardConfig(bias=0.0, scale=2.0, clip=None))
+    cfg = PPOSettings(reward_scale=2.0, reward_clip=math.inf)
     adv = compute_advantages(rewards, loss_mask, cfg, group_index=groups)
     r = [2.0, 0.0]
     mean, std = 1.0, math.sqrt(((2 - 1) ** 2 + (0 - 1) ** 2) / 1)
@@ -174,7 +175,7 @@ def test_kl_penalty_is_a_return_to_go_reward(estimator):
     behave = -torch.rand(2, 5, generator=gen) * 3
     ref = -torch.rand(2, 5, generator=gen) * 3
     rewards = torch.tensor([1.0, -1.0])
-    cfg = PPOConfig(kl_ctl=0.3, kl_estimator=estimator, reward_norm=None)
+    cfg = PPOSettings(kl_ctl=0.3, kl_estimator=estimator, reward_norm=NO_NORM)
     adv = compute_advantages(rewards, loss_mask, cfg, behave_logp=behave, ref_logp=ref)
     for i in range(2):
         for t in range(5):
@@ -222,7 +223,7 @@ def test_trainable_mask_drops_token_zero_and_padding():
     ]
 
 
-def ref_token_loss(theta, prox, behave, adv, cfg: PPOConfig):
+def ref_token_loss(theta, prox, behave, adv, cfg: PPOSettings):
     """(loss, kept, clipped, w) of one token straight from AReaL's ``ppo_actor_loss_fn``."""
     ratio = math.exp(theta - prox)
     hi = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
@@ -233,7 +234,7 @@ def ref_token_loss(theta, prox, behave, adv, cfg: PPOConfig):
         loss = min(loss, cfg.c_clip * abs(adv))
     w, kept = 1.0, True
     rej = cfg.rejection
-    if rej is not None:
+    if rej.metric != "none":
         w = math.exp(prox - behave)
         lower = rej.lower if rej.lower is not None else 0.0
         if rej.action == "mask" and not lower <= w <= rej.upper:
@@ -245,15 +246,15 @@ def ref_token_loss(theta, prox, behave, adv, cfg: PPOConfig):
 
 
 PPO_CONFIGS = [
-    PPOConfig(),
-    PPOConfig(eps_clip=0.1, eps_clip_higher=0.3),
-    PPOConfig(c_clip=3.0),
-    PPOConfig(rejection=RejectionConfig(upper=1.5, action="clamp")),
-    PPOConfig(rejection=RejectionConfig(upper=1.2), c_clip=2.0),
+    PPOSettings(),
+    PPOSettings(eps_clip=0.1, eps_clip_higher=0.3),
+    PPOSettings(c_clip=3.0),
+    PPOSettings(rejection=RejectionSettings(upper=1.5, action="clamp")),
+    PPOSettings(rejection=RejectionSettings(upper=1.2), c_clip=2.0),
     # IcePop: both bounds, masked.
-    PPOConfig(rejection=RejectionConfig(lower=0.8, upper=1.2)),
-    PPOConfig(rejection=RejectionConfig(lower=0.8, upper=1.3, action="clamp")),
-    PPOConfig(rejection=None),
+    PPOSettings(rejection=RejectionSettings(lower=0.8, upper=1.2)),
+    PPOSettings(rejection=RejectionSettings(lower=0.8, upper=1.3, action="clamp")),
+    PPOSettings(rejection=NO_REJECTION),
 ]
 
 
@@ -301,7 +302,7 @@ def test_ppo_loss_matches_reference_and_its_gradient(cfg):
     assert stats.tokens == int(mask.sum())
     assert stats.clipped_tokens == clipped
     assert stats.imp_weight_max == pytest.approx(w_max if kept_n else 0.0, abs=1e-6)
-    if cfg.rejection is not None:
+    if cfg.rejection.metric != "none":
         assert stats.imp_weight_mean == pytest.approx(w_sum / kept_n, abs=1e-6)
     assert stats.entropy_sum == pytest.approx(float((entropy * mask).sum()), abs=1e-5)
     assert torch.isfinite(theta.grad).all()
@@ -314,7 +315,7 @@ def test_microbatch_losses_sum_to_the_global_token_mean():
     theta = prox + 0.1 * torch.randn(4, 5, generator=gen)
     adv = torch.randn(4, 5, generator=gen)
     mask = torch.rand(4, 5, generator=gen) > 0.2
-    cfg = PPOConfig(rejection=None)
+    cfg = PPOSettings(rejection=NO_REJECTION)
     total = float(mask.sum())
     whole, _ = ppo_loss(theta, prox, prox, adv, mask, cfg, total)
     parts = [
@@ -377,22 +378,22 @@ def test_loglinear_prox_moves_each_token_toward_the_current_policy_by_its_stalen
 
 
 def test_overlong_penalty_is_dapos_soft_punishment():
-    cfg = RewardConfig(overlong_max_len=10, overlong_cache=4, overlong_factor=0.5)
+    cfg = PPOSettings(overlong_max_len=10, overlong_cache=4, overlong_factor=0.5)
     lengths = torch.tensor([3, 6, 7, 8, 10, 11])
     # Free up to 10 - 4 = 6 tokens; then (6 - L) / 4 down to -1 at 10; -1 beyond; x 0.5.
     want = [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]
     assert overlong_penalty(lengths, cfg).tolist() == pytest.approx(want)
-    assert overlong_penalty(lengths, RewardConfig()).tolist() == [0.0] * 6
+    assert overlong_penalty(lengths, PPOSettings()).tolist() == [0.0] * 6
     # It enters the rewards before normalisation: a group of equal rewards whose members
     # differ in length gets advantages by length alone.
-    ppo = PPOConfig(reward=cfg, reward_norm=None)
+    ppo = replace(cfg, reward_norm=NO_NORM)
     mask = torch.zeros(2, 12, dtype=torch.bool)
     mask[0, :6], mask[1, :10] = True, True
     adv = compute_advantages(torch.tensor([1.0, 1.0]), mask, ppo)
     assert adv[0, 0] == pytest.approx(1.0) and adv[1, 0] == pytest.approx(0.5)
 
 
-def _loss_case(cfg: PPOConfig, total_tokens: float, total_seqs: float) -> float:
+def _loss_case(cfg: PPOSettings, total_tokens: float, total_seqs: float) -> float:
     """Two sequences: 2 and 3 trained tokens, log-ratios and advantages chosen by hand."""
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     log_ratio = torch.tensor([[0.1, 0.3, 0.0], [0.0, 0.0, 0.0]])
@@ -404,24 +405,24 @@ def _loss_case(cfg: PPOConfig, total_tokens: float, total_seqs: float) -> float:
 
 
 def test_sequence_level_ratios_and_loss_aggregations_match_hand_computations():
-    base = {"eps_clip": 0.2, "rejection": None}
+    base = {"eps_clip": 0.2, "rejection": NO_REJECTION}
     # Token level, token mean: row 0 tokens r = e^0.1, e^0.3 (clipped to 1.2 for A > 0:
     # min of -A r and -A 1.2 is the larger loss, max(-A r, -A clip) = -A * min(r, 1.2)),
     # row 1 r = 1 with A = -1 -> loss 1 each.
     t0 = -1.0 * min(math.exp(0.1), 1.2)
     t1 = -3.0 * min(math.exp(0.3), 1.2)
     token = (t0 + t1 + 3 * 1.0) / 5
-    assert _loss_case(PPOConfig(**base), 5, 2) == pytest.approx(token, rel=1e-6)
+    assert _loss_case(PPOSettings(**base), 5, 2) == pytest.approx(token, rel=1e-6)
     # Sequence level (GSPO): row 0's ratio is e^{mean(0.1, 0.3)} = e^0.2, clipped to 1.2,
     # and its tokens carry the mean advantage 2; row 1 unchanged.
-    seq = PPOConfig(**base, importance_sampling_level="sequence")
+    seq = PPOSettings(**base, importance_sampling_level="sequence")
     s0 = -2.0 * min(math.exp(0.2), 1.2)
     assert _loss_case(seq, 5, 2) == pytest.approx((2 * s0 + 3 * 1.0) / 5, rel=1e-6)
     # Sequence mean of token means, over the 2 sequences.
-    seq_mean = PPOConfig(**base, loss_agg="seq_mean")
+    seq_mean = PPOSettings(**base, loss_agg="seq_mean")
     assert _loss_case(seq_mean, 5, 2) == pytest.approx(((t0 + t1) / 2 + 1.0) / 2, rel=1e-6)
     # Dr.GRPO's constant: the token sum over 4 (length budget) x 2 sequences.
-    const = PPOConfig(**base, loss_agg="constant", loss_constant_len=4)
+    const = PPOSettings(**base, loss_agg="constant", loss_constant_len=4)
     assert _loss_case(const, 5, 2) == pytest.approx((t0 + t1 + 3.0) / 8, rel=1e-6)
 
 
@@ -450,7 +451,7 @@ def test_rejection_metrics_match_hand_computations_per_token():
     }
     assert _bkl(p[0], q[0]) > 0.02 and _bkl(p[2], q[2]) < 0.02  # the cases straddle 0.02
     for metric, (lower, upper, rejected) in cases.items():
-        cfg = RejectionConfig(metric=metric, lower=lower, upper=upper)  # type: ignore[arg-type]
+        cfg = RejectionSettings(metric=metric, lower=lower, upper=upper)  # type: ignore[arg-type]
         w, rej = behaviour_weights(prox, behave, mask, cfg)
         assert rej[0, :3].tolist() == rejected, metric
         assert not rej[0, 3]
@@ -459,12 +460,12 @@ def test_rejection_metrics_match_hand_computations_per_token():
         assert w[0, 3] == 0.0
     # Clamp keeps every token, its weight pulled into [0.9, 2].
     w, rej = behaviour_weights(
-        prox, behave, mask, RejectionConfig(action="clamp", lower=0.9, upper=2.0)
+        prox, behave, mask, RejectionSettings(action="clamp", lower=0.9, upper=2.0)
     )
     assert not rej.any()
     torch.testing.assert_close(w[0, :3], torch.tensor([1.25, 2.0, 0.9]), rtol=1e-5, atol=1e-6)
     # No rule: every trained token weighs 1.
-    w, rej = behaviour_weights(prox, behave, mask, None)
+    w, rej = behaviour_weights(prox, behave, mask, NO_REJECTION)
     assert w.tolist() == [[1.0, 1.0, 1.0, 0.0]] and not rej.any()
 
 
@@ -476,7 +477,7 @@ def test_sequence_level_rejection_judges_whole_rows_by_their_aggregate():
     mask = torch.ones(2, 2, dtype=torch.bool)
 
     def run(agg: str, upper: float) -> tuple[list[list[bool]], torch.Tensor]:
-        cfg = RejectionConfig(level="sequence", agg=agg, upper=upper)  # type: ignore[arg-type]
+        cfg = RejectionSettings(level="sequence", agg=agg, upper=upper)  # type: ignore[arg-type]
         w, rej = behaviour_weights(prox, behave, mask, cfg)
         return rej.tolist(), w
 
@@ -501,7 +502,7 @@ def test_kl_loss_term_adds_beta_times_the_estimate_with_its_gradient(estimator):
     mask = torch.tensor([[False, True, True]])
     zeros = torch.zeros(1, 3)
     beta = 0.1
-    cfg = PPOConfig(kl_loss_coef=beta, kl_loss_estimator=estimator, rejection=None)
+    cfg = PPOSettings(kl_loss_coef=beta, kl_loss_estimator=estimator, rejection=NO_REJECTION)
     loss, stats = ppo_loss(logp, logp.detach(), logp.detach(), zeros, mask, cfg, 2.0, ref_logp=ref)
     loss.backward()
     est = {
@@ -527,7 +528,7 @@ def test_kl_reward_clamps_the_estimate_before_kl_ctl_scales_it():
     assert math.exp(4.9) - 1 - 4.9 == pytest.approx(128.4, abs=0.05)
     loss_mask = torch.tensor([[False, True]])
     behave, ref = torch.tensor([[0.0, -5.0]]), torch.tensor([[0.0, -0.1]])
-    cfg = PPOConfig(kl_ctl=0.1, kl_estimator="k3", reward_norm=None)
+    cfg = PPOSettings(kl_ctl=0.1, kl_estimator="k3", reward_norm=NO_NORM)
     adv = compute_advantages(torch.tensor([0.0]), loss_mask, cfg, behave_logp=behave, ref_logp=ref)
     assert adv[0, 1].item() == pytest.approx(-1.0, abs=1e-6)
 
@@ -535,10 +536,16 @@ def test_kl_reward_clamps_the_estimate_before_kl_ctl_scales_it():
 def test_overlong_penalty_joins_the_raw_reward_before_bias_and_scale():
     """D2: 7 generated tokens, budget 8 with a cache of 4: penalty (4 - 7) / 4 = -0.75 on the
     raw reward 1, then (1 - 0.75 - 0.5) * 10 = -2.5 (adding it after shaping gave 4.25)."""
-    reward = RewardConfig(bias=-0.5, scale=10.0, overlong_max_len=8, overlong_cache=4)
+    reward = PPOSettings(
+        reward_bias=-0.5,
+        reward_scale=10.0,
+        overlong_max_len=8,
+        overlong_cache=4,
+        reward_norm=NO_NORM,
+    )
     mask = torch.zeros(1, 10, dtype=torch.bool)
     mask[0, 2:9] = True
-    adv = compute_advantages(torch.tensor([1.0]), mask, PPOConfig(reward=reward, reward_norm=None))
+    adv = compute_advantages(torch.tensor([1.0]), mask, reward)
     assert adv[0, 2:9].tolist() == pytest.approx([-2.5] * 7)
 
 
@@ -548,7 +555,7 @@ def test_kl_k3_rejection_metric_is_one_over_r_minus_one_plus_log_r():
     behave = torch.full((1, 2), -3.0)
     prox = behave + torch.tensor([[-2.0, 2.0]])
     mask = torch.ones(1, 2, dtype=torch.bool)
-    w, rej = behaviour_weights(prox, behave, mask, RejectionConfig(metric="kl_k3", upper=2.0))
+    w, rej = behaviour_weights(prox, behave, mask, RejectionSettings(metric="kl_k3", upper=2.0))
     assert rej.tolist() == [[True, False]]
     # A KL metric only decides what is dropped: the kept token weighs its ratio e^2.
     torch.testing.assert_close(w, torch.tensor([[0.0, math.exp(2.0)]]))
@@ -561,7 +568,7 @@ def test_sequence_ratio_weight_is_the_geometric_mean_whatever_the_agg():
     prox = behave + 0.5
     mask = torch.ones(1, 3, dtype=torch.bool)
     for agg in ("sum", "max", "mean"):
-        cfg = RejectionConfig(level="sequence", agg=agg, upper=5.0)  # type: ignore[arg-type]
+        cfg = RejectionSettings(level="sequence", agg=agg, upper=5.0)  # type: ignore[arg-type]
         w, rej = behaviour_weights(prox, behave, mask, cfg)
         assert not rej.any(), agg
         torch.testing.assert_close(w, torch.full((1, 3), math.exp(0.5)))
@@ -571,7 +578,7 @@ def test_sequence_ratio_weight_is_the_geometric_mean_whatever_the_agg():
     behave = torch.full((2, 2), -3.0)
     prox = behave + torch.tensor([[0.0, -2.0], [1.0, 0.6]])
     mask = torch.ones(2, 2, dtype=torch.bool)
-    cfg = RejectionConfig(level="sequence", agg="max", action="clamp", lower=0.5, upper=2.0)
+    cfg = RejectionSettings(level="sequence", agg="max", action="clamp", lower=0.5, upper=2.0)
     w, rej = behaviour_weights(prox, behave, mask, cfg)
     assert not rej.any()
     want = torch.tensor([[math.exp(-1.0)] * 2, [2.0, 2.0]])
@@ -589,7 +596,7 @@ def test_gspo_sequence_ratio_and_advantage_use_the_tokens_rejection_kept():
     adv = torch.ones(1, 2)
     mask = torch.ones(1, 2, dtype=torch.bool)
     # eps_clip 0.3 leaves e^0.2 unclipped, so the old value shows whole.
-    cfg = PPOConfig(eps_clip=0.3, importance_sampling_level="sequence")
+    cfg = PPOSettings(eps_clip=0.3, importance_sampling_level="sequence")
     loss, stats = ppo_loss(logp, prox, behave, adv, mask, cfg, 2.0)
     assert loss.item() == pytest.approx(-0.5, abs=1e-6)
     assert stats.capped_tokens == 1
@@ -601,7 +608,7 @@ def test_gspo_sequence_ratio_and_advantage_use_the_tokens_rejection_kept():
 def test_one_sample_per_prompt_with_group_centring_is_refused():
     """D6: a group of one centred on its own mean erases every reward (all advantages 0)."""
     rewards = torch.tensor([1.0, 0.0, 1.0])
-    assert normalize(rewards, NormConfig(), group_index=torch.arange(3)).tolist() == [0.0] * 3
+    assert normalize(rewards, NormSettings(), group_index=torch.arange(3)).tolist() == [0.0] * 3
     for name, other in (("reward_norm", "adv_norm"), ("adv_norm", "reward_norm")):
         overrides = [f"trainer.ppo.{name}.mean_level=group", f"trainer.ppo.{other}.mean_level=none"]
         with pytest.raises(FieldError) as err:

@@ -14,7 +14,7 @@ import traceback
 import pytest
 import torch
 import transformers
-from areal_servers.trainer.algorithm import PPOConfig, token_logprobs, trainable_mask
+from areal_servers.trainer.algorithm import token_logprobs, trainable_mask
 from areal_servers.trainer.engine import (
     DistConfig,
     EngineConfig,
@@ -27,6 +27,7 @@ from areal_servers.trainer.microbatch import MicroBatchSpec
 from areal_servers.trainer.weight_publisher import gather_buckets, published_tensors, tensor_metas
 from torch.distributed.tensor import DTensor
 
+from areal_grpc.config import PPOSettings
 from areal_grpc.ports import free_port
 from areal_grpc.weight_transfer import plan_buckets
 
@@ -50,7 +51,7 @@ def config(
         fsdp=fsdp,
         device="cpu",
         optim=OptimConfig(lr=lr, warmup_steps=2, max_grad_norm=1.0),
-        ppo=PPOConfig(kl_ctl=0.0),
+        ppo=PPOSettings(kl_ctl=0.0),
         microbatch=MicroBatchSpec(max_tokens_per_mb=max_tokens),
     )
 
@@ -156,7 +157,7 @@ def ppo_config(
     fsdp: bool, n_minibatches: int, epochs: int, max_tokens: int = 30, **ppo: object
 ) -> EngineConfig:
     cfg = config(fsdp=fsdp, max_tokens=max_tokens, dtype="float64")
-    cfg.ppo = PPOConfig(kl_ctl=0.0, n_minibatches=n_minibatches, epochs=epochs, **ppo)  # type: ignore[arg-type]
+    cfg.ppo = PPOSettings(kl_ctl=0.0, n_minibatches=n_minibatches, epochs=epochs, **ppo)  # type: ignore[arg-type]
     return cfg
 
 
@@ -215,7 +216,7 @@ def test_one_minibatch_one_epoch_skips_the_proximal_forward_and_more_updates_do_
 def test_kl_penalty_uses_the_initial_policy_as_reference(make_batch):
     def engine(kl: float) -> TrainerEngine:
         cfg = config(fsdp=False, dtype="float64")
-        cfg.ppo = PPOConfig(kl_ctl=kl)
+        cfg.ppo = PPOSettings(kl_ctl=kl)
         return TrainerEngine(cfg)
 
     batch = make_batch(seed=5)
@@ -247,7 +248,7 @@ def test_kl_loss_pulls_toward_the_initial_policy_from_the_second_step_on(make_ba
 
     def engine(beta: float) -> TrainerEngine:
         cfg = config(fsdp=False, dtype="float64")
-        cfg.ppo = PPOConfig(kl_loss_coef=beta, kl_loss_estimator="k3")
+        cfg.ppo = PPOSettings(kl_loss_coef=beta, kl_loss_estimator="k3")
         return TrainerEngine(cfg)
 
     batch = make_batch(seed=5)

@@ -7,12 +7,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from areal_servers.trainer.algorithm import PPOConfig
 from areal_servers.trainer.engine import TrainerEngine
 from areal_servers.trainer.weight_publisher import published_tensors, tensor_metas
 from peft import PeftModel
 
-from areal_grpc.config import LoraSettings
+from areal_grpc.config import LoraSettings, PPOSettings
 from areal_grpc.model import load_model
 
 from .test_engine import MODEL, _two_ranks, config, max_diff, params, rows_of
@@ -23,7 +22,7 @@ LORA = LoraSettings(rank=4, alpha=8.0)
 def lora_config(fsdp: bool, dtype: str = "float32", lr: float = 1e-2, **ppo: object):
     cfg = replace(config(fsdp=fsdp, dtype=dtype, lr=lr), lora=LORA)
     if ppo:
-        cfg.ppo = PPOConfig(**ppo)  # type: ignore[arg-type]
+        cfg.ppo = PPOSettings(**ppo)  # type: ignore[arg-type]
     return cfg
 
 

@@ -22,13 +22,13 @@ import grpc
 import pytest
 import torch
 import transformers
-from areal_servers.trainer.algorithm import PPOConfig
 from areal_servers.trainer.engine import EngineConfig, OptimConfig, TrainerEngine
 from areal_servers.trainer.microbatch import MicroBatchSpec
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weight_sync_pb2
 from safetensors.torch import load_file
 
 from areal_grpc.batch import batch_to_trajectories, groups_to_batch
+from areal_grpc.config import PPOSettings
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_tokenizer
 from areal_grpc.ports import free_port
@@ -169,7 +169,7 @@ def plain_engine() -> TrainerEngine:
             device="cpu",
             # The ranks' settings: their run config's defaults (weight decay 0) and overrides.
             optim=OptimConfig(lr=LR, warmup_steps=2, weight_decay=0.0),
-            ppo=PPOConfig(),
+            ppo=PPOSettings(),
             microbatch=MicroBatchSpec(max_tokens_per_mb=MAX_TOKENS),
         )
     )
