@@ -70,24 +70,23 @@ def engine_step_times(args: argparse.Namespace) -> dict[str, float]:
     """Median seconds of one TrainerEngine step per method, steps interleaved."""
     import torch
     from areal_servers.trainer.algorithm import token_logprobs
-    from areal_servers.trainer.engine import EngineConfig, OptimConfig, TrainerEngine
-    from areal_servers.trainer.microbatch import MicroBatchSpec
+    from areal_servers.trainer.engine import TrainerEngine
 
-    from areal_grpc.config import PPOSettings
+    from areal_grpc.config import ModelConfig, PPOSettings, TrainerConfig
 
     torch.manual_seed(0)
     rows, width, prompt = args.groups * args.group_size, args.tokens, args.tokens // 4
     engines: dict[str, TrainerEngine] = {}
     for method in ("recompute", "loglinear"):
         engines[method] = TrainerEngine(
-            EngineConfig(
-                model=args.engine_model,
+            TrainerConfig(
                 fsdp=False,
                 device="cpu",
-                optim=OptimConfig(lr=1e-4),
+                lr=1e-4,
                 ppo=PPOSettings(n_minibatches=args.minibatches, prox_logp_method=method),
-                microbatch=MicroBatchSpec(max_tokens_per_mb=4096),
-            )
+                max_tokens_per_mb=4096,
+            ),
+            ModelConfig(source=args.engine_model),
         )
     ids = torch.randint(3, 256, (rows, width))
     attn = torch.ones(rows, width, dtype=torch.bool)

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 from areal_servers.rollout.engine import InferenceEngine, SamplingConfig
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.service import EpisodeRunner, RolloutServiceConfig, item_to_struct
 from areal_servers.rollout.workflows import prompt_ids_of
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -59,6 +59,7 @@ from google.protobuf import json_format
 from results import result
 from teardown import exit_on_sigterm
 
+from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import aio_channel
@@ -161,12 +162,8 @@ async def bench(args: argparse.Namespace, server: Child) -> None:
     tasks = episode_tasks(args)
     expected = len(tasks) * args.group_size * args.max_new_tokens
     engine = HFEngine(
-        HFEngineConfig(
-            model=args.model,
-            seed=args.seed,
-            device="cpu",
-            max_running_requests=args.max_running,
-        )
+        ModelConfig(source=args.model, seed=args.seed),
+        RolloutConfig(device="cpu", max_running_requests=args.max_running),
     )
     runner = EpisodeRunner(engine, tokenizer, RolloutServiceConfig())
     channel = aio_channel(server.address)
@@ -306,7 +303,7 @@ async def bench_vllm(args: argparse.Namespace, server: Child) -> None:
     tokenizer = load_tokenizer(args.model)
     vllm = VLLMEngine(args.model, VllmSettings(), seed=args.seed)
     await vllm.start()
-    hf = HFEngine(HFEngineConfig(model=args.model, seed=args.seed, device="cpu"))
+    hf = HFEngine(ModelConfig(source=args.model, seed=args.seed), RolloutConfig(device="cpu"))
     channel = aio_channel(server.address)
     stub = rollout_pb2_grpc.RolloutServiceStub(channel)
     results: list[tuple[str, float, str, float, str]] = []

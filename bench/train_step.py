@@ -168,7 +168,13 @@ def worker_main(args: argparse.Namespace) -> None:
 
     def build() -> TrainerEngine:
         init_distributed(cfg.dist)
-        return TrainerEngine(cfg.engine)
+        return TrainerEngine(
+            cfg.trainer,
+            cfg.model,
+            device=cfg.device,
+            total_steps=cfg.total_steps,
+            temperature=cfg.temperature,
+        )
 
     engine = torch_thread.submit(build).result()
     total = args.warmup + args.steps

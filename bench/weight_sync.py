@@ -76,6 +76,7 @@ from results import result
 from safetensors.torch import load_file, save_file
 from transformers import ByT5Tokenizer, Qwen2Config, Qwen2ForCausalLM
 
+from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.launch import Child, python_module_argv, start_child, start_children, stop_children
 from areal_grpc.model import resolve_source, save_pretrained
 from areal_grpc.server import sync_channel
@@ -154,8 +155,8 @@ def serve_rollout(
     LISTENING host:port."""
     if netns:
         shaped.enter(netns)
-    from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
-    from areal_servers.rollout.receive.base import WeightSyncConfig
+    from areal_servers.rollout.hf_engine import HFEngine
+    from areal_servers.rollout.receive.base import ReceiverConfig
     from areal_servers.rollout.service import RolloutServicer
     from areal_servers.rollout.weight_sync import build_weight_sync_service
     from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
@@ -181,13 +182,13 @@ def serve_rollout(
             engine = VLLMEngine(model, VllmSettings(kv_cache_gib=0.5, max_model_len=512))
             await engine.start()
         else:
-            engine = HFEngine(HFEngineConfig(model=model, device=device))
+            engine = HFEngine(ModelConfig(source=model), RolloutConfig(device=device))
         rollout = RolloutServicer(engine, load_tokenizer(model))
         services = [
             service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
             build_weight_sync_service(
                 engine,
-                WeightSyncConfig(disk_root=disk_root, socket_host=host, socket_tls=tls),
+                ReceiverConfig(disk_root=disk_root, socket_host=host, socket_tls=tls),
             ),
         ]
         # Beyond loopback only behind --link: the namespace's link reaches nothing else.

@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from areal_clients.gateway import GatewayConfig, create_app
+from areal_clients.gateway import create_app
 from areal_clients.gateway.chat import ChatRenderer, Conversation, normalize_messages
 from areal_clients.gateway.tools import (
     ToolSettings,
@@ -39,6 +39,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from areal_grpc import tracing
+from areal_grpc.config import GatewaySettings, ModelConfig, RunConfig
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
@@ -79,12 +80,16 @@ class Gateway:
     thread: threading.Thread
 
 
-def serve_gateway(cfg: GatewayConfig) -> Gateway:
-    """The gateway app under uvicorn in a thread, on a free port."""
+def gateway_run(model: str = MODEL, **gateway: Any) -> RunConfig:
+    """A run config whose policy is ``model``, with these gateway settings."""
+    return RunConfig(model=ModelConfig(source=model), gateway=GatewaySettings(**gateway))
+
+
+def serve_gateway(run: RunConfig, coordinator: str, api_key: str | None = None) -> Gateway:
+    """``run``'s gateway under uvicorn in a thread, on a free port."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning")
-    )
+    app = create_app(run, coordinator, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -140,7 +145,7 @@ def mesh(rollout: Child) -> Iterator[Mesh]:
 
 @pytest.fixture(scope="module")
 def gateway(mesh: Mesh) -> Iterator[Gateway]:
-    gw = serve_gateway(GatewayConfig(coordinator=mesh.address, model=MODEL, default_max_tokens=8))
+    gw = serve_gateway(gateway_run(max_tokens=8), mesh.address)
     yield gw
     stop_gateway(gw)
 
@@ -595,7 +600,7 @@ def test_a_rollout_server_killed_mid_stream_fails_that_request_and_the_session_r
     doomed = start_child("rollout-doomed", argv, log_dir=tmp_path)
     spare = start_child("rollout-spare", argv, log_dir=tmp_path)
     m = start_mesh(doomed.address)
-    gw = serve_gateway(GatewayConfig(coordinator=m.address, model=MODEL, default_max_tokens=8))
+    gw = serve_gateway(gateway_run(max_tokens=8), m.address)
     try:
         sid = session(gw)  # leased while the doomed server is the only one
         with sync_channel(m.address) as channel:
@@ -651,7 +656,7 @@ def test_a_slow_agent_keeps_its_session_and_an_abandoned_one_expires_with_a_409(
     argv = python_module_argv("areal_servers.rollout", "--port", "0", f"model.source={MODEL}")
     server = start_child("rollout-slow", argv, log_dir=tmp_path)
     m = start_mesh(server.address, batch=2, lease_ttl_s=ttl)
-    gw = serve_gateway(GatewayConfig(coordinator=m.address, model=MODEL, default_max_tokens=4))
+    gw = serve_gateway(gateway_run(max_tokens=4), m.address)
     try:
         opened = httpx.post(f"{gw.url}/rl/sessions", json={"group_size": 2}, timeout=30).json()
         sid = opened["session_id"]
@@ -720,7 +725,7 @@ def test_a_full_staleness_budget_is_429_with_retry_after(tmp_path: Path) -> None
     """No rollout server and no capacity left: sessions get 429 + Retry-After, sessionless
     completions 503."""
     m = start_mesh(None)
-    gw = serve_gateway(GatewayConfig(coordinator=m.address, model=MODEL))
+    gw = serve_gateway(gateway_run(), m.address)
     try:
         for _ in range(BATCH):
             assert httpx.post(f"{gw.url}/rl/sessions", json={}, timeout=10).status_code == 200
@@ -738,7 +743,7 @@ def test_a_full_staleness_budget_is_429_with_retry_after(tmp_path: Path) -> None
 
 
 def test_bearer_auth_when_an_api_key_is_set(mesh: Mesh) -> None:
-    gw = serve_gateway(GatewayConfig(coordinator=mesh.address, model=MODEL, api_key="s3cret"))
+    gw = serve_gateway(gateway_run(), mesh.address, api_key="s3cret")
     try:
         assert httpx.get(f"{gw.url}/v1/models", timeout=10).status_code == 401
         with pytest.raises(openai.PermissionDeniedError):

@@ -35,48 +35,21 @@ def rollout_args(argv: list[str]) -> argparse.Namespace:
 
 
 def test_a_standalone_trainer_takes_the_run_configs_defaults():
-    engine = config_from_args(trainer_args([])).engine
+    cfg = config_from_args(trainer_args([]))
     run = RunConfig()
-    assert engine.model == run.model.source
-    assert engine.optim.lr == run.trainer.lr
-    assert engine.optim.weight_decay == run.trainer.weight_decay
-    assert engine.optim.max_grad_norm == run.trainer.grad_clip
-    assert engine.optim.total_steps == run.total_steps
-    assert engine.microbatch.max_tokens_per_mb == run.trainer.max_tokens_per_mb
-    # The trainer's PPO settings are the run's section itself, not a copy of some fields
-    # (with Dr.GRPO's length constant, 0 there, resolved to the response budget).
-    assert dataclasses.replace(engine.ppo, loss_constant_len=0) == run.trainer.ppo
+    # The rank takes the run's sections themselves, not copies of some of their fields (with
+    # Dr.GRPO's length constant, 0 there, resolved to the response budget).
+    assert cfg.model == run.model
+    resolved = dataclasses.replace(cfg.trainer.ppo, loss_constant_len=0)
+    assert dataclasses.replace(cfg.trainer, ppo=resolved) == run.trainer
+    assert cfg.total_steps == run.total_steps
 
 
 def test_ppo_minibatches_and_epochs_reach_the_trainer_engine():
     ppo = config_from_args(
         trainer_args(["trainer.ppo.n_minibatches=4", "trainer.ppo.epochs=2"])
-    ).engine.ppo
+    ).trainer.ppo
     assert (ppo.n_minibatches, ppo.epochs) == (4, 2)
-
-
-def test_the_engine_dataclasses_default_to_what_a_default_run_gives_them():
-    """Built directly (tests, benches, embedding), a trainer or rollout engine trains and
-    serves like one a default run starts: no second set of defaults to drift."""
-    from areal_servers.rollout.build import hf_engine_config
-    from areal_servers.rollout.hf_engine import HFEngineConfig
-    from areal_servers.trainer.engine import EngineConfig
-
-    built = config_from_args(trainer_args([])).engine
-    direct = EngineConfig()
-    assert (direct.model, direct.seed, direct.fsdp, direct.dtype) == (
-        built.model,
-        built.seed,
-        built.fsdp,
-        built.dtype,
-    )
-    # Only the step count and the response budget are the run's alone (a schedule decays to
-    # total_steps; Dr.GRPO's constant is max_new_tokens).
-    assert dataclasses.replace(direct.optim, total_steps=built.optim.total_steps) == built.optim
-    assert dataclasses.replace(direct.ppo, loss_constant_len=built.ppo.loss_constant_len) == (
-        built.ppo
-    )
-    assert HFEngineConfig() == hf_engine_config(RunConfig())
 
 
 def test_the_trainer_reads_the_coordinators_file_and_overrides(tmp_path: Path):
@@ -91,10 +64,10 @@ def test_the_trainer_reads_the_coordinators_file_and_overrides(tmp_path: Path):
     cfg = config_from_args(
         trainer_args(["--config", str(config), "trainer.lr=2e-5", "trainer.ppo.kl_estimator=k3"])
     )
-    assert cfg.engine.optim.lr == 2e-5 and cfg.engine.optim.total_steps == 7
-    assert cfg.engine.ppo.kl_estimator == "k3"
+    assert cfg.trainer.lr == 2e-5 and cfg.total_steps == 7
+    assert cfg.trainer.ppo.kl_estimator == "k3"
     # RLOO: a leave-one-out group mean and no std, with the configured eps.
-    norm = cfg.engine.ppo.reward_norm
+    norm = cfg.trainer.ppo.reward_norm
     assert norm.mean_leave1out and norm.std_level == "none"
     assert norm.eps == 1e-3
     # It may write under the run's output directory only; no disk method, no weights root.
@@ -120,7 +93,7 @@ def test_what_the_coordinator_runs_with_is_what_each_trainer_rank_gets(tmp_path:
     assert (args.rank, args.world_size, args.master_port) == (rank, run.trainer.ranks, 29999)
     assert run_config_from_args(args, TRAINER_SECTIONS) == for_servers(run)
     cfg = config_from_args(args)
-    assert cfg.engine.optim.lr == 4e-4 and cfg.weights.bucket_bytes == 8 << 20
+    assert cfg.trainer.lr == 4e-4 and cfg.weights.bucket_bytes == 8 << 20
     assert cfg.weights.disk_root == str((tmp_path / "out" / "weights").resolve())
 
 
@@ -154,3 +127,13 @@ def test_a_bad_setting_stops_a_server_with_one_line_naming_the_key(module: str):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == "config error: model.seed: must be >= 0, got -1"
     assert "LISTENING" not in out.stdout
+
+
+def test_the_rollout_engine_takes_the_runs_sections_themselves():
+    """The hf engine reads the run's model and rollout sections, not a copy of their fields."""
+    from areal_servers.rollout.build import create_engine
+
+    run = load_config(None, ["rollout.max_running_requests=3", "rollout.device=cpu"])
+    engine = create_engine(run)
+    assert engine.policy is run.model and engine.rollout is run.rollout
+    assert str(engine.device) == "cpu"

@@ -13,6 +13,6 @@ Endpoints (bearer auth when an API key is set):
   releases the lease.
 """
 
-from .app import GatewayConfig, create_app
+from .app import create_app
 
-__all__ = ["GatewayConfig", "create_app"]
+__all__ = ["create_app"]

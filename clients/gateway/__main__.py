@@ -22,14 +22,14 @@ import uvicorn
 
 from areal_grpc import tracing
 from areal_grpc.cli import run_channel_options
-from areal_grpc.config import RunConfig, read_chat_template
+from areal_grpc.config import RunConfig
 from areal_grpc.errors import FieldError
 from areal_grpc.launch import LISTENING
 from areal_grpc.security import is_loopback, load_auth_token
 from areal_grpc.server import set_default_channel_options
 from areal_grpc.server_config import add_run_config_args, run_config_from_args
 
-from .app import GatewayConfig, create_app
+from .app import create_app
 
 SECTIONS = ("run", "model", "security", "gateway")
 
@@ -43,19 +43,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def gateway_config(run: RunConfig, coordinator: str) -> GatewayConfig:
-    """The gateway's settings from the run config."""
+def api_key(run: RunConfig) -> str | None:
+    """The bearer token clients must send: the run's own, else ``$<gateway.api_key_env>``."""
     key = load_auth_token(run.security.auth_token_file) or os.environ.get(run.gateway.api_key_env)
-    return GatewayConfig(
-        coordinator=coordinator,
-        model=run.model.source,
-        api_key=key or None,
-        default_max_tokens=run.gateway.max_tokens,
-        generate_timeout_s=run.gateway.generate_timeout_s,
-        chat_template=read_chat_template(run.gateway.chat_template)
-        if run.gateway.chat_template
-        else None,
-    )
+    return key or None
 
 
 async def serve(run: RunConfig, coordinator: str, allow_plaintext: bool) -> None:
@@ -79,7 +70,7 @@ async def serve(run: RunConfig, coordinator: str, allow_plaintext: bool) -> None
     sock.listen(128)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
-        create_app(gateway_config(run, coordinator)),
+        create_app(run, coordinator, api_key(run)),
         log_level="warning",
         ssl_certfile=sec.tls_cert if tls else None,
         ssl_keyfile=sec.tls_key if tls else None,

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from areal_grpc import tracing
+from areal_grpc.config import RunConfig, read_chat_template
 from areal_grpc.errors import FieldError, PreconditionError, retry_delay_s
 from areal_grpc.model import load_tokenizer
 
@@ -66,21 +67,8 @@ _FINISH = {
 }
 
 
-@dataclass
-class GatewayConfig:
-    """What the gateway serves and where the mesh is."""
-
-    coordinator: str
-    # The run's model source: the tokenizer and chat template come from it.
-    model: str = "builtin:micro"
-    # Bearer token clients must send (Authorization: Bearer ...); None: no auth.
-    api_key: str | None = None
-    producer_id: str = "gateway"
-    default_max_tokens: int = 256
-    # Per Generate call to a rollout server (gateway.generate_timeout_s).
-    generate_timeout_s: float = 1800.0
-    # A chat template to use instead of the model's own (its text); None: the model's.
-    chat_template: str | None = None
+# The producer name the gateway's leases are taken under.
+PRODUCER_ID = "gateway"
 
 
 class HTTPError(Exception):
@@ -144,11 +132,15 @@ def _float(body: Mapping[str, Any], key: str, low: float, high: float) -> float 
 class Gateway:
     """The state behind the endpoints: mesh clients, the renderer and the open sessions."""
 
-    def __init__(self, cfg: GatewayConfig) -> None:
-        self.cfg = cfg
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.renderer = ChatRenderer(self.tokenizer, cfg.chat_template)
-        self.coordinator = CoordinatorClient(cfg.coordinator)
+    def __init__(self, run: RunConfig, coordinator: str, api_key: str | None = None) -> None:
+        """Serves ``run``'s policy (its tokenizer and chat template) under its ``gateway``
+        settings; per process: the coordinator's address and the bearer token clients must
+        send (None: no auth)."""
+        self.settings, self.model_id, self.api_key = run.gateway, run.model.source, api_key
+        self.tokenizer = load_tokenizer(run.model.source)
+        path = run.gateway.chat_template
+        self.renderer = ChatRenderer(self.tokenizer, read_chat_template(path) if path else None)
+        self.coordinator = CoordinatorClient(coordinator)
         self.sessions = SessionStore()
         self._rollouts: dict[str, RolloutClient] = {}
         self._fleet: list[str] = []
@@ -220,7 +212,7 @@ class Gateway:
     async def _beat(self) -> None:
         """Renews the leases of sessions with a completion in flight (one can take longer
         than the lease time on a busy machine)."""
-        limit = self.cfg.generate_timeout_s
+        limit = self.settings.generate_timeout_s
         while True:
             working = [s for s in self.sessions if s.busy > 0]
             # A tenth of the shortest lease time, so a renewal comes well before the end.
@@ -283,13 +275,13 @@ class Gateway:
 
     def check_auth(self, request: Request) -> None:
         """401 without a bearer token, 403 with a wrong one (when an API key is set)."""
-        if self.cfg.api_key is None:
+        if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise HTTPError(401, "missing bearer token (Authorization: Bearer <key>)")
-        if not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise HTTPError(403, "the bearer token is not valid")
 
     def session(self, session_id: str) -> Session:
@@ -313,7 +305,7 @@ class Gateway:
             if body.get("max_completion_tokens") is not None
             else "max_tokens"
         )
-        limit = _int(body, key, self.cfg.default_max_tokens, 1, 1 << 20)
+        limit = _int(body, key, self.settings.max_tokens, 1, 1 << 20)
         stop_ids, stop_strings = self.stops(body.get("stop"))
         params = common_pb2.SamplingParams(
             max_new_tokens=limit, n_samples=n, stop_token_ids=stop_ids
@@ -369,7 +361,7 @@ class Gateway:
             return await self.rollout(address).generate(
                 prompt,
                 params,
-                timeout_s=self.cfg.generate_timeout_s,
+                timeout_s=self.settings.generate_timeout_s,
                 request_id=rid,
                 trace_context=trace_context,
             )
@@ -561,14 +553,15 @@ def _choice_logprobs(gw: Gateway, completion: rollout_pb2.Completion) -> dict[st
     return {"content": content}
 
 
-def create_app(cfg: GatewayConfig) -> FastAPI:
-    """The gateway as a FastAPI application (serve it with uvicorn)."""
+def create_app(run: RunConfig, coordinator: str, api_key: str | None = None) -> FastAPI:
+    """The gateway of ``run`` (see :class:`Gateway`) as a FastAPI application (serve it with
+    uvicorn)."""
     holder: list[Gateway] = []
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Made on the server's event loop: gRPC aio channels belong to the loop they start on.
-        holder.append(Gateway(cfg))
+        holder.append(Gateway(run, coordinator, api_key))
         holder[0].start()
         app.state.gateway = holder[0]
         try:
@@ -612,7 +605,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         gateway().check_auth(request)
         return {
             "object": "list",
-            "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "areal-grpc"}],
+            "data": [
+                {"id": run.model.source, "object": "model", "created": 0, "owned_by": "areal-grpc"}
+            ],
         }
 
     async def prepare(
@@ -651,7 +646,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             params,
             rid,
             address,
-            cfg.model,
+            run.model.source,
             tools or ToolSettings(None, False),
             stop_strings,
             on_end=gateway().keep_alive_later,
@@ -735,7 +730,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                         .generate_stream(
                             prompt,
                             params,
-                            gateway().cfg.generate_timeout_s,
+                            gateway().settings.generate_timeout_s,
                             request_id=rid,
                             trace_context=trace_context,
                         )
@@ -914,7 +909,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         if not isinstance(metadata, dict):
             raise FieldError("metadata", "must be an object")
         try:
-            lease = await gateway().coordinator.acquire(cfg.producer_id, group_size, timeout_s=30.0)
+            lease = await gateway().coordinator.acquire(PRODUCER_ID, group_size, timeout_s=30.0)
         except grpc.RpcError as exc:
             raise _from_rpc(exc, "coordinator") from exc
         session = Session(lease, metadata)

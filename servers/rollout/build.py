@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 from areal_servers.rollout.engine import InferenceEngine
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
-from areal_servers.rollout.receive.base import WeightSyncConfig
+from areal_servers.rollout.hf_engine import HFEngine
+from areal_servers.rollout.receive.base import ReceiverConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
 from areal_servers.rollout.weight_sync import build_weight_sync_service
 from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
@@ -21,7 +21,7 @@ from areal_grpc.security import ServerTls
 from areal_grpc.server import Service, service
 from areal_grpc.server_config import max_new_tokens, weights_root
 
-__all__ = ["create_engine", "create_rollout_servicer", "hf_engine_config", "rollout_services"]
+__all__ = ["create_engine", "create_rollout_servicer", "rollout_services"]
 
 
 def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
@@ -43,20 +43,7 @@ def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
                 lora=run.model.lora,
             )
         )
-    return HFEngine(hf_engine_config(run))
-
-
-def hf_engine_config(run: RunConfig) -> HFEngineConfig:
-    """The ``hf`` engine's settings from the run config."""
-    r = run.rollout
-    return HFEngineConfig(
-        model=run.model.source,
-        seed=run.model.seed,
-        device=r.device,
-        max_running_requests=r.max_running_requests,
-        max_batch_tokens=r.max_batch_tokens,
-        lora=run.model.lora,
-    )
+    return HFEngine(run.model, run.rollout)
 
 
 def create_rollout_servicer(run: RunConfig, engine: InferenceEngine) -> RolloutServicer:
@@ -81,7 +68,7 @@ async def rollout_services(
     rollout = create_rollout_servicer(run, engine)
     # The sglang engine launches or attaches to its server and waits until it is healthy.
     await engine.start()
-    ws = WeightSyncConfig(
+    ws = ReceiverConfig(
         disk_root=weights_root(run),
         methods=run.weight_sync.accepted_methods(),
         socket_host=host,

@@ -37,7 +37,7 @@ from areal_servers.rollout.engine import (
 )
 from transformers import DynamicCache, PreTrainedModel
 
-from areal_grpc.config import LoraSettings, ModelConfig, RolloutConfig
+from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import adapter_names, is_lora, load_model, load_tokenizer
 
@@ -48,27 +48,6 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 class EngineFailedError(RuntimeError):
     """The decode loop died; every request in flight (and any later one) gets this."""
-
-
-@dataclass
-class HFEngineConfig:
-    """Settings of the ``hf`` engine."""
-
-    # "builtin:tiny", "builtin:micro" or a local HF checkpoint directory (defaults: the run
-    # config's, where every setting's default is written once).
-    model: str = ModelConfig.source
-    # Seeds the built-in model's init (identical in every process) and the sampler.
-    seed: int = ModelConfig.seed
-    # "auto" picks cuda when available, else cpu.
-    device: str = RolloutConfig.device
-    # Requests decoded together; more wait in a queue.
-    max_running_requests: int = RolloutConfig.max_running_requests
-    # Bound on the KV cache, in token slots: rows x the longest row's prompt + max_new_tokens
-    # (rows are padded to the longest). Requests wait until they fit; one that never could
-    # is INVALID_ARGUMENT naming this limit. None: only max_running_requests bounds it.
-    max_batch_tokens: int | None = RolloutConfig.max_batch_tokens
-    # LoRA adapters, as the trainer has them: weight updates then carry only the adapters.
-    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass(eq=False)
@@ -129,17 +108,22 @@ class HFEngine(InferenceEngine):
 
     def __init__(
         self,
-        config: HFEngineConfig | None = None,
+        policy: ModelConfig | None = None,
+        rollout: RolloutConfig | None = None,
+        *,
         model: PreTrainedModel | None = None,
     ) -> None:
-        self.config = config or HFEngineConfig()
-        device = self.config.device
+        """Serves the run's ``policy`` (its ``model`` section) under its ``rollout`` section
+        (device, max_running_requests, max_batch_tokens); ``model``: an already loaded one."""
+        self.policy = policy or ModelConfig()
+        self.rollout = rollout or RolloutConfig()
+        device = self.rollout.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.model_name = self.config.model
+        self.model_name = self.policy.source
         if model is None:
-            model = load_model(self.config.model, seed=self.config.seed, lora=self.config.lora)
+            model = load_model(self.policy.source, seed=self.policy.seed, lora=self.policy.lora)
         self._model = model.to(self.device)
         self._model.eval()
         # What a weight update must bring: every tensor, or with LoRA the adapters only (the
@@ -153,11 +137,11 @@ class HFEngine(InferenceEngine):
         self._required = adapter_names(self._model) if self.adapters_only else set(self._state)
         self._model.requires_grad_(False)
         log.info("hf engine: %s on %s", self.model_name, self.device)
-        tokenizer = load_tokenizer(self.config.model) if model is None else None
+        tokenizer = load_tokenizer(self.policy.source) if model is None else None
         mcfg = self._model.config
         self.vocab_size = int(mcfg.vocab_size)
         self.max_context = int(getattr(mcfg, "max_position_embeddings", 0) or 0)
-        self.max_request_tokens = self.config.max_batch_tokens or 0
+        self.max_request_tokens = self.rollout.max_batch_tokens or 0
         self.eos_token_id = (
             tokenizer.eos_token_id if tokenizer is not None else getattr(mcfg, "eos_token_id", None)
         )
@@ -172,7 +156,7 @@ class HFEngine(InferenceEngine):
             ends.append(int(self.eos_token_id))
         self.end_token_ids = frozenset(int(t) for t in ends)
         self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(self.config.seed)
+        self._generator.manual_seed(self.policy.seed)
 
         self._cond = threading.Condition()
         # Held for every forward step and for a weight swap, so a swap lands between steps.
@@ -503,7 +487,7 @@ class HFEngine(InferenceEngine):
                 if not self._paused and (self._pending or self._batch.requests):
                     break
                 self._cond.wait()
-            room = self.config.max_running_requests - len(self._batch.requests)
+            room = self.rollout.max_running_requests - len(self._batch.requests)
             admitted: list[_Request] = []
             while self._pending and room > 0 and self._fits_locked(admitted, self._pending[0]):
                 admitted.append(self._pending.popleft())
@@ -524,7 +508,7 @@ class HFEngine(InferenceEngine):
 
     def _fits_locked(self, admitted: list[_Request], req: _Request) -> bool:
         """Whether ``req`` joins the batch within ``max_batch_tokens`` (a lone row always does)."""
-        budget = self.config.max_batch_tokens
+        budget = self.rollout.max_batch_tokens
         rows = [*self._batch.requests, *admitted]
         if budget is None or not rows:
             return True
@@ -769,4 +753,4 @@ def _truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return out / out.sum()
 
 
-__all__ = ["EngineFailedError", "HFEngine", "HFEngineConfig"]
+__all__ = ["EngineFailedError", "HFEngine"]

@@ -33,7 +33,7 @@ from typing import NoReturn, TypeVar
 import grpc
 import torch
 from areal_servers.rollout.engine import InferenceEngine
-from areal_servers.rollout.receive.base import Plan, Receiver, ReceiverState, WeightSyncConfig
+from areal_servers.rollout.receive.base import Plan, Receiver, ReceiverConfig, ReceiverState
 from areal_servers.rollout.receive.disk import DiskReceiver
 from areal_servers.rollout.receive.distributed import DistributedReceiver
 from areal_servers.rollout.receive.shared_memory import SharedMemoryReceiver
@@ -84,9 +84,9 @@ class _Counters:
 class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     """The handlers of ``arealgrpc.v1.WeightSyncService`` over one inference engine."""
 
-    def __init__(self, engine: InferenceEngine, config: WeightSyncConfig | None = None) -> None:
+    def __init__(self, engine: InferenceEngine, config: ReceiverConfig | None = None) -> None:
         self.engine = engine
-        self.config = config or WeightSyncConfig()
+        self.config = config or ReceiverConfig()
         unknown = set(self.config.methods) - set(METHOD_NAMES)
         if unknown:
             raise ValueError(f"unknown weight-sync methods {sorted(unknown)}")
@@ -243,7 +243,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
 
 def build_weight_sync_service(
-    engine: InferenceEngine, cfg: WeightSyncConfig | None = None
+    engine: InferenceEngine, cfg: ReceiverConfig | None = None
 ) -> Service:
     """The WeightSyncService of a rollout server, ready for ``start_server``.
 

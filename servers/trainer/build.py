@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
-from areal_servers.trainer.engine import DistConfig, EngineConfig, OptimConfig
-from areal_servers.trainer.microbatch import MicroBatchSpec
+from areal_servers.trainer.engine import DistConfig
 from areal_servers.trainer.publish.base import PublisherConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import trainer_pb2, trainer_pb2_grpc
@@ -38,30 +37,6 @@ def config_from_args(args: argparse.Namespace) -> TrainerServiceConfig:
 def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceConfig:
     """The service config of this rank: the run config's trainer settings and its own flags."""
     t, p, w = run.trainer, run.trainer.ppo, run.weight_sync
-    mixed = {"auto": None, "on": True, "off": False}[t.mixed_precision]
-    device = args.device or (None if t.device == "auto" else t.device)
-    engine = EngineConfig(
-        model=run.model.source,
-        seed=run.model.seed,
-        lora=run.model.lora,
-        fsdp=t.fsdp,
-        mixed_precision=mixed,
-        device=device,
-        dtype=t.dtype,  # type: ignore[arg-type]
-        optim=OptimConfig(
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            warmup_steps=t.warmup_steps,
-            schedule=t.lr_schedule,  # type: ignore[arg-type]
-            total_steps=run.total_steps,
-            min_lr_ratio=t.min_lr_ratio,
-            max_grad_norm=t.grad_clip,
-        ),
-        ppo=replace(p, loss_constant_len=p.loss_constant_len or max_new_tokens(run)),
-        # Log-probs are recomputed under the temperature the rollouts sampled with.
-        temperature=run.rollout.sampling.temperature or 1.0,
-        microbatch=MicroBatchSpec(max_tokens_per_mb=t.max_tokens_per_mb),
-    )
     dist_cfg = DistConfig(
         backend=None if t.backend == "auto" else t.backend,
         master_addr=args.master_addr,
@@ -81,7 +56,15 @@ def service_config(run: RunConfig, args: argparse.Namespace) -> TrainerServiceCo
         group_timeout_s=min(300.0, w.timeout_s),
     )
     return TrainerServiceConfig(
-        engine=engine,
+        # Dr.GRPO's length constant, 0 in the file, is the response budget only the run knows.
+        trainer=replace(
+            t, ppo=replace(p, loss_constant_len=p.loss_constant_len or max_new_tokens(run))
+        ),
+        model=run.model,
+        device=args.device or None,
+        total_steps=run.total_steps,
+        # Log-probs are recomputed under the temperature the rollouts sampled with.
+        temperature=run.rollout.sampling.temperature or 1.0,
         dist=dist_cfg,
         distributed=t.fsdp,
         path_roots=tuple(trainer_path_roots(run)),

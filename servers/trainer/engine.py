@@ -29,7 +29,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -60,7 +59,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from areal_grpc.config import LoraSettings, ModelConfig, PPOSettings, TrainerConfig
+from areal_grpc.config import LoraSettings, ModelConfig, TrainerConfig
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import (
     adapter_names,
@@ -101,52 +100,9 @@ class DistConfig:
     timeout_s: float = 600.0
 
 
-# Defaults are the run config's (areal_grpc.config), the one place a setting's default is
-# written: a rank built from these dataclasses directly trains like one a run starts.
-_T = TrainerConfig
-
-
-@dataclass
-class OptimConfig:
-    """AdamW, learning-rate schedule and gradient clipping."""
-
-    lr: float = _T.lr
-    weight_decay: float = _T.weight_decay
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    # Linear warm-up from lr / warmup_steps to lr over this many steps.
-    warmup_steps: int = _T.warmup_steps
-    # After warm-up: "constant", or decay to min_lr_ratio * lr at total_steps.
-    schedule: Literal["constant", "linear", "cosine"] = _T.lr_schedule  # type: ignore[assignment]
-    total_steps: int | None = None
-    min_lr_ratio: float = _T.min_lr_ratio
-    # Global gradient-norm clip; None only measures the norm.
-    max_grad_norm: float | None = _T.grad_clip
-
-
-@dataclass
-class EngineConfig:
-    """Everything a trainer rank needs to build itself."""
-
-    model: str = ModelConfig.source
-    seed: int = ModelConfig.seed
-    # LoRA adapters (rank 0: none, the whole model trains).
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    # Shard with FSDP2 (needs a process group); False: plain single-process training.
-    fsdp: bool = _T.fsdp
-    # bf16 parameters with fp32 gradient reduction; None: on GPU only (CPU bf16 is slow).
-    mixed_precision: bool | None = None
-    device: str | None = None  # None: cuda:<LOCAL_RANK> when available, else cpu
-    # Parameter (and optimizer state) dtype: "float32", or "float64" for exactness checks.
-    dtype: Literal["float32", "float64"] = _T.dtype  # type: ignore[assignment]
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    # The run's trainer.ppo section, with loss_constant_len resolved (0 there means the
-    # rollouts' max_new_tokens, which only the run knows).
-    ppo: PPOSettings = field(default_factory=PPOSettings)
-    # Logits are divided by this before log-softmax: the temperature the rollouts sampled
-    # with (greedy sampling, 0, has nothing to correct: 1).
-    temperature: float = 1.0
-    microbatch: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+# AdamW's moment decay rates and epsilon (torch's defaults, AReaL's too).
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
 
 
 def init_distributed(cfg: DistConfig, device: torch.device | None = None) -> tuple[int, int]:
@@ -242,23 +198,24 @@ def apply_fsdp(
     return model
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (DTensors under FSDP)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=cfg.weight_decay
     )
 
 
-def lr_factor(step: int, cfg: OptimConfig) -> float:
-    """Multiplier of the base learning rate for optimizer step ``step`` (0-based)."""
+def lr_factor(step: int, cfg: TrainerConfig, total_steps: int | None) -> float:
+    """Multiplier of the base learning rate for optimizer step ``step`` (0-based) of
+    ``total_steps`` (None: no decay)."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant" or not cfg.total_steps:
+    if cfg.lr_schedule == "constant" or not total_steps:
         return 1.0
-    span = max(cfg.total_steps - cfg.warmup_steps, 1)
+    span = max(total_steps - cfg.warmup_steps, 1)
     progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
-    if cfg.schedule == "linear":
+    if cfg.lr_schedule == "linear":
         decay = 1.0 - progress
     else:
         decay = 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -266,10 +223,12 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimConfig
+    optimizer: torch.optim.Optimizer, cfg: TrainerConfig, total_steps: int | None
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR applying :func:`lr_factor`."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg, total_steps)
+    )
 
 
 def empty_batch() -> Batch:
@@ -309,22 +268,41 @@ class StepResult:
 class TrainerEngine:
     """A trainer rank's model, optimizer and step (call from one thread only)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        policy: ModelConfig,
+        *,
+        device: str | None = None,
+        total_steps: int | None = None,
+        temperature: float = 1.0,
+    ) -> None:
+        """A rank of the run's ``trainer`` section training its ``model`` section's policy.
+
+        Per process: ``device`` (None: ``cfg.device``), the run's ``total_steps`` (the
+        schedule decays to it; None: no decay) and the sampling ``temperature`` log-probs are
+        recomputed under (greedy, 0, has nothing to correct: pass 1). ``cfg.ppo``'s
+        ``loss_constant_len`` must be resolved (> 0) when ``loss_agg`` is "constant".
+        """
+        self.cfg, self.policy = cfg, policy
+        self.temperature = temperature
+        self.microbatch = MicroBatchSpec(max_tokens_per_mb=cfg.max_tokens_per_mb)
         self.distributed = dist.is_initialized()
         if cfg.fsdp and not self.distributed:
             raise ValueError("fsdp=True needs a process group: call init_distributed first")
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
-        self.device = resolve_device(cfg.device, self.rank)
+        wanted = device or (None if cfg.device == "auto" else cfg.device)
+        self.device = resolve_device(wanted, self.rank)
         self.backend = dist.get_backend() if self.distributed else "none"
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(policy.source)
         self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
         self.dtype = getattr(torch, cfg.dtype)
-        self.model = build_model(cfg.model, cfg.seed, self.device, self.dtype, cfg.lora)
+        self.model = build_model(policy.source, policy.seed, self.device, self.dtype, policy.lora)
         self.vocab_size = int(self.model.config.vocab_size)
         if cfg.fsdp:
-            mixed = cfg.mixed_precision
+            # bf16 compute with fp32 reduction: "auto" on GPUs only (CPU bf16 is slow).
+            mixed = {"on": True, "off": False}.get(cfg.mixed_precision)
             if mixed is None:
                 mixed = self.device.type == "cuda"
             apply_fsdp(self.model, mixed, self.device)
@@ -336,10 +314,11 @@ class TrainerEngine:
         self._has_dropout = _has_dropout(self.model)
         if self._has_ref and not is_lora(self.model):
             # The reference policy is the initial one; frozen, replicated (no gradients).
-            self.ref_model = build_model(cfg.model, cfg.seed, self.device, self.dtype).eval()
+            self.ref_model = build_model(policy.source, policy.seed, self.device, self.dtype)
+            self.ref_model.eval()
             self.ref_model.requires_grad_(False)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)
         self.version = 0
         self.global_step = 0
 
@@ -375,9 +354,7 @@ class TrainerEngine:
         def forward(keep: torch.Tensor) -> torch.Tensor:
             return masked_logits(model, mb["input_ids"], mb["attention_mask"], keep)
 
-        return masked_token_logprobs(
-            forward, mb["input_ids"], mb["train_mask"], self.cfg.temperature
-        )
+        return masked_token_logprobs(forward, mb["input_ids"], mb["train_mask"], self.temperature)
 
     def _reference_logprobs(self, mb: Batch) -> torch.Tensor:
         """The reference (initial) policy's log-probs of the trained tokens of ``mb``."""
@@ -430,7 +407,7 @@ class TrainerEngine:
         minis: list[list[tuple[list[int], Batch]]] = []
         for rows in mini_rows:
             part = split_microbatches(
-                batch, self.cfg.microbatch, self.reduce_max_ints, self.pad_token_id, rows=rows
+                batch, self.microbatch, self.reduce_max_ints, self.pad_token_id, rows=rows
             )
             for k, (_, mb) in enumerate(part):
                 mb.setdefault("train_mask", torch.zeros_like(mb["loss_mask"]))
@@ -607,10 +584,8 @@ class TrainerEngine:
             (loss * scale).backward()
             stats.add(mb_stats)
             trained_one()
-        max_norm = self.cfg.optim.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None],
-            max_norm if max_norm is not None else float("inf"),
+            [p for p in self.model.parameters() if p.grad is not None], self.cfg.grad_clip
         )
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
@@ -749,7 +724,7 @@ class TrainerEngine:
                 "steps_completed": self.global_step,
                 "scheduler": self.scheduler.state_dict(),
                 "world_size": self.world_size,
-                "model": self.cfg.model,
+                "model": self.policy.source,
             }
             (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
             replace_dir(tmp, final)
@@ -815,13 +790,13 @@ class TrainerEngine:
             final = Path(path)
             check_replaceable(final)
             tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-            plain = load_model(self.cfg.model, seed=self.cfg.seed, lora=self.cfg.lora)
+            plain = load_model(self.policy.source, seed=self.policy.seed, lora=self.policy.lora)
             loaded = plain.load_state_dict({k: v.float() for k, v in full.items()}, strict=not lora)
             if loaded.unexpected_keys:  # an adapter the fresh model lacks: never silently
                 raise RuntimeError(f"export: the model has no {loaded.unexpected_keys}")
             try:
                 save_pretrained(plain, self.tokenizer, tmp)
-                if is_lora(plain) and self.cfg.lora.merged_export:
+                if is_lora(plain) and self.policy.lora.merged_export:
                     merged = plain.merge_and_unload()  # type: ignore[operator]
                     save_pretrained(merged, self.tokenizer, tmp / "merged")
                 write_marker(tmp, "export")

@@ -21,7 +21,7 @@ import pickle
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from areal_servers.trainer.engine import (
     DistConfig,
-    EngineConfig,
     StepResult,
     TrainerEngine,
     init_distributed,
@@ -47,6 +46,7 @@ from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weight_sync_
 from opentelemetry import trace
 
 from areal_grpc.batch import groups_to_batch
+from areal_grpc.config import ModelConfig, TrainerConfig
 from areal_grpc.durations import duration, seconds
 from areal_grpc.errors import (
     AbortedError,
@@ -88,9 +88,15 @@ class GroupBroken(UnavailableError):
 
 @dataclass
 class TrainerServiceConfig:
-    """A rank's engine and process-group settings."""
+    """A rank: the run's ``trainer`` and ``model`` sections, and what is this process's own."""
 
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # Per process: this rank's device (None: trainer.device), the run's step count (the
+    # learning-rate schedule decays to it) and the sampling temperature (see TrainerEngine).
+    device: str | None = None
+    total_steps: int | None = None
+    temperature: float = 1.0
     dist: DistConfig = field(default_factory=DistConfig)
     # Join a process group (False: a single plain process, for tools and tests).
     distributed: bool = True
@@ -160,7 +166,8 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         self.cfg = cfg
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-torch")
         # Resolved here, so a rank without a GPU of its own fails at start with a clear error.
-        self.device = resolve_device(cfg.engine.device, cfg.dist.rank or 0)
+        wanted = cfg.device or (None if cfg.trainer.device == "auto" else cfg.trainer.device)
+        self.device = resolve_device(wanted, cfg.dist.rank or 0)
         self._busy = False
         self.engine: TrainerEngine | None = None
         # Building starts now so a launcher can start every rank before any is ready (the
@@ -180,13 +187,19 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
     def _build(self) -> TrainerEngine:
         if self.cfg.distributed:
             init_distributed(self.cfg.dist, self.device)
-        self.engine = TrainerEngine(replace(self.cfg.engine, device=str(self.device)))
+        self.engine = TrainerEngine(
+            self.cfg.trainer,
+            self.cfg.model,
+            device=str(self.device),
+            total_steps=self.cfg.total_steps,
+            temperature=self.cfg.temperature,
+        )
         log.info(
             "trainer rank %d/%d ready (%s, %s)",
             self.engine.rank,
             self.engine.world_size,
             self.engine.backend,
-            self.cfg.engine.model,
+            self.cfg.model.source,
         )
         return self.engine
 
@@ -300,7 +313,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
         batch = groups_to_batch(
             shard.groups, pad_token_id=engine.pad_token_id, vocab_size=engine.vocab_size
         )
-        budget = self.cfg.engine.microbatch.max_tokens_per_mb
+        budget = self.cfg.trainer.max_tokens_per_mb
         if budget is not None:
             for g, group in enumerate(shard.groups):
                 for i, traj in enumerate(group.trajectories):
@@ -581,7 +594,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             return trainer_pb2.GetTrainerStatusResponse(
                 rank=self.cfg.dist.rank or 0,
                 world_size=self.cfg.dist.world_size or 1,
-                model=self.cfg.engine.model,
+                model=self.cfg.model.source,
             )
         return trainer_pb2.GetTrainerStatusResponse(
             rank=engine.rank,
@@ -589,7 +602,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServiceServicer):
             policy_version=engine.version,
             global_step=engine.global_step,
             backend=BACKENDS.get(engine.backend, weight_sync_pb2.COLLECTIVE_BACKEND_UNSPECIFIED),
-            model=self.cfg.engine.model,
+            model=self.cfg.model.source,
             busy=self._busy,
             ready=True,
             broken_reason=self.broken or "",

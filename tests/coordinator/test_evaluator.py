@@ -12,11 +12,12 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 from areal_clients.rollout import RolloutClient
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from google.protobuf import struct_pb2
 
+from areal_grpc.config import ModelConfig
 from areal_grpc.coordinator.evaluator import Evaluator
 from areal_grpc.model import load_tokenizer
 from areal_grpc.rewards import REWARD_FNS
@@ -28,7 +29,7 @@ torch.set_num_threads(1)
 
 @contextlib.asynccontextmanager
 async def rollout_server() -> AsyncIterator[RolloutClient]:
-    engine = HFEngine(HFEngineConfig(model="builtin:micro", seed=0))
+    engine = HFEngine(ModelConfig(source="builtin:micro", seed=0))
     servicer = RolloutServicer(
         engine, load_tokenizer("builtin:micro"), RolloutServiceConfig(default_max_new_tokens=2)
     )

@@ -20,11 +20,10 @@ from typing import Any
 import grpc
 import pytest
 from areal_clients.rollout import RolloutClient
-from areal_servers.trainer.engine import EngineConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
-from areal_grpc.config import RunConfig
+from areal_grpc.config import RunConfig, TrainerConfig
 from areal_grpc.coordinator.dataloader import PromptLoader
 from areal_grpc.coordinator.launcher import start_mesh
 from areal_grpc.coordinator.loop import Coordinator, RunResult, TrainerGroupFailed
@@ -431,7 +430,7 @@ def test_load_checkpoint_continues_from_min_policy_version_and_names_a_bad_one(t
     async def scenario() -> None:
         servicer = TrainerService(
             TrainerServiceConfig(
-                engine=EngineConfig(model="builtin:micro", fsdp=False, device="cpu"),
+                trainer=TrainerConfig(fsdp=False, device="cpu"),
                 distributed=False,
                 path_roots=(str(tmp_path),),
             )

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer, item_to_struct
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from google.protobuf import struct_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
+from areal_grpc.config import ModelConfig
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import BackgroundServer, service
 from areal_grpc.trajectory import validate_group
@@ -90,7 +91,7 @@ class Rollout:
 
 
 def start_rollout() -> tuple[Rollout, RolloutServicer]:
-    engine = HFEngine(HFEngineConfig(model=MODEL, seed=0))
+    engine = HFEngine(ModelConfig(source=MODEL, seed=0))
     servicer = RolloutServicer(
         engine,
         load_tokenizer(MODEL),

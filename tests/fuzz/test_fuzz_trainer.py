@@ -19,14 +19,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from areal_servers.trainer.engine import EngineConfig, OptimConfig
-from areal_servers.trainer.microbatch import MicroBatchSpec
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from google.protobuf import duration_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
+from areal_grpc.config import ModelConfig, TrainerConfig
 from areal_grpc.durations import duration
 from areal_grpc.paths import is_marked
 from areal_grpc.server import BackgroundServer, service
@@ -137,13 +136,8 @@ def step_messages(
 
 def start_trainer(root: Path) -> Trainer:
     cfg = TrainerServiceConfig(
-        engine=EngineConfig(
-            model=MODEL,
-            fsdp=False,
-            device="cpu",
-            optim=OptimConfig(lr=1e-3),
-            microbatch=MicroBatchSpec(max_tokens_per_mb=MAX_TOKENS),
-        ),
+        trainer=TrainerConfig(fsdp=False, device="cpu", lr=1e-3, max_tokens_per_mb=MAX_TOKENS),
+        model=ModelConfig(source=MODEL),
         distributed=False,
         path_roots=(str(root),),
     )

@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
-from areal_servers.rollout.receive.base import WeightSyncConfig
+from areal_servers.rollout.hf_engine import HFEngine
+from areal_servers.rollout.receive.base import ReceiverConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
 from areal_servers.rollout.weight_sync import build_weight_sync_service
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tensor_pb2
@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from areal_grpc import tensor_codec as tc
 from areal_grpc.checksum import crc32c
 from areal_grpc.chunks import iter_chunks
+from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.model import load_tokenizer
 from areal_grpc.server import BackgroundServer, service
 from areal_grpc.weight_disk import write_version
@@ -115,11 +116,11 @@ class Receiver:
 
 
 def start_receiver(root: Path) -> Receiver:
-    engine = HFEngine(HFEngineConfig(model=MODEL, seed=0, device="cpu"))
+    engine = HFEngine(ModelConfig(source=MODEL, seed=0), RolloutConfig(device="cpu"))
     rollout = RolloutServicer(engine, load_tokenizer(MODEL), RolloutServiceConfig())
     ws = build_weight_sync_service(
         engine,
-        WeightSyncConfig(disk_root=str(root), group_timeout_s=5, socket_host="127.0.0.1"),
+        ReceiverConfig(disk_root=str(root), group_timeout_s=5, socket_host="127.0.0.1"),
     )
     server = BackgroundServer(
         [service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2), ws]

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import uvicorn
-from areal_clients.gateway import GatewayConfig, create_app
+from areal_clients.gateway import create_app
 from areal_servers.rollout.engine import InferenceEngine
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
-from areal_servers.rollout.receive.base import WeightSyncConfig
+from areal_servers.rollout.hf_engine import HFEngine
+from areal_servers.rollout.receive.base import ReceiverConfig
 from areal_servers.rollout.service import RolloutServicer
 from areal_servers.rollout.weight_sync import build_weight_sync_service
 from areal_servers.trainer.service import TrainerService
@@ -33,6 +33,7 @@ from arealgrpc.v1 import (
     trainer_pb2_grpc,
 )
 
+from areal_grpc.config import ModelConfig, RolloutConfig, RunConfig
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.coordinator.service import CoordinatorServicer
 from areal_grpc.model import load_tokenizer, resolve_source
@@ -79,9 +80,9 @@ def _serve(
     weights_root: Path,
     engine: InferenceEngine | None = None,
 ) -> Served:
-    engine = engine or HFEngine(HFEngineConfig(model=model_dir, device="cpu"))
+    engine = engine or HFEngine(ModelConfig(source=model_dir), RolloutConfig(device="cpu"))
     ws = build_weight_sync_service(
-        engine, WeightSyncConfig(disk_root=str(weights_root), group_timeout_s=120)
+        engine, ReceiverConfig(disk_root=str(weights_root), group_timeout_s=120)
     )
     rollout = RolloutServicer(engine, load_tokenizer(model_dir))
     servers = [
@@ -163,12 +164,11 @@ def coordinator_with(rollout_address: str, pool: WorkPool) -> Iterator[Coordinat
 
 
 @contextlib.contextmanager
-def gateway_serving(cfg: GatewayConfig) -> Iterator[str]:
-    """The agent gateway on a loopback port, in a thread; yields its base URL."""
+def gateway_serving(run: RunConfig, coordinator: str) -> Iterator[str]:
+    """``run``'s agent gateway on a loopback port, in a thread; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning")
-    )
+    app = create_app(run, coordinator)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from areal_clients.gateway import GatewayConfig
 
+from areal_grpc.config import GatewaySettings, ModelConfig, RunConfig
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
 
@@ -51,10 +51,11 @@ def test_the_example_agent_drops_an_expired_episode_and_goes_on(
     ttl = 4.0
     pool = WorkPool(8, 0, vocab_size=None, lease_ttl_s=ttl)
     with coordinator_with(rollout.address, pool) as co:
-        cfg = GatewayConfig(
-            coordinator=co.address, model=real_model_dir, chat_template=TEMPLATE.read_text()
+        run = RunConfig(
+            model=ModelConfig(source=real_model_dir),
+            gateway=GatewaySettings(chat_template=str(TEMPLATE)),
         )
-        with gateway_serving(cfg) as url:
+        with gateway_serving(run, co.address) as url:
             run_agent(co, url, tmp_path)
 
 

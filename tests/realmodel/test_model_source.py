@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.workflows import (
     ChatSettings,
     EpisodeContext,
@@ -17,6 +17,7 @@ from areal_servers.rollout.workflows import (
 )
 
 import areal_grpc.model_source as model_source
+from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import FieldError
 from areal_grpc.model import load_tokenizer, resolve_source
 from areal_grpc.model_source import named_model_file
@@ -30,7 +31,7 @@ SYSTEM = "Answer with just the number."
 @pytest.fixture(scope="module")
 def engine(real_model_dir: str) -> HFEngine:
     torch.set_num_threads(1)
-    return HFEngine(HFEngineConfig(model=real_model_dir, device="cpu"))
+    return HFEngine(ModelConfig(source=real_model_dir), RolloutConfig(device="cpu"))
 
 
 @pytest.fixture(scope="module")

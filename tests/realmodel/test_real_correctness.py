@@ -26,7 +26,7 @@ import torch
 import transformers
 from areal_servers.rollout.service import item_to_struct
 from areal_servers.trainer.algorithm import trainable_mask
-from areal_servers.trainer.engine import DistConfig, EngineConfig, OptimConfig, TrainerEngine
+from areal_servers.trainer.engine import DistConfig, TrainerEngine
 from areal_servers.trainer.publish.base import PublisherConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -34,6 +34,7 @@ from arealgrpc.v1 import weight_sync_pb2 as wpb
 from torch.distributed.tensor import DTensor
 
 from areal_grpc.batch import groups_to_batch
+from areal_grpc.config import ModelConfig, TrainerConfig
 from areal_grpc.model import load_tokenizer
 from areal_grpc.ports import free_port
 
@@ -70,9 +71,8 @@ class Mesh:
         self.root = root
         self.trainer = TrainerService(
             TrainerServiceConfig(
-                engine=EngineConfig(
-                    model=model_dir, fsdp=True, device="cpu", optim=OptimConfig(lr=1e-4)
-                ),
+                trainer=TrainerConfig(fsdp=True, device="cpu", lr=1e-4),
+                model=ModelConfig(source=model_dir),
                 distributed=True,
                 dist=DistConfig("gloo", "127.0.0.1", free_port(), 0, 1, timeout_s=TIMEOUT),
                 path_roots=(str(root / "trainer"),),
@@ -351,7 +351,7 @@ def check_logprobs_equal_recomputation(mesh: Mesh, tokenizer, tolerance: float) 
 
     batch = groups_to_batch(groups, pad_token_id=engine.pad_token_id, vocab_size=engine.vocab_size)
     mask = trainable_mask(batch["loss_mask"], batch["attention_mask"])
-    assert engine.cfg.temperature == 1.0
+    assert engine.temperature == 1.0
     with torch.no_grad():
         recomputed, _ = engine._forward_logprobs(
             engine.model,

@@ -21,11 +21,10 @@ import httpx
 import openai
 import pytest
 import transformers
-from areal_clients.gateway import GatewayConfig
 from areal_clients.gateway.chat import ChatRenderer
 from areal_servers.rollout.vllm_engine import VLLMEngine
 
-from areal_grpc.config import VllmSettings
+from areal_grpc.config import GatewaySettings, ModelConfig, RunConfig, VllmSettings
 from areal_grpc.coordinator.pool import WorkPool
 from areal_grpc.model import load_tokenizer
 
@@ -90,8 +89,10 @@ def test_a_gateway_session_on_vllm_trains_exactly_the_sampled_ids(
 ) -> None:
     pool = WorkPool(8, 0, vocab_size=vllm_mesh.rollout.vocab_size)
     with coordinator_with(vllm_mesh.rollout_address, pool) as co:
-        cfg = GatewayConfig(coordinator=co.address, model=real_model_dir, default_max_tokens=8)
-        with gateway_serving(cfg) as url:
+        run = RunConfig(
+            model=ModelConfig(source=real_model_dir), gateway=GatewaySettings(max_tokens=8)
+        )
+        with gateway_serving(run, co.address) as url:
             session_trains_sampled_ids(vllm_mesh, co, url, real_model_dir)
 
 

@@ -16,11 +16,12 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from areal_servers.trainer.engine import EngineConfig, OptimConfig
 from areal_servers.trainer.publish.base import PublisherConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from arealgrpc.v1 import weight_sync_pb2 as wpb
+
+from areal_grpc.config import ModelConfig, TrainerConfig
 
 TIMEOUT = 300.0
 # The ``serve`` fixture (conftest.py): (trainer service, model dir, weights root) -> Served.
@@ -36,9 +37,8 @@ class Mesh:
         torch.set_num_threads(1)
         self.trainer = TrainerService(
             TrainerServiceConfig(
-                engine=EngineConfig(
-                    model=model_dir, fsdp=False, device="cpu", optim=OptimConfig(lr=1e-4)
-                ),
+                trainer=TrainerConfig(fsdp=False, device="cpu", lr=1e-4),
+                model=ModelConfig(source=model_dir),
                 distributed=False,
                 path_roots=(str(root),),
                 weights=PublisherConfig(disk_root=str(root / "weights"), timeout_s=TIMEOUT),

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from areal_servers.rollout.engine import FinishReason, SamplingConfig, generate_resumable
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
 
+from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.model import load_model
 
@@ -19,7 +20,7 @@ from areal_grpc.model import load_model
 @pytest.fixture
 def engine():
     # The engine is not bound to an event loop: each test's loop talks to its thread.
-    eng = HFEngine(HFEngineConfig(model="builtin:micro", seed=0))
+    eng = HFEngine(ModelConfig(source="builtin:micro", seed=0))
     yield eng
     asyncio.run(eng.close())
 
@@ -116,7 +117,7 @@ async def test_stop_tokens_and_length(engine):
 
 async def test_n_samples_differ_and_are_reproducible_by_seed():
     async def sample(seed):
-        eng = HFEngine(HFEngineConfig(model="builtin:micro", seed=seed))
+        eng = HFEngine(ModelConfig(source="builtin:micro", seed=seed))
         try:
             res = await eng.generate_n(
                 [9, 9, 9], SamplingConfig(max_new_tokens=6, n_samples=4, ignore_eos=True)
@@ -313,7 +314,7 @@ async def test_load_weights_refuses_stale_versions_and_bad_state_dicts(engine):
 
 
 async def test_cancelled_request_frees_its_slot_at_once():
-    eng = HFEngine(HFEngineConfig(model="builtin:micro", max_running_requests=1))
+    eng = HFEngine(ModelConfig(source="builtin:micro"), RolloutConfig(max_running_requests=1))
     try:
         hog = asyncio.create_task(
             eng.generate([5, 6], SamplingConfig(max_new_tokens=500, ignore_eos=True))
@@ -366,7 +367,7 @@ async def test_request_cancelled_during_its_prefill_does_not_break_the_decode_lo
     """Regression: a request cancelled after admission but before its first token was sampled
     kept ``pending_token == -1`` and still joined the batch; the decode step of the same round
     fed -1 to the embedding (IndexError: index out of range in self) and killed the loop."""
-    eng = HFEngine(HFEngineConfig(model="builtin:micro", max_running_requests=8))
+    eng = HFEngine(ModelConfig(source="builtin:micro"), RolloutConfig(max_running_requests=8))
     loop = asyncio.get_running_loop()
     try:
         hog = asyncio.create_task(
@@ -508,7 +509,9 @@ def _slow_prefill(eng, seconds: float = 0.003):
 @pytest.mark.parametrize("slow_prefill", [False, True])
 @pytest.mark.parametrize("max_running", [2, 64])
 async def test_stress_cancel_pause_weights_close(caplog, max_running, slow_prefill):
-    eng = HFEngine(HFEngineConfig(model="builtin:micro", max_running_requests=max_running))
+    eng = HFEngine(
+        ModelConfig(source="builtin:micro"), RolloutConfig(max_running_requests=max_running)
+    )
     handle = _slow_prefill(eng) if slow_prefill else None
     try:
         await _stress(eng, caplog, n_clients=24, seconds=5.0, seed=max_running)
@@ -522,7 +525,7 @@ async def test_a_cancelled_pause_does_not_kill_the_decode_loop():
     """Regression: pause() whose caller is cancelled before the decode thread handles it left
     a cancelled future among the pause waiters; set_result on it raised InvalidStateError in
     the decode thread and ended the loop."""
-    eng = HFEngine(HFEngineConfig(model="builtin:micro"))
+    eng = HFEngine(ModelConfig(source="builtin:micro"))
     try:
         hog = asyncio.create_task(
             eng.generate([5, 6], SamplingConfig(max_new_tokens=400, ignore_eos=True))
@@ -558,7 +561,7 @@ async def test_a_decode_loop_failure_reaches_every_caller_and_is_logged(caplog):
     from areal_servers.rollout.hf_engine import EngineFailedError
 
     caplog.set_level(logging.ERROR, logger="areal_servers.rollout.hf_engine")
-    eng = HFEngine(HFEngineConfig(model="builtin:micro"))
+    eng = HFEngine(ModelConfig(source="builtin:micro"))
     try:
         running = asyncio.create_task(
             eng.generate([5, 6], SamplingConfig(max_new_tokens=400, ignore_eos=True))
@@ -623,9 +626,10 @@ async def test_sampling_stays_in_the_vocabulary_with_non_finite_or_oversized_log
 _EXIT_WITH_WORK_IN_FLIGHT = """
 import asyncio, threading, time
 from areal_servers.rollout.engine import SamplingConfig
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
+from areal_grpc.config import ModelConfig, RolloutConfig
 
-eng = HFEngine(HFEngineConfig(model="builtin:micro", max_running_requests=32))
+eng = HFEngine(ModelConfig(source="builtin:micro"), RolloutConfig(max_running_requests=32))
 
 def client():
     async def main():
@@ -662,7 +666,7 @@ async def test_max_batch_tokens_bounds_the_running_rows_and_refuses_what_never_f
     """A KV budget of 2 rows (4-token prompts + 16 new tokens each = 20 slots, budget 40):
     never more than 2 rows decode at once, every request finishes, and one that alone
     exceeds the budget is a FieldError naming max_new_tokens and the limit."""
-    eng = HFEngine(HFEngineConfig(model="builtin:micro", seed=0, max_batch_tokens=40))
+    eng = HFEngine(ModelConfig(source="builtin:micro", seed=0), RolloutConfig(max_batch_tokens=40))
     try:
         params = SamplingConfig(temperature=1.0, max_new_tokens=16, ignore_eos=True)
         with pytest.raises(FieldError) as info:

@@ -7,11 +7,12 @@ import contextlib
 
 import grpc
 import pytest
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer, item_to_struct
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from areal_grpc.batch import groups_to_batch
+from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_model, load_tokenizer
 from areal_grpc.rewards import first_char_reward
@@ -52,7 +53,8 @@ class NothingWorkflow:
 @contextlib.asynccontextmanager
 async def rollout_server(max_running_requests=256):
     engine = HFEngine(
-        HFEngineConfig(model="builtin:micro", seed=0, max_running_requests=max_running_requests)
+        ModelConfig(source="builtin:micro", seed=0),
+        RolloutConfig(max_running_requests=max_running_requests),
     )
     servicer = RolloutServicer(engine, TOK, RolloutServiceConfig(default_max_new_tokens=4))
     running = await start_server(

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from areal_servers.rollout.engine import SamplingConfig
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.workflows import (
     EpisodeContext,
     MultiTurnWorkflow,
@@ -18,6 +18,7 @@ from areal_servers.rollout.workflows import (
 from arealgrpc.v1 import common_pb2
 
 from areal_grpc.batch import groups_to_batch
+from areal_grpc.config import ModelConfig
 from areal_grpc.errors import FieldError
 from areal_grpc.model import load_model, load_tokenizer
 from areal_grpc.tasks import task_dataset
@@ -27,7 +28,7 @@ TOK = load_tokenizer("builtin:micro")
 
 @pytest.fixture
 def engine():
-    eng = HFEngine(HFEngineConfig(model="builtin:micro", seed=0))
+    eng = HFEngine(ModelConfig(source="builtin:micro", seed=0))
     yield eng
     asyncio.run(eng.close())
 

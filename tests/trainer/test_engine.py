@@ -17,21 +17,19 @@ import transformers
 from areal_servers.trainer.algorithm import token_logprobs, trainable_mask
 from areal_servers.trainer.engine import (
     DistConfig,
-    EngineConfig,
-    OptimConfig,
     TrainerEngine,
     init_distributed,
     lr_factor,
 )
-from areal_servers.trainer.microbatch import MicroBatchSpec
 from areal_servers.trainer.weight_publisher import gather_buckets, published_tensors, tensor_metas
 from torch.distributed.tensor import DTensor
 
-from areal_grpc.config import PPOSettings
+from areal_grpc.config import ModelConfig, PPOSettings, TrainerConfig
 from areal_grpc.ports import free_port
 from areal_grpc.weight_transfer import plan_buckets
 
 MODEL = "builtin:micro"
+POLICY = ModelConfig(source=MODEL)
 
 
 def rows_of(batch, rows, group_offset=0):
@@ -44,15 +42,17 @@ def rows_of(batch, rows, group_offset=0):
 
 def config(
     fsdp: bool, max_tokens: int | None = None, dtype: str = "float32", lr: float = 1e-3
-) -> EngineConfig:
-    return EngineConfig(
-        model=MODEL,
+) -> TrainerConfig:
+    """The trainer section of these tests (max_tokens None: every shard in one micro-batch)."""
+    return TrainerConfig(
         dtype=dtype,
         fsdp=fsdp,
         device="cpu",
-        optim=OptimConfig(lr=lr, warmup_steps=2, max_grad_norm=1.0),
+        lr=lr,
+        warmup_steps=2,
+        grad_clip=1.0,
         ppo=PPOSettings(kl_ctl=0.0),
-        microbatch=MicroBatchSpec(max_tokens_per_mb=max_tokens),
+        max_tokens_per_mb=max_tokens or 1 << 30,
     )
 
 
@@ -66,16 +66,26 @@ def max_diff(a, b) -> float:
 
 
 def test_warmup_schedule():
-    cfg = OptimConfig(lr=1.0, warmup_steps=4, schedule="linear", total_steps=8)
-    assert [lr_factor(s, cfg) for s in range(9)] == [0.25, 0.5, 0.75, 1.0, 1.0, 0.75, 0.5, 0.25, 0]
+    cfg = TrainerConfig(lr=1.0, warmup_steps=4, lr_schedule="linear")
+    assert [lr_factor(s, cfg, 8) for s in range(9)] == [
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        1.0,
+        0.75,
+        0.5,
+        0.25,
+        0,
+    ]
 
 
 def test_plain_step_accumulating_microbatches_equals_one_big_microbatch(make_batch):
     # float64: Adam's g / (|g| + eps) turns float32 rounding of near-zero gradient entries
     # into visible parameter noise; in float64 any difference left would be a real bug.
     batch = make_batch()
-    whole = TrainerEngine(config(fsdp=False, dtype="float64"))
-    split = TrainerEngine(config(fsdp=False, max_tokens=24, dtype="float64"))
+    whole = TrainerEngine(config(fsdp=False, dtype="float64"), POLICY)
+    split = TrainerEngine(config(fsdp=False, max_tokens=24, dtype="float64"), POLICY)
     before = params(whole)
     r1 = whole.train_step(batch)
     r2 = split.train_step(batch)
@@ -88,11 +98,13 @@ def test_plain_step_accumulating_microbatches_equals_one_big_microbatch(make_bat
     assert r1.sequences == 8 and r1.reward_mean == pytest.approx(float(batch["rewards"].mean()))
 
 
-def _rank_main_cfg(rank: int, port: int, shards, out: mp.Queue, cfg: EngineConfig) -> None:
+def _rank_main_cfg(
+    rank: int, port: int, shards, out: mp.Queue, cfg: TrainerConfig, policy: ModelConfig
+) -> None:
     try:
         torch.set_num_threads(1)
         init_distributed(DistConfig("gloo", "127.0.0.1", port, rank, 2, timeout_s=120))
-        engine = TrainerEngine(cfg)
+        engine = TrainerEngine(cfg, policy)
         results = [engine.train_step(step_shards[rank]) for step_shards in shards]
         state = {k: v.numpy() for k, v in params(engine).items()}
         out.put((rank, results, state if rank == 0 else None))
@@ -101,11 +113,16 @@ def _rank_main_cfg(rank: int, port: int, shards, out: mp.Queue, cfg: EngineConfi
         out.put((rank, traceback.format_exc(), None))
 
 
-def _two_ranks(shards, cfg: EngineConfig) -> dict[int, tuple[list, dict | None]]:
+def _two_ranks(
+    shards, cfg: TrainerConfig, policy: ModelConfig = POLICY
+) -> dict[int, tuple[list, dict | None]]:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main_cfg, args=(r, port, shards, out, cfg)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank_main_cfg, args=(r, port, shards, out, cfg, policy))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     got = {}
@@ -134,7 +151,7 @@ def test_two_rank_fsdp_steps_equal_one_plain_process(make_batch, dtype, lr, tole
     ]
     got = _two_ranks(shards, config(fsdp=True, max_tokens=30, dtype=dtype, lr=lr))
 
-    plain = TrainerEngine(config(fsdp=False, dtype=dtype, lr=lr))
+    plain = TrainerEngine(config(fsdp=False, dtype=dtype, lr=lr), POLICY)
     want = [plain.train_step(batch1), plain.train_step(batch2)]
     diff = max_diff({k: torch.from_numpy(v) for k, v in got[0][1].items()}, params(plain))
     print(f"2-rank FSDP vs plain ({dtype}, lr {lr}): max abs diff {diff:.3e}")
@@ -155,7 +172,7 @@ def test_two_rank_fsdp_steps_equal_one_plain_process(make_batch, dtype, lr, tole
 
 def ppo_config(
     fsdp: bool, n_minibatches: int, epochs: int, max_tokens: int = 30, **ppo: object
-) -> EngineConfig:
+) -> TrainerConfig:
     cfg = config(fsdp=fsdp, max_tokens=max_tokens, dtype="float64")
     cfg.ppo = PPOSettings(kl_ctl=0.0, n_minibatches=n_minibatches, epochs=epochs, **ppo)  # type: ignore[arg-type]
     return cfg
@@ -179,7 +196,7 @@ def test_minibatches_and_epochs_on_two_ranks_equal_the_same_updates_in_one_proce
     shards = [[rows_of(batch, [0, 1, 2, 3]), rows_of(batch, [4, 5, 6, 7])]]
     got = _two_ranks(shards, ppo_config(fsdp=True, n_minibatches=2, epochs=2, **ppo))
     # Equal rows split in halves: mini-batch 0 is rows 0, 1 (rank 0) and 4, 5 (rank 1).
-    plain = TrainerEngine(ppo_config(fsdp=False, n_minibatches=2, epochs=2, **ppo))
+    plain = TrainerEngine(ppo_config(fsdp=False, n_minibatches=2, epochs=2, **ppo), POLICY)
     before = params(plain)
     want = plain.train_step(rows_of(batch, [0, 1, 4, 5, 2, 3, 6, 7]))
     diff = max_diff({k: torch.from_numpy(v) for k, v in got[0][1].items()}, params(plain))
@@ -194,7 +211,7 @@ def test_minibatches_and_epochs_on_two_ranks_equal_the_same_updates_in_one_proce
         assert r.loss == pytest.approx(want.loss, rel=1e-6)
         assert r.grad_norm == pytest.approx(want.grad_norm, rel=1e-9)
     # Four updates are not one: the same batch in a single update ends elsewhere.
-    single = TrainerEngine(ppo_config(fsdp=False, n_minibatches=1, epochs=1, **ppo))
+    single = TrainerEngine(ppo_config(fsdp=False, n_minibatches=1, epochs=1, **ppo), POLICY)
     single.train_step(rows_of(batch, [0, 1, 4, 5, 2, 3, 6, 7]))
     assert max_diff(params(single), params(plain)) > 1e-6
     assert max_diff(params(plain), before) > 1e-4
@@ -206,7 +223,7 @@ def test_one_minibatch_one_epoch_skips_the_proximal_forward_and_more_updates_do_
     batch = make_batch(seed=6)
     for n, epochs, extra_pass in [(1, 1, False), (2, 1, True), (1, 2, True)]:
         phases: list[str] = []
-        engine = TrainerEngine(ppo_config(fsdp=False, n_minibatches=n, epochs=epochs))
+        engine = TrainerEngine(ppo_config(fsdp=False, n_minibatches=n, epochs=epochs), POLICY)
         r = engine.train_step(batch, lambda phase, done, total, seen=phases: seen.append(phase))
         assert ("logprobs" in phases) == extra_pass, (n, epochs)
         assert engine.version == 1 and r.policy_version == 1
@@ -217,7 +234,7 @@ def test_kl_penalty_uses_the_initial_policy_as_reference(make_batch):
     def engine(kl: float) -> TrainerEngine:
         cfg = config(fsdp=False, dtype="float64")
         cfg.ppo = PPOSettings(kl_ctl=kl)
-        return TrainerEngine(cfg)
+        return TrainerEngine(cfg, POLICY)
 
     batch = make_batch(seed=5)
     # Behaviour log-probs equal to the initial policy's: KL to the reference is 0 everywhere,
@@ -249,7 +266,7 @@ def test_kl_loss_pulls_toward_the_initial_policy_from_the_second_step_on(make_ba
     def engine(beta: float) -> TrainerEngine:
         cfg = config(fsdp=False, dtype="float64")
         cfg.ppo = PPOSettings(kl_loss_coef=beta, kl_loss_estimator="k3")
-        return TrainerEngine(cfg)
+        return TrainerEngine(cfg, POLICY)
 
     batch = make_batch(seed=5)
     plain, pulled = engine(0.0), engine(0.5)
@@ -270,8 +287,8 @@ def test_skipping_the_proximal_forward_changes_nothing_without_dropout(make_batc
     without that forward end at the same weights (and the skip is taken by default)."""
     torch.manual_seed(0)
     batch = make_batch(n_groups=4, group_size=2, seed=3)
-    skipping = TrainerEngine(config(fsdp=False, max_tokens=32))
-    recomputing = TrainerEngine(config(fsdp=False, max_tokens=32))
+    skipping = TrainerEngine(config(fsdp=False, max_tokens=32), POLICY)
+    recomputing = TrainerEngine(config(fsdp=False, max_tokens=32), POLICY)
     assert not skipping._has_dropout
     recomputing._has_dropout = True
     phases: list[str] = []
@@ -294,7 +311,7 @@ def test_loglinear_skips_the_proximal_pass_and_metrics_trains_as_recompute_and_m
     def run(method: str) -> tuple[TrainerEngine, object, list[str]]:
         cfg = ppo_config(fsdp=False, n_minibatches=2, epochs=1)
         cfg.ppo.prox_logp_method = method  # type: ignore[assignment]
-        engine = TrainerEngine(cfg)
+        engine = TrainerEngine(cfg, POLICY)
         phases: list[str] = []
         r = engine.train_step(batch, lambda phase, done, total, seen=phases: seen.append(phase))
         return engine, r, phases
@@ -316,7 +333,7 @@ def _publish_after_forward_main(port: int, batch, out: mp.Queue) -> None:
     try:
         torch.set_num_threads(1)
         init_distributed(DistConfig("gloo", "127.0.0.1", port, 0, 1, timeout_s=120))
-        engine = TrainerEngine(config(fsdp=True))
+        engine = TrainerEngine(config(fsdp=True), POLICY)
         # An earlier publication (the listing of names is kept per model).
         published_tensors(engine.model)
         # A forward without backward (as a recomputation of log-probs is) leaves the root
@@ -369,7 +386,7 @@ def _bucketed_gather_main(port: int, rank: int, world: int, out: mp.Queue) -> No
     try:
         torch.set_num_threads(1)
         init_distributed(DistConfig("gloo", "127.0.0.1", port, rank, world, timeout_s=120))
-        engine = TrainerEngine(config(fsdp=True))
+        engine = TrainerEngine(config(fsdp=True), POLICY)
         items = published_tensors(engine.model)
         expected = {
             name: t.full_tensor() if isinstance(t, DTensor) else t.detach() for name, t in items

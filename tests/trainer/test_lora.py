@@ -11,16 +11,18 @@ from areal_servers.trainer.engine import TrainerEngine
 from areal_servers.trainer.weight_publisher import published_tensors, tensor_metas
 from peft import PeftModel
 
-from areal_grpc.config import LoraSettings, PPOSettings
+from areal_grpc.config import LoraSettings, ModelConfig, PPOSettings
 from areal_grpc.model import load_model
 
 from .test_engine import MODEL, _two_ranks, config, max_diff, params, rows_of
 
 LORA = LoraSettings(rank=4, alpha=8.0)
+POLICY = ModelConfig(source=MODEL, lora=LORA)
 
 
 def lora_config(fsdp: bool, dtype: str = "float32", lr: float = 1e-2, **ppo: object):
-    cfg = replace(config(fsdp=fsdp, dtype=dtype, lr=lr), lora=LORA)
+    """The trainer section of these tests (the policy, POLICY, carries the adapters)."""
+    cfg = config(fsdp=fsdp, dtype=dtype, lr=lr)
     if ppo:
         cfg.ppo = PPOSettings(**ppo)  # type: ignore[arg-type]
     return cfg
@@ -31,7 +33,7 @@ def adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_a_step_trains_the_adapters_only_and_publishes_only_them(make_batch):
-    engine = TrainerEngine(lora_config(fsdp=False))
+    engine = TrainerEngine(lora_config(fsdp=False), POLICY)
     before = params(engine)
     # (seed 2's groups have equal rewards: no advantage, no gradient.)
     engine.train_step(make_batch(seed=1))
@@ -56,19 +58,21 @@ def test_two_rank_fsdp_lora_steps_equal_one_plain_process(make_batch):
         [rows_of(batch1, [0, 1, 2, 3, 4, 5]), rows_of(batch1, [6, 7])],
         [batch2, None],
     ]
-    got = _two_ranks(shards, lora_config(fsdp=True, dtype="float64"))
-    plain = TrainerEngine(lora_config(fsdp=False, dtype="float64"))
+    got = _two_ranks(shards, lora_config(fsdp=True, dtype="float64"), POLICY)
+    plain = TrainerEngine(lora_config(fsdp=False, dtype="float64"), POLICY)
     plain.train_step(batch1)
     plain.train_step(batch2)
     sharded = {k: torch.from_numpy(v) for k, v in got[0][1].items()}
     assert max_diff(sharded, params(plain)) <= 1e-9
-    assert max_diff(adapters(sharded), adapters(params(TrainerEngine(lora_config(False))))) > 0
+    assert (
+        max_diff(adapters(sharded), adapters(params(TrainerEngine(lora_config(False), POLICY)))) > 0
+    )
 
 
 def test_the_reference_policy_is_the_base_model_with_adapters_off(make_batch):
     """No second model is loaded: the KL term reads the policy with its adapters disabled,
     which is the initial policy (zero KL on the first step, a positive one after)."""
-    engine = TrainerEngine(lora_config(fsdp=False, dtype="float64", kl_loss_coef=0.5))
+    engine = TrainerEngine(lora_config(fsdp=False, dtype="float64", kl_loss_coef=0.5), POLICY)
     assert engine.ref_model is None
     batch = make_batch(seed=3)
     assert engine.train_step(batch).extra["kl_loss_mean"] == pytest.approx(0.0, abs=1e-12)
@@ -76,9 +80,8 @@ def test_the_reference_policy_is_the_base_model_with_adapters_off(make_batch):
 
 
 def test_export_holds_the_adapter_and_on_request_the_merged_model(make_batch, tmp_path):
-    cfg = lora_config(fsdp=False)
-    cfg.lora = replace(LORA, merged_export=True)
-    engine = TrainerEngine(cfg)
+    merged = replace(POLICY, lora=replace(LORA, merged_export=True))
+    engine = TrainerEngine(lora_config(fsdp=False), merged)
     engine.train_step(make_batch(seed=1))
     engine.train_step(make_batch(seed=3))
     out = tmp_path / "export"
@@ -101,10 +104,10 @@ def test_export_holds_the_adapter_and_on_request_the_merged_model(make_batch, tm
 def test_a_lora_checkpoint_resumes_to_the_same_next_step(make_batch, tmp_path):
     """Adapters, their AdamW state and the version survive save/load: the restored engine's
     next step equals the original's."""
-    a = TrainerEngine(lora_config(fsdp=False, dtype="float64"))
+    a = TrainerEngine(lora_config(fsdp=False, dtype="float64"), POLICY)
     a.train_step(make_batch(seed=1))
     a.save_checkpoint(str(tmp_path / "ckpt"))
-    b = TrainerEngine(lora_config(fsdp=False, dtype="float64"))
+    b = TrainerEngine(lora_config(fsdp=False, dtype="float64"), POLICY)
     assert b.load_checkpoint(str(tmp_path / "ckpt"))[1] == a.version == 1
     assert max_diff(params(a), params(b)) == 0.0
     a.train_step(make_batch(seed=3))

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from areal_servers.trainer.engine import EngineConfig, OptimConfig
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import trainer_pb2, trainer_pb2_grpc
 
+from areal_grpc.config import TrainerConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.paths import DEFAULT_ROOT_NAME, MARKER_NAME
 from areal_grpc.server import BackgroundServer, service
@@ -36,9 +36,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 class Rank:
     def __init__(self, roots: tuple[str, ...]) -> None:
         cfg = TrainerServiceConfig(
-            engine=EngineConfig(
-                model="builtin:micro", fsdp=False, device="cpu", optim=OptimConfig(lr=1e-3)
-            ),
+            trainer=TrainerConfig(fsdp=False, device="cpu", lr=1e-3),
             distributed=False,
             path_roots=roots,
         )

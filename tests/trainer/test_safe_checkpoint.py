@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from areal_servers.trainer.engine import EngineConfig, OptimConfig, TrainerEngine
+from areal_servers.trainer.engine import TrainerEngine
 from areal_servers.trainer.safe_checkpoint import UnsafeCheckpointError
 from torch.distributed.checkpoint import FileSystemReader
+
+from areal_grpc.config import ModelConfig, TrainerConfig
 
 
 class _Touch:
@@ -31,7 +33,7 @@ class _Touch:
 
 def engine() -> TrainerEngine:
     return TrainerEngine(
-        EngineConfig(model="builtin:micro", fsdp=False, device="cpu", optim=OptimConfig(lr=1e-3))
+        TrainerConfig(fsdp=False, device="cpu", lr=1e-3), ModelConfig(source="builtin:micro")
     )
 
 

@@ -22,13 +22,12 @@ import grpc
 import pytest
 import torch
 import transformers
-from areal_servers.trainer.engine import EngineConfig, OptimConfig, TrainerEngine
-from areal_servers.trainer.microbatch import MicroBatchSpec
+from areal_servers.trainer.engine import TrainerEngine
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weight_sync_pb2
 from safetensors.torch import load_file
 
 from areal_grpc.batch import batch_to_trajectories, groups_to_batch
-from areal_grpc.config import PPOSettings
+from areal_grpc.config import ModelConfig, PPOSettings, TrainerConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_tokenizer
 from areal_grpc.ports import free_port
@@ -163,15 +162,17 @@ def collective(ranks: list[Rank], method: str, request):
 
 def plain_engine() -> TrainerEngine:
     return TrainerEngine(
-        EngineConfig(
-            model=MODEL,
+        # The ranks' settings: their run config's defaults (weight decay 0) and overrides.
+        TrainerConfig(
             fsdp=False,
             device="cpu",
-            # The ranks' settings: their run config's defaults (weight decay 0) and overrides.
-            optim=OptimConfig(lr=LR, warmup_steps=2, weight_decay=0.0),
+            lr=LR,
+            warmup_steps=2,
+            weight_decay=0.0,
             ppo=PPOSettings(),
-            microbatch=MicroBatchSpec(max_tokens_per_mb=MAX_TOKENS),
-        )
+            max_tokens_per_mb=MAX_TOKENS,
+        ),
+        ModelConfig(source=MODEL),
     )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from areal_servers.rollout.receive.base import WeightSyncConfig
+from areal_servers.rollout.receive.base import ReceiverConfig
 from areal_servers.rollout.service import RolloutServicer
 from areal_servers.rollout.vllm_engine import VLLMEngine
 from areal_servers.rollout.weight_sync import WeightSyncServicer, build_weight_sync_service
@@ -122,7 +122,7 @@ def start_vllm_server(
     rollout = RolloutServicer(engine, load_tokenizer(model))
     ws = build_weight_sync_service(
         engine,
-        WeightSyncConfig(
+        ReceiverConfig(
             disk_root=str(disk_root) if disk_root else None,
             socket_host="127.0.0.1",
             group_timeout_s=120,

@@ -18,9 +18,10 @@ import pytest
 import torch
 from areal_clients.rollout import item_struct
 from areal_servers.rollout.engine import SamplingConfig
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
 from arealgrpc.v1 import common_pb2, rollout_pb2
 
+from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_model
 
@@ -37,7 +38,7 @@ def hf_reference(
     """The hf engine's answer on the same model and seed (optionally other weights)."""
 
     async def run():
-        engine = HFEngine(HFEngineConfig(model=TINY, device="cpu"))
+        engine = HFEngine(ModelConfig(source=TINY), RolloutConfig(device="cpu"))
         try:
             if state_dict is not None:
                 await engine.load_weights(state_dict, 1)

@@ -25,8 +25,8 @@ import grpc
 import pytest
 import torch
 from areal_servers.rollout.engine import InferenceEngine
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
-from areal_servers.rollout.receive.base import WeightSyncConfig
+from areal_servers.rollout.hf_engine import HFEngine
+from areal_servers.rollout.receive.base import ReceiverConfig
 from areal_servers.rollout.service import RolloutServicer
 from areal_servers.rollout.weight_sync import WeightSyncServicer, build_weight_sync_service
 from arealgrpc.v1 import (
@@ -39,7 +39,7 @@ from arealgrpc.v1 import (
     weight_sync_pb2_grpc,
 )
 
-from areal_grpc.config import LoraSettings
+from areal_grpc.config import LoraSettings, ModelConfig, RolloutConfig
 from areal_grpc.model import load_tokenizer
 from areal_grpc.ports import free_port
 from areal_grpc.server import BackgroundServer, service, sync_channel
@@ -280,14 +280,14 @@ def make_rollout() -> Iterator[MakeRollout]:
     ) -> Rollout:
         if engine is None:
             engine = HFEngine(
-                HFEngineConfig(model=MODEL, device=device, lora=lora or LoraSettings())
+                ModelConfig(source=MODEL, lora=lora or LoraSettings()), RolloutConfig(device=device)
             )
         rollout = RolloutServicer(engine, load_tokenizer(MODEL))
         kw.setdefault("group_timeout_s", 60)
         kw.setdefault("socket_host", "127.0.0.1")
         ws = build_weight_sync_service(
             engine,
-            WeightSyncConfig(
+            ReceiverConfig(
                 disk_root=str(disk_root) if disk_root else None,
                 **kw,  # type: ignore[arg-type]
             ),

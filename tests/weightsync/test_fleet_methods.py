@@ -14,8 +14,10 @@ import json
 
 import pytest
 from areal_clients.fleet import update_fleet_weights
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
 from safetensors.torch import load_file
+
+from areal_grpc.config import ModelConfig, RolloutConfig
 
 from .conftest import MakeRollout, Trainers, tensor_digest
 
@@ -45,7 +47,7 @@ def reference_greedy(
         from areal_servers.rollout.engine import SamplingConfig
 
         model = model_factory() if model_factory is not None else None
-        engine = HFEngine(HFEngineConfig(model=str(path), device=device), model=model)
+        engine = HFEngine(ModelConfig(source=str(path)), RolloutConfig(device=device), model=model)
         try:
             result = await engine.generate(
                 prompt, SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
-from areal_servers.rollout.receive.base import WeightSyncConfig
+from areal_servers.rollout.receive.base import ReceiverConfig
 from areal_servers.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from areal_servers.rollout.weight_sync import build_weight_sync_service
 from arealgrpc.v1 import tensor_pb2
@@ -81,7 +81,7 @@ class FakeSGLangHTTP:
 def sglang(tmp_path: Path) -> Iterator[tuple[FakeSGLangHTTP, pb_grpc.WeightSyncServiceStub]]:
     fake = FakeSGLangHTTP()
     engine = SGLangEngine(SGLangEngineConfig(model="builtin:micro", url=fake.url))
-    svc = build_weight_sync_service(engine, WeightSyncConfig(disk_root=str(tmp_path)))
+    svc = build_weight_sync_service(engine, ReceiverConfig(disk_root=str(tmp_path)))
     with BackgroundServer([svc]) as running, sync_channel(running.address) as channel:
         yield fake, pb_grpc.WeightSyncServiceStub(channel)
     fake.close()

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 import pytest
 from areal_clients.fleet import update_fleet_weights
 from areal_servers.rollout.engine import SamplingConfig
-from areal_servers.rollout.hf_engine import HFEngine, HFEngineConfig
+from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.vllm_engine import VLLMEngine
 from peft import PeftModel
 
-from areal_grpc.config import LoraSettings, VllmSettings
+from areal_grpc.config import LoraSettings, ModelConfig, RolloutConfig, VllmSettings
 from areal_grpc.model import load_model
 
 from .conftest import MakeRollout, Rollout, Trainers, start_trainers, stop_trainers
@@ -71,7 +71,7 @@ def served_greedy(r: Rollout) -> tuple[list[int], list[float]]:
 
 def hf_greedy(model_dir: str, model=None) -> tuple[list[int], list[float]]:
     async def run():
-        engine = HFEngine(HFEngineConfig(model=model_dir, device="cpu"), model=model)
+        engine = HFEngine(ModelConfig(source=model_dir), RolloutConfig(device="cpu"), model=model)
         try:
             return await engine.generate(PROMPT, GREEDY)
         finally:

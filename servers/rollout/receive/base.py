@@ -18,14 +18,15 @@ from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.security import ServerTls
 from areal_grpc.weight_transfer import MAX_CHUNK_BYTES, GroupParams, spec_nbytes
 
-__all__ = ["Plan", "Receiver", "ReceiverState", "WeightSyncConfig", "check_specs"]
+__all__ = ["Plan", "Receiver", "ReceiverConfig", "ReceiverState", "check_specs"]
 
 pb = weight_sync_pb2
 
 
 @dataclass
-class WeightSyncConfig:
-    """What a rollout server accepts for weight updates."""
+class ReceiverConfig:
+    """What a rollout server accepts for weight updates: the run's weight_sync methods and
+    disk root, this server's socket interface and TLS, and the receiving side's own limits."""
 
     # Directory under which UpdateFromDisk paths must lie; None disables DISK.
     disk_root: str | None = None
@@ -107,7 +108,7 @@ def is_sglang(engine: InferenceEngine) -> bool:
 class ReceiverState:
     """The server's side of every update: engine, one-at-a-time lock, plans, spare buffers."""
 
-    def __init__(self, engine: InferenceEngine, config: WeightSyncConfig) -> None:
+    def __init__(self, engine: InferenceEngine, config: ReceiverConfig) -> None:
         self.engine = engine
         self.config = config
         self.sglang = is_sglang(engine)
@@ -184,7 +185,7 @@ class ReceiverState:
 class Receiver(ABC):
     """One transfer method on the receiving side."""
 
-    # The method's name in WeightSyncConfig.methods, and its enum value.
+    # The method's name in ReceiverConfig.methods, and its enum value.
     name: ClassVar[str]
     method: ClassVar[int]
 
