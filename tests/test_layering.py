@@ -103,7 +103,8 @@ def test_the_coordinator_starts_without_importing_torch_or_transformers():
     """Its children (which need them) start seconds sooner, and it holds none of their memory."""
     code = (
         "import sys\n"
-        "from areal_grpc.coordinator.__main__ import prepared_source\n"
+        "import areal_grpc.coordinator.__main__\n"
+        "from areal_grpc.coordinator.run import prepared_source\n"
         "assert prepared_source('builtin:micro') == 'builtin:micro'\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )

@@ -208,7 +208,11 @@ def test_agent_groups_reach_the_coordinator_buffer_as_typed_trajectories(rollout
 def test_agent_backs_off_while_no_capacity_and_fails_when_none_comes(rollout, agent, tmp_path):
     # areal-coordinator as a user starts it: batch 1, eta 0 allows one rollout in total.
     argv = python_module_argv(
-        "areal_grpc.coordinator.serve", "--port", "0", "--batch-size", "1", "--max-staleness", "0"
+        "areal_grpc.coordinator.serve",
+        "--port",
+        "0",
+        "staleness.batch_size=1",
+        "staleness.max_staleness=0",
     )
     coord = start_child("coordinator", argv, log_dir=tmp_path)
     try:

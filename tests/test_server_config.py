@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import subprocess
 from pathlib import Path
@@ -15,6 +16,7 @@ from areal_servers.trainer.build import config_from_args
 from areal_grpc.cli import base_parser
 from areal_grpc.config import RunConfig, load_config
 from areal_grpc.coordinator.mesh import rollout_argv, trainer_argv
+from areal_grpc.errors import FieldError
 from areal_grpc.launch import python_module_argv
 from areal_grpc.server_config import (
     ROLLOUT_SECTIONS,
@@ -137,3 +139,24 @@ def test_the_rollout_engine_takes_the_runs_sections_themselves():
     engine = create_engine(run)
     assert engine.policy is run.model and engine.rollout is run.rollout
     assert str(engine.device) == "cpu"
+
+
+def test_the_standalone_coordinator_reads_the_run_configs_staleness_rule():
+    """areal-coordinator takes the training run's keys and defaults; its old flags are refused
+    with the key that replaced them."""
+    from areal_grpc.coordinator.serve import add_coordinator_args, build
+
+    def pool_of(argv: list[str]):
+        args = add_coordinator_args(base_parser("areal-coordinator", "", 0)).parse_args(argv)
+        [svc] = asyncio.run(build(args))
+        return svc.servicer.pool
+
+    default, run = pool_of([]), RunConfig()
+    assert default.staleness.consumer_batch_size == run.staleness.batch_size
+    assert default.staleness.max_staleness == run.staleness.max_staleness
+    assert default.lease_ttl_s == run.staleness.lease_ttl_s
+    pool = pool_of(["staleness.batch_size=3", "staleness.max_staleness=0"])
+    assert (pool.staleness.consumer_batch_size, pool.staleness.max_staleness) == (3, 0)
+    with pytest.raises(FieldError) as err:
+        pool_of(["--batch-size", "8"])
+    assert err.value.field == "--batch-size" and "staleness.batch_size=8" in str(err.value)

@@ -19,51 +19,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import errno
-import functools
 import logging
 import signal
 import socket
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from arealgrpc.v1 import coordinator_pb2
-
 from areal_grpc import tracing
-from areal_grpc.cli import plaintext_weights_warning, run_channel_options, run_server_options
 from areal_grpc.config import RunConfig, describe, load_config, to_yaml
-from areal_grpc.coordinator.gateway_process import GatewayProcess
-from areal_grpc.coordinator.launcher import fleet_launcher, new_mesh, start_mesh
-from areal_grpc.coordinator.loop import (
-    Coordinator,
-    RolloutFleetLost,
-    TrainerGroupFailed,
-    fleet_available,
-    fleet_weight_sync,
-)
-from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
+from areal_grpc.coordinator.launcher import new_mesh
+from areal_grpc.coordinator.loop import RolloutFleetLost, TrainerGroupFailed
+from areal_grpc.coordinator.run import Run
 from areal_grpc.coordinator.slurm import check_slurm
 from areal_grpc.errors import FieldError, PreconditionError
-from areal_grpc.launch import Child, LaunchError
-from areal_grpc.model_source import locate_source, ready_source
+from areal_grpc.launch import LaunchError
+from areal_grpc.model_source import locate_source
 from areal_grpc.paths import check_replaceable
-from areal_grpc.server import ChannelCache, set_default_channel_options, start_server
 
 __all__ = ["main", "parse_args", "run"]
 
 log = logging.getLogger("areal_grpc.coordinator")
-
-# RolloutReport.state -> the wire's RolloutServerState.
-ROLLOUT_STATES = {
-    "serving": coordinator_pb2.ROLLOUT_SERVER_STATE_SERVING,
-    "joining": coordinator_pb2.ROLLOUT_SERVER_STATE_JOINING,
-    "restarting": coordinator_pb2.ROLLOUT_SERVER_STATE_RESTARTING,
-    "down": coordinator_pb2.ROLLOUT_SERVER_STATE_DOWN,
-}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -152,145 +130,10 @@ class Progress:
 
 
 async def run(cfg: RunConfig, resume: bool = False) -> int:
-    """Brings the mesh up, serves CoordinatorService, runs the loop, stops everything."""
-    out_dir = Path(cfg.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(to_yaml(cfg))
-    if cfg.launcher.mode in ("local", "slurm"):
-        # A GGUF file or named model is converted here, once, and every child loads the
-        # same converted directory (Ray nodes and attached servers resolve it themselves).
-        source = await asyncio.to_thread(prepared_source, cfg.model.source)
-        if source != cfg.model.source:
-            print(f"model: {cfg.model.source} -> {source}", flush=True)
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=source))
-    log_dir = out_dir / "logs"
-    mesh = new_mesh(cfg, log_dir)
-    coordinator: Coordinator | None = None
-    servicer: CoordinatorServicer | None = None
-    server = None
-    gateway: GatewayProcess | None = None
-    # Every channel this process opens (health probes, rollout and trainer clients, the fleet
-    # update) speaks the run's TLS and token; restored at the end for in-process callers.
-    previous_channels = set_default_channel_options(run_channel_options(cfg.security))
-    # The weight updates' channels, kept from one step's update to the next.
-    sync_channels = ChannelCache()
-    try:
-        # Children start in a thread so the event loop keeps handling signals meanwhile; on
-        # Ctrl-C the thread stops between children and the finally below stops the rest.
-        cancelled = threading.Event()
-        starter = asyncio.ensure_future(
-            asyncio.to_thread(start_mesh, cfg, log_dir, mesh, cancelled)
-        )
-        try:
-            await asyncio.shield(starter)
-        except asyncio.CancelledError:
-            cancelled.set()
-            await asyncio.wait([starter])
-            raise
-        mesh.write(out_dir / "mesh.json")
-        print(
-            f"mesh: rollout {mesh.rollout_addresses} trainer {mesh.trainer_addresses}", flush=True
-        )
-        sync = cfg.weight_sync.enabled
-        if sync and not fleet_available():
-            log.warning("areal_clients.fleet is not installed: weight sync is off")
-            sync = False
-        warning = plaintext_weights_warning(cfg.security, cfg.weight_sync.accepted_methods())
-        if sync and warning:
-            log.warning(warning)
-
-        async def restart_trainers(addresses: Sequence[str]) -> list[str]:
-            # A failed trainer group is replaced by fresh ranks (subprocesses or Ray actors);
-            # mesh.json follows.
-            new = await asyncio.to_thread(mesh.restart_trainers, cfg)
-            mesh.write(out_dir / "mesh.json")
-            print(f"trainer group restarted: {new}", flush=True)
-            return new
-
-        fleet = fleet_launcher(cfg, mesh)
-
-        def rollout_replaced(old: str, new: str | None) -> None:
-            # A dead rollout server was replaced (or, restarts spent, dropped): mesh.json and
-            # the listed worker follow.
-            mesh.write(out_dir / "mesh.json")
-            if new is None:
-                return
-            print(f"rollout server restarted: {old} -> {new}", flush=True)
-            if servicer is not None:
-                for worker in servicer.workers.values():
-                    if worker.address == old:
-                        worker.address = new
-
-        coordinator = Coordinator(
-            cfg,
-            mesh.rollout_addresses,
-            mesh.trainer_addresses,
-            out_dir,
-            weight_sync=functools.partial(fleet_weight_sync, channels=sync_channels)
-            if sync
-            else None,
-            # Attach mode (None): the ranks' own supervisor restarts them; the coordinator
-            # waits for them.
-            restart_trainers=restart_trainers if cfg.launcher.mode != "attach" else None,
-            # Attach mode (None): a lost rollout server is waited for, not replaced.
-            launcher=fleet,
-            rollout_replaced=rollout_replaced,
-        )
-
-        async def add(worker: Worker) -> None:
-            assert coordinator is not None
-            if worker.role != coordinator_pb2.WORKER_ROLE_ROLLOUT:
-                raise FieldError(
-                    "role", "trainer ranks form a fixed SPMD group; start the run with them"
-                )
-            await coordinator.add_rollout_server(worker.address)
-
-        async def remove(worker: Worker) -> int:
-            assert coordinator is not None
-            return await coordinator.remove_rollout_server(worker.address)
-
-        def refresh(worker: Worker) -> None:
-            assert coordinator is not None
-            if worker.role == coordinator_pb2.WORKER_ROLE_ROLLOUT:
-                report = coordinator.rollout_report(worker.address)
-                worker.healthy = report is not None and report.state == "serving"
-                worker.state = ROLLOUT_STATES[report.state if report is not None else "down"]
-                if report is not None:
-                    worker.restarts = report.restarts
-                    if report.state == "serving":
-                        worker.policy_version = report.policy_version
-            else:
-                worker.policy_version = coordinator.trainer_version
-
-        hooks = WorkerHooks(
-            add,
-            remove,
-            refresh,
-            fleet=fleet,
-            fleet_changed=lambda: mesh.write(out_dir / "mesh.json"),
-            rollout_restarts=lambda: coordinator.rollout_restarts if coordinator else 0,
-        )
-        servicer = CoordinatorServicer(coordinator.pool, hooks=hooks)
-        for i, a in enumerate(mesh.rollout_addresses):
-            servicer.add_local_worker(coordinator_pb2.WORKER_ROLE_ROLLOUT, a, f"rollout-{i}")
-        for i, a in enumerate(mesh.trainer_addresses):
-            servicer.add_local_worker(coordinator_pb2.WORKER_ROLE_TRAINER, a, f"trainer-{i}")
-        server = await start_server(
-            [servicer.as_service()],
-            run_server_options(cfg.security, cfg.launcher.host, cfg.launcher.coordinator_port),
-        )
-        servicer.start()
-        print(f"COORDINATOR {server.address}", flush=True)
-        if cfg.gateway.enabled:
-            # mesh.json lists the gateway's current process with the others.
-            def gateway_started(child: Child) -> None:
-                mesh.gateway = child
-                mesh.write(out_dir / "mesh.json")
-
-            gateway = GatewayProcess(cfg, server.address, log_dir, gateway_started)
-            await gateway.start()
+    """Brings the run up, trains to the end, reports, and stops everything."""
+    async with Run(cfg) as active:
         progress = Progress(cfg.output.progress_bar and sys.stdout.isatty())
-        result = await coordinator.run(resume=resume, progress=progress)
+        result = await active.train(resume=resume, progress=progress)
         print(
             f"done: {result.steps} steps, version {result.version}, "
             f"reward {_fmt(result.first_reward)} -> {_fmt(result.last_reward)}, "
@@ -298,41 +141,12 @@ async def run(cfg: RunConfig, resume: bool = False) -> int:
             f"{result.wall_s:.0f} s",
             flush=True,
         )
-        print(f"metrics: {out_dir / 'metrics.jsonl'}", flush=True)
+        print(f"metrics: {active.out_dir / 'metrics.jsonl'}", flush=True)
         if result.plot_path:
             print(f"plot: {result.plot_path}", flush=True)
         if result.export_path:
             print(f"model: {result.export_path}", flush=True)
-        return 0
-    finally:
-        if gateway is not None:
-            await gateway.stop()
-        if servicer is not None:
-            await servicer.stop()
-        if server is not None:
-            await server.stop(0)
-        if coordinator is not None:
-            await coordinator.close()
-        await sync_channels.aclose()
-        if servicer is not None and servicer.hooks.fleet is not None:
-            servicer.hooks.fleet.close()  # a server still starting must not outlive the run
-        # A Ray mesh has no local children but actors, a placement group and maybe Ray.
-        if mesh.children or cfg.launcher.mode == "ray":
-            codes = await asyncio.to_thread(mesh.stop)
-            bad = {k: v for k, v in codes.items() if v != 0}
-            print("mesh stopped" + (f" (exit codes {bad})" if bad else " cleanly"), flush=True)
-        set_default_channel_options(previous_channels)
-
-
-def prepared_source(source: str) -> str:
-    """The source every child of the run loads (a GGUF file or named model converted first)."""
-    ready = ready_source(source)
-    if ready is not None:
-        return ready
-    # Seconds of torch and transformers imports, paid only for a conversion not yet cached.
-    from areal_grpc.model import resolve_source
-
-    return resolve_source(source)
+    return 0
 
 
 def check_launch(cfg: RunConfig) -> None:
