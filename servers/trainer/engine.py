@@ -245,6 +245,36 @@ def empty_batch() -> Batch:
 
 
 @dataclass
+class StepPlan:
+    """A step's shard cut into mini- and micro-batches, with the global-batch counts its
+    losses are normalised by (all ranks)."""
+
+    # This rank's shard, on the device, with its trainable mask.
+    batch: Batch
+    total_tokens: float
+    total_rows: float
+    reward_sum: float
+    staleness_sum: float
+    # Sequences with a trained token.
+    total_seqs: float
+    # Per mini-batch: its micro-batches, each (rows of the shard it holds, the micro-batch).
+    minis: list[list[tuple[list[int], Batch]]]
+    # Per mini-batch: (trained tokens, sequences) over all ranks.
+    mini_counts: list[tuple[float, float]]
+    epochs: int
+
+    @property
+    def microbatches(self) -> list[tuple[list[int], Batch]]:
+        """Every micro-batch of the step, mini-batch by mini-batch."""
+        return [pair for part in self.minis for pair in part]
+
+    @property
+    def updates(self) -> int:
+        """Optimizer steps the step takes: mini-batches x epochs."""
+        return len(self.minis) * self.epochs
+
+
+@dataclass
 class StepResult:
     """Statistics of one step, reduced over all ranks."""
 
@@ -364,10 +394,27 @@ class TrainerEngine:
             return self._forward_logprobs(self.model, mb)[0]
 
     def train_step(self, batch: Batch | None, progress: Progress | None = None) -> StepResult:
-        """One PPO step on this rank's shard (``None``: empty shard). Collective."""
+        """One PPO step on this rank's shard (``None``: empty shard). Collective.
+
+        The phases, each a method of its own: :meth:`plan_step` (global counts, mini- and
+        micro-batches), :meth:`proximal_logprobs` (and the reference ones), :meth:`advantages`,
+        then :meth:`update` (one optimizer step per mini-batch and epoch).
+        """
         start = time.perf_counter()
-        cfg = self.cfg.ppo
         report = progress or (lambda phase, done, total: None)
+        plan = self.plan_step(batch)
+        report("received", 0, len(plan.microbatches))
+        prox_mode = self.proximal_mode(plan)
+        self.proximal_logprobs(plan, prox_mode, report)
+        adv_stats = self.advantages(plan)
+        lr = float(self.scheduler.get_last_lr()[0])
+        stats, approx, grad_norm = self.update(plan, prox_mode, report)
+        return self._step_result(plan, stats, approx, grad_norm, lr, adv_stats, prox_mode, start)
+
+    def plan_step(self, batch: Batch | None) -> StepPlan:
+        """This rank's shard on the device with its trainable mask, the counts of the global
+        batch (all-reduced), and its mini- and micro-batches. Collective."""
+        cfg = self.cfg.ppo
         batch = empty_batch() if batch is None else dict(batch)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         if "group_index" not in batch:
@@ -376,12 +423,11 @@ class TrainerEngine:
         # Trained tokens per row: the token counts, the sequences that have any, and the
         # mini-batch split all follow from it.
         row_tokens = batch["train_mask"].sum(dim=1)
-        rows = batch["rewards"].shape[0]
         totals = self.reduce_sum(
             torch.tensor(
                 [
                     float(row_tokens.sum()),
-                    float(rows),
+                    float(batch["rewards"].shape[0]),
                     float(batch["rewards"].double().sum()),
                     # Staleness of trained tokens: versions behind the weights being trained.
                     float(((self.version - batch["versions"]) * batch["train_mask"]).sum()),
@@ -399,8 +445,7 @@ class TrainerEngine:
             raise ValueError("the global batch has no trajectories")
         # PPO mini-batches: token-balanced row slices, each cut into micro-batches (the
         # micro-batch count is agreed across ranks per mini-batch, so collectives pair up).
-        n_minis, epochs = max(1, cfg.n_minibatches), max(1, cfg.epochs)
-        updates = n_minis * epochs
+        n_minis = max(1, cfg.n_minibatches)
         mini_rows: list[list[int] | None] = [None]
         if n_minis > 1:
             mini_rows = list(plan_minibatches(row_tokens.tolist(), n_minis))
@@ -413,7 +458,6 @@ class TrainerEngine:
                 mb.setdefault("train_mask", torch.zeros_like(mb["loss_mask"]))
                 part[k] = (part[k][0], {key: v.to(self.device) for key, v in mb.items()})
             minis.append(part)
-        mbs = [pair for part in minis for pair in part]
         # Each update's loss is normalised over its own mini-batch (all ranks): its trained
         # tokens and the sequences that have any.
         mini_counts = [(total_tokens, total_seqs)]
@@ -427,30 +471,57 @@ class TrainerEngine:
             ]
             sums = self.reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device))
             mini_counts = [(float(t), float(q)) for t, q in sums.tolist()]
-        n_mb = len(mbs)
-        report("received", 0, n_mb)
+        return StepPlan(
+            batch=batch,
+            total_tokens=total_tokens,
+            total_rows=total_rows,
+            reward_sum=reward_sum,
+            staleness_sum=staleness_sum,
+            total_seqs=total_seqs,
+            minis=minis,
+            mini_counts=mini_counts,
+            epochs=max(1, cfg.epochs),
+        )
 
-        # 1. Proximal (and reference) log-probs with the current weights, no grad. The
-        # proximal policy is the weights before this step's first update: with a single
-        # update every micro-batch's training forward below runs with exactly those weights,
-        # so without dropout its detached log-probs *are* the proximal ones and this extra
-        # forward is skipped (a quarter of the step's compute). Later updates of several
-        # run on weights already moved: then the proximal log-probs are computed here
-        # ("recompute", "metrics") or approximated from the training forward ("loglinear").
-        exact_free = not self._has_dropout and updates == 1
-        prox_mode = "exact" if exact_free else cfg.prox_logp_method
+    def proximal_mode(self, plan: StepPlan) -> str:
+        """How this step has its proximal log-probs: "exact" (the training forward's own),
+        or the configured prox_logp_method.
+
+        The proximal policy is the weights before the step's first update: with a single
+        update every micro-batch's training forward runs with exactly those weights, so
+        without dropout its detached log-probs *are* the proximal ones and no extra forward
+        is needed (a quarter of the step's compute). Later updates of several run on weights
+        already moved: then the proximal log-probs are recomputed ("recompute", "metrics") or
+        approximated from the training forward ("loglinear").
+        """
+        if not self._has_dropout and plan.updates == 1:
+            return "exact"
+        return self.cfg.ppo.prox_logp_method
+
+    def proximal_logprobs(
+        self, plan: StepPlan, prox_mode: str, report: Progress | None = None
+    ) -> None:
+        """Each micro-batch's ``prox_logp`` (when ``prox_mode`` recomputes them) and
+        ``ref_logp`` (with a reference policy), from the current weights without grad."""
         recompute = prox_mode in ("recompute", "metrics")
-        if recompute or self._has_ref:
-            self.model.eval()
-            with torch.no_grad():
-                for k, (_, mb) in enumerate(mbs):
-                    if recompute:
-                        mb["prox_logp"] = self._forward_logprobs(self.model, mb)[0]
-                    if self._has_ref:
-                        mb["ref_logp"] = self._reference_logprobs(mb)
-                    report("logprobs", k + 1, n_mb)
+        if not (recompute or self._has_ref):
+            return
+        mbs = plan.microbatches
+        self.model.eval()
+        with torch.no_grad():
+            for k, (_, mb) in enumerate(mbs):
+                if recompute:
+                    mb["prox_logp"] = self._forward_logprobs(self.model, mb)[0]
+                if self._has_ref:
+                    mb["ref_logp"] = self._reference_logprobs(mb)
+                if report is not None:
+                    report("logprobs", k + 1, len(mbs))
 
-        # 2. Advantages for the whole shard (batch-level statistics are all-reduced).
+    def advantages(self, plan: StepPlan) -> list[float]:
+        """Advantages of the whole shard (batch-level statistics all-reduced), handed to each
+        micro-batch as ``advantages``; returns the global (sum, sum of squares) over trained
+        tokens. Collective."""
+        batch, mbs = plan.batch, plan.microbatches
         ref_full = None
         if self._has_ref:
             ref_full = torch.zeros_like(batch["logprobs"])
@@ -461,7 +532,7 @@ class TrainerEngine:
         adv_full = compute_advantages(
             batch["rewards"],
             batch["train_mask"],
-            cfg,
+            self.cfg.ppo,
             group_index=batch["group_index"],
             behave_logp=batch["logprobs"],
             ref_logp=ref_full,
@@ -481,9 +552,14 @@ class TrainerEngine:
                 mb["advantages"] = adv_full[idx, : mb["input_ids"].shape[1]]
             else:
                 mb["advantages"] = torch.zeros_like(mb["logprobs"])
+        return adv_stats
 
-        # 3. PPO updates: one optimizer step per mini-batch and epoch, with gradient
-        # accumulation over the mini-batch's micro-batches.
+    def update(
+        self, plan: StepPlan, prox_mode: str, report: Progress | None = None
+    ) -> tuple[LossStats, torch.Tensor, float]:
+        """The PPO updates: one optimizer step per mini-batch and epoch, gradients accumulated
+        over the mini-batch's micro-batches; the version advances once. Returns this rank's
+        loss stats, loglinear's summed error ("metrics"), and the mean gradient norm."""
         self.model.train()
         # FSDP averages gradients over ranks; each rank's loss is already divided by the
         # global token count, so scaling by the world size turns the average into the sum.
@@ -492,17 +568,17 @@ class TrainerEngine:
         # "metrics": |loglinear - recomputed| summed over trained tokens, in log-probs and in
         # behaviour importance weights exp(prox - behaviour).
         approx = torch.zeros(2, dtype=torch.float64, device=self.device)
-        lr = float(self.scheduler.get_last_lr()[0])
         grad_norms: list[float] = []
-        done = 0
+        done, total = 0, len(plan.microbatches) * plan.epochs
 
         def trained_one() -> None:
             nonlocal done
             done += 1
-            report("update", done, n_mb * epochs)
+            if report is not None:
+                report("update", done, total)
 
-        for _ in range(epochs):
-            for part, counts in zip(minis, mini_counts, strict=True):
+        for _ in range(plan.epochs):
+            for part, counts in zip(plan.minis, plan.mini_counts, strict=True):
                 grad_norms.append(
                     self._update(part, counts, prox_mode, scale, stats, approx, trained_one)
                 )
@@ -510,8 +586,20 @@ class TrainerEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         self.global_step += 1
-        grad_norm = sum(grad_norms) / updates
+        return stats, approx, sum(grad_norms) / plan.updates
 
+    def _step_result(
+        self,
+        plan: StepPlan,
+        stats: LossStats,
+        approx: torch.Tensor,
+        grad_norm: float,
+        lr: float,
+        adv_stats: list[float],
+        prox_mode: str,
+        start: float,
+    ) -> StepResult:
+        """The step's global stats (all-reduced). Collective."""
         sums = self.reduce_sum(
             torch.tensor(
                 [
@@ -530,25 +618,26 @@ class TrainerEngine:
         imp_max = self._reduce_max_float(stats.imp_weight_max)
         tokens = sums[4]
         kept = tokens - sums[5]
+        kl = {"kl_loss_mean": sums[6] / kept if kept else 0.0} if self.cfg.ppo.kl_loss_coef else {}
         return StepResult(
             global_step=self.global_step - 1,
             policy_version=self.version,
             # Mean over the updates; each token is trained once per epoch.
-            loss=sums[0] / updates,
+            loss=sums[0] / plan.updates,
             grad_norm=float(grad_norm),
             clip_fraction=sums[1] / tokens if tokens else 0.0,
             entropy=sums[3] / tokens if tokens else 0.0,
             importance_weight_mean=sums[2] / kept if kept else 0.0,
             importance_weight_max=imp_max,
-            reward_mean=reward_sum / total_rows,
-            trained_tokens=round(tokens / epochs),
-            sequences=int(total_rows),
+            reward_mean=plan.reward_sum / plan.total_rows,
+            trained_tokens=round(tokens / plan.epochs),
+            sequences=int(plan.total_rows),
             learning_rate=lr,
             elapsed_seconds=time.perf_counter() - start,
-            microbatches=n_mb,
-            extra=self._extra_stats(sums[5], staleness_sum, adv_stats, total_tokens)
+            microbatches=len(plan.microbatches),
+            extra=self._extra_stats(sums[5], plan.staleness_sum, adv_stats, plan.total_tokens)
             | self._approx_stats(prox_mode, approx, tokens)
-            | ({"kl_loss_mean": sums[6] / kept if kept else 0.0} if cfg.kl_loss_coef else {}),
+            | kl,
         )
 
     def _update(

@@ -14,7 +14,7 @@ import traceback
 import pytest
 import torch
 import transformers
-from areal_servers.trainer.algorithm import token_logprobs, trainable_mask
+from areal_servers.trainer.algorithm import compute_advantages, token_logprobs, trainable_mask
 from areal_servers.trainer.engine import (
     DistConfig,
     TrainerEngine,
@@ -478,3 +478,90 @@ def test_masked_logits_are_the_full_logits_at_the_kept_positions(
         got = model_mod.masked_logits(model, ids, attn, keep)
     assert got.shape == (int(keep.sum()), full.shape[-1])
     torch.testing.assert_close(got, full[keep])
+
+
+# -- the step's phases, one at a time ----------------------------------------------------------
+
+
+def test_plan_step_counts_the_global_batch_and_cuts_every_row_into_one_microbatch(make_batch):
+    batch = make_batch(n_groups=4, group_size=2, seed=5)
+    engine = TrainerEngine(ppo_config(fsdp=False, n_minibatches=2, epochs=3, max_tokens=20), POLICY)
+    plan = engine.plan_step(batch)
+    trained = batch["loss_mask"][:, 1:]
+    assert plan.total_tokens == float(trained.sum()) and plan.total_rows == 8.0
+    assert plan.total_seqs == float((trained.sum(dim=1) > 0).sum())
+    assert plan.reward_sum == pytest.approx(float(batch["rewards"].sum()))
+    assert (len(plan.minis), plan.epochs, plan.updates) == (2, 3, 6)
+    rows = sorted(r for rows_k, _ in plan.microbatches for r in rows_k)
+    assert rows == list(range(8))
+    # Each mini-batch's counts are its own rows' (one process: no other rank adds to them).
+    for part, (tokens, seqs) in zip(plan.minis, plan.mini_counts, strict=True):
+        mine = [r for rows_k, _ in part for r in rows_k]
+        assert tokens == float(trained[mine].sum()) and seqs == float(len(mine))
+    assert sum(t for t, _ in plan.mini_counts) == plan.total_tokens
+    # A micro-batch stays within its token budget (real tokens of its rows).
+    for _, mb in plan.microbatches:
+        assert int(mb["attention_mask"].sum()) <= 20 or mb["input_ids"].shape[0] == 1
+
+
+def test_proximal_mode_skips_the_extra_forward_only_when_one_update_has_exact_logprobs(
+    make_batch,
+):
+    batch = make_batch(seed=6)
+    one = TrainerEngine(ppo_config(fsdp=False, n_minibatches=1, epochs=1), POLICY)
+    assert one.proximal_mode(one.plan_step(batch)) == "exact"
+    several = ppo_config(fsdp=False, n_minibatches=2, epochs=1)
+    several.ppo.prox_logp_method = "loglinear"
+    engine = TrainerEngine(several, POLICY)
+    plan = engine.plan_step(batch)
+    assert engine.proximal_mode(plan) == "loglinear"
+    engine.proximal_logprobs(plan, "loglinear")  # approximated later: no pass, nothing added
+    assert all("prox_logp" not in mb for _, mb in plan.microbatches)
+    engine.proximal_logprobs(plan, "recompute")
+    for _, mb in plan.microbatches:
+        want = engine._forward_logprobs(engine.model, mb)[0]
+        torch.testing.assert_close(mb["prox_logp"], want)
+
+
+def test_advantages_phase_gives_each_microbatch_the_rows_of_the_whole_shards_advantages(
+    make_batch,
+):
+    batch = make_batch(n_groups=3, group_size=4, seed=7)
+    engine = TrainerEngine(config(fsdp=False, max_tokens=16), POLICY)
+    plan = engine.plan_step(batch)
+    assert len(plan.microbatches) > 1
+    total, squares = engine.advantages(plan)
+    train_mask = trainable_mask(batch["loss_mask"], batch["attention_mask"])
+    whole = compute_advantages(
+        batch["rewards"], train_mask, engine.cfg.ppo, group_index=batch["group_index"]
+    )
+    assert total == pytest.approx(float((whole.double() * train_mask).sum()), abs=1e-9)
+    assert squares == pytest.approx(float((whole.double() ** 2 * train_mask).sum()), rel=1e-9)
+    for rows_k, mb in plan.microbatches:
+        width = mb["input_ids"].shape[1]
+        torch.testing.assert_close(mb["advantages"], whole[rows_k, :width])
+
+
+def test_update_phase_takes_one_optimizer_step_per_minibatch_and_epoch_and_one_version(
+    make_batch,
+):
+    batch = make_batch(seed=8)
+    engine = TrainerEngine(ppo_config(fsdp=False, n_minibatches=2, epochs=2), POLICY)
+    plan = engine.plan_step(batch)
+    mode = engine.proximal_mode(plan)
+    engine.proximal_logprobs(plan, mode)
+    engine.advantages(plan)
+    steps: list[int] = []
+    before = params(engine)
+    original = engine.optimizer.step
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return original(*args, **kwargs)
+
+    engine.optimizer.step = counted  # type: ignore[method-assign]
+    stats, _, grad_norm = engine.update(plan, mode)
+    assert len(steps) == plan.updates == 4
+    assert (engine.version, engine.global_step) == (1, 1)
+    assert stats.tokens == 2 * plan.total_tokens  # every trained token, once per epoch
+    assert grad_norm > 0 and max_diff(params(engine), before) > 0
