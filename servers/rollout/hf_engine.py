@@ -6,9 +6,8 @@ prefilled and joins the batch at the next step; a finished, cancelled or interru
 leaves it at the next step. The asyncio side only enqueues requests and receives tokens
 (through ``loop.call_soon_threadsafe``), so the event loop never blocks on torch.
 
-Log-probabilities are ``log_softmax(logits / T)`` of the sampled token (after temperature,
-before top-p / top-k truncation; ``log_softmax(logits)`` for greedy T = 0), computed from the
-same logits that were sampled from, so a full forward of prompt + output reproduces them.
+Which waiting requests join the batch is :mod:`.admission`'s rule, and how each step's
+tokens are drawn (and their log-probabilities) is :mod:`.sampler`'s.
 """
 
 from __future__ import annotations
@@ -26,15 +25,15 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+from areal_servers.rollout.admission import admit
 from areal_servers.rollout.engine import (
     EngineStatus,
     FinishReason,
     InferenceEngine,
     SamplingConfig,
     TokenEvent,
-    TopLogprobs,
 )
+from areal_servers.rollout.sampler import sample
 from transformers import DynamicCache, PreTrainedModel
 
 from areal_grpc.config import ModelConfig, RolloutConfig
@@ -487,11 +486,13 @@ class HFEngine(InferenceEngine):
                 if not self._paused and (self._pending or self._batch.requests):
                     break
                 self._cond.wait()
-            room = self.rollout.max_running_requests - len(self._batch.requests)
-            admitted: list[_Request] = []
-            while self._pending and room > 0 and self._fits_locked(admitted, self._pending[0]):
-                admitted.append(self._pending.popleft())
-                room -= 1
+            admitted = admit(
+                self._pending,
+                self._batch.requests,
+                self.rollout.max_running_requests,
+                self.rollout.max_batch_tokens,
+                _slots,
+            )
             self._admitting = admitted
         with self._model_lock:
             version = self._version
@@ -505,15 +506,6 @@ class HFEngine(InferenceEngine):
             if self._batch.requests:
                 self._decode(version)
         return True
-
-    def _fits_locked(self, admitted: list[_Request], req: _Request) -> bool:
-        """Whether ``req`` joins the batch within ``max_batch_tokens`` (a lone row always does)."""
-        budget = self.rollout.max_batch_tokens
-        rows = [*self._batch.requests, *admitted]
-        if budget is None or not rows:
-            return True
-        longest = max(_slots(r) for r in [*rows, req])
-        return (len(rows) + 1) * longest <= budget
 
     def _interrupt_all_locked(self) -> None:
         interrupted = 0
@@ -641,53 +633,16 @@ class HFEngine(InferenceEngine):
 
     def _sample_and_emit(self, reqs: list[_Request], logits: torch.Tensor, version: int) -> None:
         # Only ids the embedding (and the tokenizer) know may be sampled.
-        logits = logits[:, : self._token_limit]
-        temps = torch.tensor(
-            [r.params.temperature if r.params.temperature > 0 else 1.0 for r in reqs],
-            device=logits.device,
+        drawn = sample(
+            logits[:, : self._token_limit],
+            [r.params for r in reqs],
+            self._generator,
+            [r.generator for r in reqs],
         )
-        logp = F.log_softmax(logits / temps[:, None], dim=-1)
-        probs = logp.exp()
-        for i, r in enumerate(reqs):
-            if r.params.top_k > 0 or r.params.top_p < 1.0:
-                probs[i] = _truncate(probs[i], r.params.top_k, r.params.top_p)
-        # Non-finite logits (e.g. weights that overflowed) give NaN rows, on which multinomial
-        # raises (CPU) or returns garbage (CUDA): such a row falls back to the argmax of its
-        # finite logits, so the sampled id is always in range.
-        broken = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
-        any_broken = bool(broken.any())
-        wants_greedy = [r.params.temperature == 0 for r in reqs]
-        greedy: torch.Tensor | None = None
-        if any_broken or any(wants_greedy):
-            greedy = torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
-        if any_broken:
-            assert greedy is not None
-            if not self._warned_nonfinite:
-                self._warned_nonfinite = True
-                log.warning("hf engine: non-finite logits at version %d; using argmax", version)
-            probs[broken] = F.one_hot(greedy[broken], probs.shape[-1]).to(probs.dtype)
-        sampled = _draw(probs, self._generator)
-        for i, r in enumerate(reqs):
-            if r.generator is not None:
-                # A seeded request draws from its own stream, whatever else is in the batch.
-                sampled[i] = _draw(probs[i : i + 1], r.generator)[0]
-        if greedy is not None:
-            is_greedy = torch.tensor(wants_greedy, device=logits.device)
-            tokens = torch.where(is_greedy, greedy, sampled)
-        else:
-            tokens = sampled
-        token_logp = logp.gather(1, tokens[:, None]).squeeze(1)
-        tokens_l, logp_l = tokens.tolist(), token_logp.tolist()
-        # The most likely alternatives, for the requests that asked (one topk for the batch).
-        k = max(r.params.top_logprobs for r in reqs)
-        tops: list[list[TopLogprobs]] = [[] for _ in reqs]
-        if k:
-            top_lp, top_ids = logp.topk(k, dim=-1)
-            ids_l, lps_l = top_ids.tolist(), top_lp.tolist()
-            for i, r in enumerate(reqs):
-                n = r.params.top_logprobs
-                if n:
-                    tops[i] = [(ids_l[i][:n], lps_l[i][:n])]
+        if drawn.fell_back and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            log.warning("hf engine: non-finite logits at version %d; using argmax", version)
+        tokens_l, logp_l, tops = drawn.tokens, drawn.logprobs, drawn.top
         produced = 0
         with self._cond:
             for r, tok, lp, top in zip(reqs, tokens_l, logp_l, tops, strict=True):
@@ -714,43 +669,6 @@ def _stop_at_exit(ref: weakref.ref[HFEngine]) -> None:
         engine._closed = True
         engine._cond.notify_all()
     engine._thread.join(timeout=30)
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token id per row of ``probs`` (rows with positive mass, not necessarily summing to
-    1), by inverse CDF: a cumulative sum and a binary search per row.
-
-    torch.multinomial draws one exponential variate per vocabulary entry instead: 90-140 ms
-    for 64 rows x 49,152 tokens on this 2-core machine, against 2-3 ms here, and more than a
-    135M model's own decode step. In float32 each token's chance is off by at most half an
-    ulp of the running sum (< 6e-8); a float64 sum took 20 ms.
-    """
-    cdf = probs.cumsum(dim=-1)
-    u = torch.rand((probs.shape[0], 1), dtype=cdf.dtype, device=probs.device, generator=generator)
-    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-    ids = ids.clamp_(max=probs.shape[-1] - 1)
-    # u within rounding of the total can land on a trailing token without mass: take the
-    # row's most likely token then (a draw of probability ~1e-16).
-    empty = probs.gather(1, ids[:, None]).squeeze(1) <= 0
-    if bool(empty.any()):
-        ids[empty] = probs[empty].argmax(dim=-1)
-    return ids
-
-
-def _truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """``probs`` restricted to the top-k tokens and the top-p nucleus (renormalised)."""
-    sorted_p, order = probs.sort(descending=True)
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if top_k > 0:
-        keep[top_k:] = False
-    if top_p < 1.0:
-        # Keep a token while the mass before it is below top_p (the top token always stays).
-        before = sorted_p.cumsum(0) - sorted_p
-        keep &= before < top_p
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    out = torch.zeros_like(probs)
-    out[order] = kept
-    return out / out.sum()
 
 
 __all__ = ["EngineFailedError", "HFEngine"]

@@ -694,7 +694,7 @@ def test_the_sampler_draws_each_token_with_its_probability_and_never_one_without
     """The engine's inverse-CDF draw: frequencies over 40,000 draws match the distribution
     (within 5 standard errors), tokens of probability 0 never come up, rows need not be
     normalised, and one seed gives one sequence."""
-    from areal_servers.rollout.hf_engine import _draw
+    from areal_servers.rollout.sampler import draw as _draw
 
     p = torch.tensor([0.1, 0.0, 0.45, 0.0, 0.3, 0.15, 0.0])
     n = 40_000
