@@ -154,11 +154,15 @@ def setting(
     *,
     help: str,
     choices: Sequence[str] = (),
+    ge: float | None = None,
+    gt: float | None = None,
     factory: Callable[[], Any] | None = None,
 ) -> Any:
-    """A config field with its help text and, for one of a fixed set of strings (or a list
-    of them), that set: :func:`validate_config` refuses any other value, naming the key."""
-    meta = {"help": help, "choices": tuple(choices)}
+    """A config field with its help text and the rules a value must keep, which
+    :func:`validate_config` enforces naming the key: for one of a fixed set of strings (or a
+    list of them), that set; for a number, its lower bound (``ge``: at least, ``gt``: above;
+    None, where a field allows it, is not checked)."""
+    meta = {"help": help, "choices": tuple(choices), "ge": ge, "gt": gt}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -170,10 +174,11 @@ class LoraSettings:
     weight update; the base weights stay frozen in every process. ``rank`` 0: no LoRA, the
     whole model trains."""
 
-    rank: int = setting(0, help="Adapter rank r; 0: no LoRA, the whole model trains.")
+    rank: int = setting(0, help="Adapter rank r; 0: no LoRA, the whole model trains.", ge=0)
     alpha: float = setting(
         16.0,
         help="LoRA's alpha: the adapter's update is scaled by alpha / rank.",
+        gt=0,
     )
     target_modules: list[str] = setting(
         factory=lambda: ["all-linear"],
@@ -199,7 +204,7 @@ class ModelConfig:
         "into the cache). micro is the default: the measured runs that learn within a "
         "minute on one CPU core used a model of that size.",
     )
-    seed: int = setting(0, help="Seeds model init, the dataloader order and sampling.")
+    seed: int = setting(0, help="Seeds model init, the dataloader order and sampling.", ge=0)
     lora: LoraSettings = setting(
         factory=LoraSettings,
         help="LoRA adapters on the policy (rank 0: none).",
@@ -239,17 +244,19 @@ class SamplingSettings:
         1.0,
         help="Sampling temperature; 0 is greedy. The trainer recomputes log-probs under the same"
         " temperature.",
+        ge=0.0,
     )
     top_p: float = setting(
         1.0,
         help="Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: "
         "all).",
     )
-    top_k: int = setting(0, help="Sample among the k most likely tokens only; 0: no limit.")
+    top_k: int = setting(0, help="Sample among the k most likely tokens only; 0: no limit.", ge=0)
     max_new_tokens: int | None = setting(
         None,
         help="Tokens generated per sample at most; null: the task's own answer length (2 tokens "
         "for the built-in tasks).",
+        ge=1,
     )
 
 
@@ -264,12 +271,16 @@ class VllmSettings:
     kv_cache_gib: float = setting(
         2.0,
         help="KV cache per server, GiB (host memory on the CPU backend, GPU memory on a GPU).",
+        gt=0,
     )
-    max_num_seqs: int = setting(64, help="Sequences decoded at once at most (vLLM's max_num_seqs).")
+    max_num_seqs: int = setting(
+        64, help="Sequences decoded at once at most (vLLM's max_num_seqs).", ge=1
+    )
     max_model_len: int = setting(
         0,
         help="Longest prompt + output; 0: the model's context, capped at 4096 (the KV cache must"
         " hold one sequence of this length).",
+        ge=0,
     )
     dtype: str = setting(
         "float32",
@@ -280,20 +291,24 @@ class VllmSettings:
         None,
         help="CPU cores vLLM keeps for its own scheduler process (None: vLLM's default, one); "
         "the rest run its model worker. 0 gives the worker every core.",
+        ge=0,
     )
     start_timeout_s: float = setting(
         600.0,
         help="Seconds the engine may take to start (imports, its processes, the model load).",
+        gt=0,
     )
     health_interval_s: float = setting(
         5.0,
         help="vLLM's engine process is asked whether it is alive this often; one that has died "
         "or does not answer within health_timeout_s takes the server down, so its launcher "
         "replaces it.",
+        gt=0,
     )
     health_timeout_s: float = setting(
         60.0,
         help="Seconds a liveness check of vLLM's engine process may take (see health_interval_s).",
+        gt=0,
     )
     idle_spin_s: float = setting(
         0.05,
@@ -312,6 +327,7 @@ class RolloutConfig:
     num_servers: int = setting(
         1,
         help="Rollout servers the launcher starts (attach mode: the addresses given).",
+        ge=1,
     )
     engine: str = setting(
         "hf",
@@ -347,10 +363,11 @@ class RolloutConfig:
         None,
         help="The system message of chat prompts (None: the template's own default, if any).",
     )
-    torch_threads: int = setting(1, help="Torch CPU threads of each rollout server.")
+    torch_threads: int = setting(1, help="Torch CPU threads of each rollout server.", ge=1)
     max_running_requests: int = setting(
         256,
         help="Requests each hf server decodes at once at most (rows of its batch).",
+        ge=1,
     )
     workflow_params: dict[str, Any] = setting(
         factory=dict,
@@ -360,6 +377,7 @@ class RolloutConfig:
         None,
         help="KV cache budget of each hf server in token slots (rows x the longest row's prompt "
         "+ max_new_tokens); requests wait until they fit; None: unbounded but for 256 rows.",
+        ge=2,
     )
     sampling: SamplingSettings = setting(
         factory=SamplingSettings,
@@ -370,38 +388,45 @@ class RolloutConfig:
         None,
         help="Prompts generating at once over all servers; None: staleness.batch_size (AReaL's "
         "default).",
+        ge=1,
     )
     episode_timeout_s: float = setting(
         1800.0,
         help="A server holding a task longer than this is taken as stalled: out of rotation, its"
         " work re-queued elsewhere. Generous: one episode of a long workflow may take "
         "minutes.",
+        gt=0,
     )
     health_interval_s: float = setting(
         5.0,
         help="Liveness check of every server in rotation: a server whose health check fails (or "
         "does not answer within health_timeout_s) is treated like a stalled one.",
+        ge=0.0,
     )
     health_timeout_s: float = setting(
         5.0,
         help="Seconds a server's health check may take (see health_interval_s).",
+        gt=0,
     )
     max_restarts: int = setting(
         3,
         help="Restarts of rollout servers that died (their process is gone, or they stayed out "
         "of rotation too long), over the whole run and all servers; local and Ray launchers"
         " only.",
+        ge=0,
     )
     replace_after_s: float = setting(
         60.0,
         help="A launcher's server that still runs but has been out of rotation this long is "
         "replaced (stopped, a fresh one started) instead of waited for; one whose process "
         "is gone at once.",
+        gt=0,
     )
     no_server_timeout_s: float = setting(
         300.0,
         help="With no server left in rotation for this long, the run fails instead of waiting "
         "forever.",
+        gt=0,
     )
 
 
@@ -431,7 +456,7 @@ class NormSettings:
         help="The mean of the *other* members of the group (RLOO's baseline).",
     )
     std_unbiased: bool = setting(True, help="n - 1 in the std's denominator.")
-    eps: float = setting(1e-5, help="Added to the std before dividing.")
+    eps: float = setting(1e-5, help="Added to the std before dividing.", ge=0.0)
 
 
 @dataclass
@@ -481,8 +506,11 @@ class PPOSettings:
     eps_clip: float = setting(
         0.2,
         help="PPO's clip range: the ratio is clipped to [1 - eps_clip, 1 + eps_clip_higher].",
+        gt=0,
     )
-    eps_clip_higher: float | None = setting(None, help="Upper clip (clip-higher); None: eps_clip.")
+    eps_clip_higher: float | None = setting(
+        None, help="Upper clip (clip-higher); None: eps_clip.", gt=0
+    )
     c_clip: float | None = setting(None, help="Dual-clip constant (> 1); None disables it.")
     rejection: RejectionSettings = setting(
         factory=RejectionSettings,
@@ -507,11 +535,12 @@ class PPOSettings:
         1.0,
         help="Rewards are multiplied by this after the bias (see reward_bias).",
     )
-    reward_clip: float = setting(20.0, help="Shaped rewards are clipped to +-reward_clip.")
+    reward_clip: float = setting(20.0, help="Shaped rewards are clipped to +-reward_clip.", gt=0)
     kl_ctl: float = setting(
         0.0,
         help="KL-to-reference penalty in the token rewards, -kl_ctl * KL summed from each token "
         "on (0: none; else the reference model is loaded on every rank).",
+        ge=0.0,
     )
     kl_estimator: str = setting(
         "k1",
@@ -523,6 +552,7 @@ class PPOSettings:
         help="KL to the reference (initial) model as a loss term, beta * KL per trained token, "
         "instead of or beside the reward penalty kl_ctl; either one loads the reference "
         "model.",
+        ge=0.0,
     )
     kl_loss_estimator: str = setting(
         "k3",
@@ -535,8 +565,9 @@ class PPOSettings:
         "same count on every rank), one optimizer step each, and passed over `epochs` "
         "times; the policy version still advances once per batch. More than one update per "
         "batch recomputes the proximal log-probs before the first (one extra forward pass).",
+        ge=1,
     )
-    epochs: int = setting(1, help="Passes over the batch's mini-batches (see n_minibatches).")
+    epochs: int = setting(1, help="Passes over the batch's mini-batches (see n_minibatches).", ge=1)
     prox_logp_method: str = setting(
         "recompute",
         help="The proximal log-probs when several updates (or dropout) make them cost a forward "
@@ -561,16 +592,19 @@ class PPOSettings:
     loss_constant_len: int = setting(
         0,
         help="The constant of loss_agg constant (0: rollout.sampling.max_new_tokens).",
+        ge=0,
     )
     overlong_max_len: int = setting(
         0,
         help="DAPO's overlong penalty, added to the raw reward (before bias and scale): 0 up to "
         "overlong_max_len - overlong_cache response tokens, then down linearly to "
         "-overlong_factor at overlong_max_len and beyond (overlong_max_len 0: off).",
+        ge=0,
     )
     overlong_cache: int = setting(
         0,
         help="Response tokens over which the overlong penalty ramps down (see overlong_max_len).",
+        ge=0,
     )
     overlong_factor: float = setting(
         1.0,
@@ -583,8 +617,10 @@ class PPOSettings:
 class TrainerConfig:
     """The trainer ranks (one SPMD group) and the optimiser."""
 
-    ranks: int = setting(2, help="Trainer ranks: one SPMD group sharding the model with FSDP2.")
-    torch_threads: int = setting(1, help="Torch CPU threads of each rank.")
+    ranks: int = setting(
+        2, help="Trainer ranks: one SPMD group sharding the model with FSDP2.", ge=1
+    )
+    torch_threads: int = setting(1, help="Torch CPU threads of each rank.", ge=1)
     backend: str = setting(
         "auto",
         help="The ranks' process-group backend; auto: gloo on CPU, nccl on GPU.",
@@ -595,11 +631,14 @@ class TrainerConfig:
         help="Where the ranks train; auto: a GPU per rank when there are any, else the CPU.",
         choices=DEVICES,
     )
-    lr: float = setting(1e-3, help="AdamW's learning rate (peak, after warm-up).")
-    weight_decay: float = setting(0.0, help="AdamW's weight decay (the measured runs used none).")
+    lr: float = setting(1e-3, help="AdamW's learning rate (peak, after warm-up).", gt=0)
+    weight_decay: float = setting(
+        0.0, help="AdamW's weight decay (the measured runs used none).", ge=0.0
+    )
     warmup_steps: int = setting(
         0,
         help="Linear warm-up of the learning rate over this many steps (0: none).",
+        ge=0,
     )
     lr_schedule: str = setting(
         "constant",
@@ -611,11 +650,12 @@ class TrainerConfig:
         0.0,
         help="The linear / cosine schedule decays to lr x min_lr_ratio at total_steps.",
     )
-    grad_clip: float = setting(1.0, help="Global gradient-norm clip.")
+    grad_clip: float = setting(1.0, help="Global gradient-norm clip.", gt=0)
     max_tokens_per_mb: int = setting(
         16384,
         help="Tokens per micro-batch at most (rows are packed by first-fit-decreasing; a longer "
         "row gets one alone).",
+        ge=1,
     )
     dtype: str = setting(
         "float32",
@@ -636,6 +676,7 @@ class TrainerConfig:
     collective_timeout_s: float = setting(
         600.0,
         help="Deadline of one collective inside a rank (gloo/NCCL timeout).",
+        gt=0,
     )
     ppo: PPOSettings = setting(factory=PPOSettings, help="The GRPO / decoupled-PPO objective.")
     call_timeout_s: float = setting(
@@ -643,26 +684,31 @@ class TrainerConfig:
         help="Deadline of each collective call to the ranks (TrainStep, checkpoints, export): a "
         "rank that hangs (rather than dies) fails the call instead of stopping the run for "
         "good.",
+        gt=0,
     )
     max_restarts: int = setting(
         3,
         help="Restarts of a failed trainer group (from the latest checkpoint) before the run "
         "fails.",
+        ge=0,
     )
     restart_timeout_s: float = setting(
         300.0,
         help="How long a restarted group may take to come back (attach mode: restarted by its "
         "own supervisor, e.g. torchrun) before the run fails.",
+        gt=0,
     )
     health_interval_s: float = setting(
         10.0,
         help="During a collective call the ranks' health is checked this often (0: never): a "
         "rank that hangs (frozen, not dead) fails the call within about interval + timeout "
         "instead of call_timeout_s, and the group is restarted.",
+        ge=0.0,
     )
     health_timeout_s: float = setting(
         10.0,
         help="Seconds a rank's health check may take (see health_interval_s).",
+        gt=0,
     )
 
 
@@ -674,9 +720,10 @@ class StalenessConfig:
         2,
         help="eta: a rollout is trained at most this many versions after it started; 0 is "
         "synchronous.",
+        ge=0,
     )
-    batch_size: int = setting(32, help="Prompts (groups) per training step.")
-    group_size: int = setting(8, help="Samples per prompt.")
+    batch_size: int = setting(32, help="Prompts (groups) per training step.", ge=1)
+    group_size: int = setting(8, help="Samples per prompt.", ge=1)
     lease_ttl_s: float = setting(
         60.0,
         help="Seconds an external producer's lease (AcquireRollout, a gateway session) lasts "
@@ -705,15 +752,19 @@ class WeightSyncConfig:
     timeout_s: float = setting(
         600.0,
         help="Seconds one fleet update may take before the step fails.",
+        gt=0,
     )
     disk_root: str | None = setting(
         None,
         help="Root for the disk method; None: <output.dir>/weights.",
     )
-    keep_versions: int = setting(2, help="Versions kept under disk_root (older ones are pruned).")
+    keep_versions: int = setting(
+        2, help="Versions kept under disk_root (older ones are pruned).", ge=1
+    )
     bucket_mb: float = setting(
         64.0,
         help="Parameters are gathered and sent in buckets of this many MiB.",
+        gt=0,
     )
     master_addr: str | None = setting(
         None,
@@ -750,7 +801,7 @@ class GatewaySettings:
         "AREAL_GATEWAY_API_KEY",
         help="Environment variable holding the bearer token clients must send (unset: no auth).",
     )
-    max_tokens: int = setting(256, help="The max_tokens of requests that give none.")
+    max_tokens: int = setting(256, help="The max_tokens of requests that give none.", ge=1)
     chat_template: str = setting(
         "",
         help="A Jinja chat template file used instead of the model's own (e.g. one that renders "
@@ -772,10 +823,12 @@ class EvalConfig:
     every_steps: int = setting(
         25,
         help="Greedy held-out evaluation every this many steps (0: never).",
+        ge=0,
     )
     max_prompts: int | None = setting(
         None,
         help="Eval prompts per evaluation at most; null: the whole eval split.",
+        ge=1,
     )
 
 
@@ -783,7 +836,9 @@ class EvalConfig:
 class CheckpointConfig:
     """Recovery checkpoints and the final export."""
 
-    every_steps: int = setting(50, help="A recovery checkpoint every this many steps (0: none).")
+    every_steps: int = setting(
+        50, help="A recovery checkpoint every this many steps (0: none).", ge=0
+    )
     dir: str | None = setting(None, help="Where checkpoints go; null: <output.dir>/checkpoints.")
     export_hf: bool = setting(True, help="Write a Hugging Face model at the end.")
 
@@ -849,6 +904,7 @@ class LauncherConfig:
         1,
         help="ray mode: one placement-group bundle per node; the servers (trainer ranks first, "
         "then rollout servers) are dealt to the bundles in contiguous blocks.",
+        ge=1,
     )
     ray_strategy: str = setting(
         "PACK",
@@ -860,21 +916,29 @@ class LauncherConfig:
         help="CPUs each rollout server reserves: Ray's logical resources in ray mode (Ray "
         "schedules by these; a server may use more or less), its job step's CPUs in slurm "
         "mode.",
+        ge=0.0,
     )
     rollout_gpus: float = setting(
         0.0,
         help="GPUs each rollout server reserves (see rollout_cpus; its gres in slurm mode).",
+        ge=0.0,
     )
-    trainer_cpus: float = setting(1.0, help="CPUs each trainer rank reserves (see rollout_cpus).")
-    trainer_gpus: float = setting(0.0, help="GPUs each trainer rank reserves (see rollout_cpus).")
+    trainer_cpus: float = setting(
+        1.0, help="CPUs each trainer rank reserves (see rollout_cpus).", ge=0.0
+    )
+    trainer_gpus: float = setting(
+        0.0, help="GPUs each trainer rank reserves (see rollout_cpus).", ge=0.0
+    )
     ray_start_timeout_s: float = setting(
         300.0,
         help="ray mode: how long placement and the servers' start may take before the run fails.",
+        gt=0,
     )
     slurm_nodes: int = setting(
         1,
         help="slurm mode: nodes of the job that `python -m areal_grpc.coordinator.submit` writes"
         " and submits.",
+        ge=1,
     )
     slurm_time: str = setting(
         "01:00:00",
@@ -937,7 +1001,7 @@ class RunConfig:
         "first, then the file and the overrides; --print-config shows the result.",
         choices=tuple(ALGORITHMS),
     )
-    total_steps: int = setting(400, help="Training steps (policy versions) of the run.")
+    total_steps: int = setting(400, help="Training steps (policy versions) of the run.", ge=1)
     model: ModelConfig = setting(factory=ModelConfig, help="The policy.")
     data: DataConfig = setting(factory=DataConfig, help="The prompts.")
     rollout: RolloutConfig = setting(factory=RolloutConfig, help="The rollout servers.")
@@ -1105,6 +1169,10 @@ def describe(prefix: str = "") -> str:
                 line = f"{key} = {json.dumps(value)}"
                 if f.metadata["choices"]:
                     line += f"  (one of: {', '.join(f.metadata['choices'])})"
+                if f.metadata["ge"] is not None:
+                    line += f"  (>= {f.metadata['ge']})"
+                if f.metadata["gt"] is not None:
+                    line += f"  (> {f.metadata['gt']})"
                 help_text = textwrap.fill(
                     f.metadata["help"], 96, initial_indent="    ", subsequent_indent="    "
                 )
@@ -1119,22 +1187,26 @@ def describe(prefix: str = "") -> str:
 # -- validation ------------------------------------------------------------------------------
 
 
-def _check_choices(section: Any, prefix: str, *, nested: bool = True) -> None:
-    """Every field of ``section`` (and, if ``nested``, of its subsections) that declares its
-    choices holds one of them (a list: each element)."""
+def _check_fields(section: Any, prefix: str, *, nested: bool = True) -> None:
+    """Every field of ``section`` (and, if ``nested``, of its subsections) keeps the rules it
+    declares (see :func:`setting`): one of its choices (a list: each element), its bounds."""
     for f in fields(section):
         value, key = getattr(section, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):
             if nested:
-                _check_choices(value, f"{key}.")
+                _check_fields(value, f"{key}.")
             continue
         choices = f.metadata.get("choices", ())
-        if not choices:
-            continue
         for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
-            if item not in choices:
+            if choices and item not in choices:
                 where = key if i is None else f"{key}[{i}]"
                 raise FieldError(where, f"must be one of {', '.join(choices)}; got {item!r}")
+        if value is None:
+            continue
+        if f.metadata.get("ge") is not None:
+            _at_least(key, value, f.metadata["ge"])
+        if f.metadata.get("gt") is not None and not value > f.metadata["gt"]:
+            raise FieldError(key, f"must be > {f.metadata['gt']}, got {value}")
 
 
 def _at_least(key: str, value: float, low: float) -> None:
@@ -1175,17 +1247,13 @@ def _validate_security(sec: SecurityConfig) -> None:
 def _validate_run(cfg: RunConfig) -> None:
     if not cfg.name:
         raise FieldError("name", "must not be empty")
-    _at_least("total_steps", cfg.total_steps, 1)
 
 
 def _validate_model(cfg: RunConfig) -> None:
     if not cfg.model.source:
         raise FieldError("model.source", "must not be empty")
-    _at_least("model.seed", cfg.model.seed, 0)
     lora = cfg.model.lora
-    _at_least("model.lora.rank", lora.rank, 0)
     if lora.rank:
-        _positive("model.lora.alpha", lora.alpha)
         if not 0.0 <= lora.dropout < 1.0:
             raise FieldError("model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
         if not lora.target_modules or not all(lora.target_modules):
@@ -1201,58 +1269,18 @@ def _validate_data(cfg: RunConfig) -> None:
             raise FieldError(f"data.{key}", f"{value!r} is not a file")
     if cfg.data.eval_path is not None and cfg.data.path is None:
         raise FieldError("data.eval_path", "needs data.path (the train items)")
-    if cfg.data.task == EXTERNAL_TASK:
-        if cfg.data.path is not None:
-            raise FieldError("data.path", "data.task=external has no items of its own")
-        if cfg.eval.every_steps:
-            raise FieldError(
-                "eval.every_steps",
-                "data.task=external has no held-out items to evaluate: set eval.every_steps=0",
-            )
+    if cfg.data.task == EXTERNAL_TASK and cfg.data.path is not None:
+        raise FieldError("data.path", "data.task=external has no items of its own")
 
 
 def _validate_rollout(cfg: RunConfig) -> None:
-    if (
-        cfg.rollout.engine == "sglang"
-        and cfg.model.lora.rank > 0
-        and set(cfg.weight_sync.accepted_methods()) <= {"distributed"}
-    ):
-        raise FieldError(
-            "weight_sync.methods",
-            "SGLang takes LoRA adapters from disk or stream updates only, not distributed ones",
-        )
     r = cfg.rollout
-    _at_least("rollout.num_servers", r.num_servers, 1)
-    _at_least("rollout.torch_threads", r.torch_threads, 1)
-    _at_least("rollout.max_running_requests", r.max_running_requests, 1)
-    if r.max_batch_tokens is not None:
-        _at_least("rollout.max_batch_tokens", r.max_batch_tokens, 2)
     for name in ("workflow", "reward"):
         if not getattr(r, name):
             raise FieldError(f"rollout.{name}", "must not be empty")
-    _at_least("rollout.sampling.temperature", r.sampling.temperature, 0.0)
     if not 0.0 < r.sampling.top_p <= 1.0:
         raise FieldError("rollout.sampling.top_p", f"must be in (0, 1], got {r.sampling.top_p}")
-    _at_least("rollout.sampling.top_k", r.sampling.top_k, 0)
-    if r.sampling.max_new_tokens is not None:
-        _at_least("rollout.sampling.max_new_tokens", r.sampling.max_new_tokens, 1)
-    if r.max_concurrent_rollouts is not None:
-        _at_least("rollout.max_concurrent_rollouts", r.max_concurrent_rollouts, 1)
-    _positive("rollout.episode_timeout_s", r.episode_timeout_s)
-    _at_least("rollout.health_interval_s", r.health_interval_s, 0.0)
-    _positive("rollout.health_timeout_s", r.health_timeout_s)
-    _at_least("rollout.max_restarts", r.max_restarts, 0)
-    _positive("rollout.no_server_timeout_s", r.no_server_timeout_s)
-    _positive("rollout.replace_after_s", r.replace_after_s)
     v = r.vllm
-    _positive("rollout.vllm.kv_cache_gib", v.kv_cache_gib)
-    _at_least("rollout.vllm.max_num_seqs", v.max_num_seqs, 1)
-    _at_least("rollout.vllm.max_model_len", v.max_model_len, 0)
-    if v.reserved_cpus is not None:
-        _at_least("rollout.vllm.reserved_cpus", v.reserved_cpus, 0)
-    _positive("rollout.vllm.start_timeout_s", v.start_timeout_s)
-    _positive("rollout.vllm.health_interval_s", v.health_interval_s)
-    _positive("rollout.vllm.health_timeout_s", v.health_timeout_s)
     if not 0 <= v.idle_spin_s < float("inf"):
         raise FieldError("rollout.vllm.idle_spin_s", f"must be >= 0, got {v.idle_spin_s}")
     if r.engine == "vllm":
@@ -1274,48 +1302,23 @@ def _validate_rollout(cfg: RunConfig) -> None:
 
 def _validate_trainer(cfg: RunConfig) -> None:
     t = cfg.trainer
-    _at_least("trainer.ranks", t.ranks, 1)
-    _at_least("trainer.torch_threads", t.torch_threads, 1)
-    _positive("trainer.lr", t.lr)
-    _at_least("trainer.weight_decay", t.weight_decay, 0.0)
-    _at_least("trainer.warmup_steps", t.warmup_steps, 0)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise FieldError("trainer.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
-    _positive("trainer.collective_timeout_s", t.collective_timeout_s)
-    _positive("trainer.grad_clip", t.grad_clip)
-    _at_least("trainer.max_tokens_per_mb", t.max_tokens_per_mb, 1)
     p = t.ppo
-    _positive("trainer.ppo.eps_clip", p.eps_clip)
-    if p.eps_clip_higher is not None:
-        _positive("trainer.ppo.eps_clip_higher", p.eps_clip_higher)
     if p.c_clip is not None and not p.c_clip > 1.0:
         raise FieldError("trainer.ppo.c_clip", f"must be > 1 when set, got {p.c_clip}")
     _validate_rejection(p.rejection)
     for name, norm in (("reward_norm", p.reward_norm), ("adv_norm", p.adv_norm)):
-        _at_least(f"trainer.ppo.{name}.eps", norm.eps, 0.0)
         if norm.mean_leave1out and norm.mean_level != "group":
             raise FieldError(
                 f"trainer.ppo.{name}.mean_leave1out",
                 f"needs mean_level group (the other members of the group), got {norm.mean_level}",
             )
-    _positive("trainer.ppo.reward_clip", p.reward_clip)
-    _at_least("trainer.ppo.kl_ctl", p.kl_ctl, 0.0)
-    _at_least("trainer.ppo.kl_loss_coef", p.kl_loss_coef, 0.0)
-    _at_least("trainer.ppo.n_minibatches", p.n_minibatches, 1)
-    _at_least("trainer.ppo.epochs", p.epochs, 1)
-    _at_least("trainer.ppo.loss_constant_len", p.loss_constant_len, 0)
-    _at_least("trainer.ppo.overlong_max_len", p.overlong_max_len, 0)
-    _at_least("trainer.ppo.overlong_cache", p.overlong_cache, 0)
     if p.overlong_cache > p.overlong_max_len:
         raise FieldError(
             "trainer.ppo.overlong_cache",
             f"{p.overlong_cache} exceeds overlong_max_len {p.overlong_max_len}",
         )
-    _positive("trainer.call_timeout_s", t.call_timeout_s)
-    _at_least("trainer.max_restarts", t.max_restarts, 0)
-    _positive("trainer.restart_timeout_s", t.restart_timeout_s)
-    _at_least("trainer.health_interval_s", t.health_interval_s, 0.0)
-    _positive("trainer.health_timeout_s", t.health_timeout_s)
 
 
 def _validate_rejection(r: RejectionSettings) -> None:
@@ -1343,7 +1346,6 @@ def _validate_gateway(cfg: RunConfig) -> None:
     g = cfg.gateway
     if not 0 <= g.port <= 65535:
         raise FieldError("gateway.port", f"must be in [0, 65535], got {g.port}")
-    _at_least("gateway.max_tokens", g.max_tokens, 1)
     if not 0 < g.generate_timeout_s < float("inf"):
         raise FieldError("gateway.generate_timeout_s", f"must be > 0, got {g.generate_timeout_s}")
     if g.chat_template:
@@ -1370,9 +1372,6 @@ def read_chat_template(path: str) -> str:
 
 def _validate_staleness(cfg: RunConfig) -> None:
     s = cfg.staleness
-    _at_least("staleness.max_staleness", s.max_staleness, 0)
-    _at_least("staleness.batch_size", s.batch_size, 1)
-    _at_least("staleness.group_size", s.group_size, 1)
     if not 0 < s.lease_ttl_s < float("inf"):
         raise FieldError(
             "staleness.lease_ttl_s", f"must be a finite number of seconds > 0, got {s.lease_ttl_s}"
@@ -1392,23 +1391,27 @@ def _validate_staleness(cfg: RunConfig) -> None:
 
 def _validate_weight_sync(cfg: RunConfig) -> None:
     w = cfg.weight_sync
+    if (
+        cfg.rollout.engine == "sglang"
+        and cfg.model.lora.rank > 0
+        and set(cfg.weight_sync.accepted_methods()) <= {"distributed"}
+    ):
+        raise FieldError(
+            "weight_sync.methods",
+            "SGLang takes LoRA adapters from disk or stream updates only, not distributed ones",
+        )
     if len(set(w.methods)) != len(w.methods):
         raise FieldError("weight_sync.methods", f"lists a method twice: {w.methods}")
-    _positive("weight_sync.timeout_s", w.timeout_s)
-    _at_least("weight_sync.keep_versions", w.keep_versions, 1)
-    _positive("weight_sync.bucket_mb", w.bucket_mb)
     if w.master_addr is not None and not w.master_addr:
         raise FieldError("weight_sync.master_addr", "must not be empty (leave it unset instead)")
 
 
 def _validate_eval(cfg: RunConfig) -> None:
-    _at_least("eval.every_steps", cfg.eval.every_steps, 0)
-    if cfg.eval.max_prompts is not None:
-        _at_least("eval.max_prompts", cfg.eval.max_prompts, 1)
-
-
-def _validate_checkpoint(cfg: RunConfig) -> None:
-    _at_least("checkpoint.every_steps", cfg.checkpoint.every_steps, 0)
+    if cfg.data.task == EXTERNAL_TASK and cfg.eval.every_steps:
+        raise FieldError(
+            "eval.every_steps",
+            "data.task=external has no held-out items to evaluate: set eval.every_steps=0",
+        )
 
 
 def _validate_output(cfg: RunConfig) -> None:
@@ -1432,11 +1435,6 @@ def _validate_launcher(cfg: RunConfig) -> None:
     for key in ("rollout_addresses", "trainer_addresses"):
         for i, addr in enumerate(getattr(la, key)):
             _address(f"launcher.{key}[{i}]", addr)
-    _at_least("launcher.ray_nodes", la.ray_nodes, 1)
-    for key in ("rollout_cpus", "rollout_gpus", "trainer_cpus", "trainer_gpus"):
-        _at_least(f"launcher.{key}", getattr(la, key), 0)
-    _positive("launcher.ray_start_timeout_s", la.ray_start_timeout_s)
-    _at_least("launcher.slurm_nodes", la.slurm_nodes, 1)
     if not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", la.slurm_time):
         raise FieldError(
             "launcher.slurm_time",
@@ -1481,7 +1479,7 @@ SECTION_CHECKS: dict[str, Callable[[RunConfig], None]] = {
     "staleness": _validate_staleness,
     "weight_sync": _validate_weight_sync,
     "eval": _validate_eval,
-    "checkpoint": _validate_checkpoint,
+    "checkpoint": lambda cfg: None,
     "output": _validate_output,
     "security": lambda cfg: _validate_security(cfg.security),
     "launcher": _validate_launcher,
@@ -1498,7 +1496,7 @@ def validate_config(cfg: RunConfig, sections: Sequence[str] | None = None) -> No
     """
     for name in sections if sections is not None else SECTION_CHECKS:
         if name == "run":
-            _check_choices(cfg, "", nested=False)
+            _check_fields(cfg, "", nested=False)
         else:
-            _check_choices(getattr(cfg, name), f"{name}.")
+            _check_fields(getattr(cfg, name), f"{name}.")
         SECTION_CHECKS[name](cfg)

@@ -107,6 +107,26 @@ def test_explain_prints_a_sections_settings_with_defaults_choices_and_help(capsy
     assert "trainer.ppo.eps_clip" not in out and "trainer.lr" not in out
     # A leaf alone, and an unknown key refused with status 2.
     assert main(["--explain", "staleness.max_staleness"]) == 0
-    assert capsys.readouterr().out.startswith("staleness.max_staleness = 2\n    eta:")
+    assert capsys.readouterr().out.startswith("staleness.max_staleness = 2  (>= 0)\n    eta:")
     assert main(["--explain", "staleness.max_stale"]) == 2
     assert "no setting 'staleness.max_stale'" in capsys.readouterr().err
+
+
+WITH_BOUNDS = [
+    (k, f, v)
+    for k, f, v in LEAVES
+    if f.metadata.get("ge") is not None or f.metadata.get("gt") is not None
+]
+
+
+@pytest.mark.parametrize("key, f, default", WITH_BOUNDS, ids=[k for k, _, _ in WITH_BOUNDS])
+def test_a_number_below_its_declared_bound_is_refused_by_name(key: str, f: Field, default: Any):
+    ge, gt = f.metadata.get("ge"), f.metadata.get("gt")
+    bad = ge - 1 if ge is not None else gt  # "above gt": gt itself is out
+    if "int" in str(f.type) and "float" not in str(f.type):
+        bad = int(bad)
+    load_config(None, [])  # the default itself keeps the rule
+    with pytest.raises(FieldError) as err:
+        load_config(None, [f"{key}={bad}"])
+    assert err.value.field == key, err.value
+    assert ">" in str(err.value)
