@@ -80,64 +80,33 @@ PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
-# Named algorithms as settings of the same objective: what ``algorithm: <name>`` sets, below
-# whatever the file and the overrides set (so each of these keys can still be changed).
-# Meanings as in AReaL's
+# Named algorithms as settings of the same objective: ``algorithm: <name>`` applies the YAML
+# file configs/algorithms/<name>.yaml of this repository below whatever the files and the
+# overrides set (so each of its keys can still be changed; the files are also ``--config``
+# files of their own). Meanings as in AReaL's
 # https://github.com/inclusionAI/AReaL/blob/main/docs/en/algorithms/grpo_series.md
-ALGORITHMS: dict[str, dict[str, Any]] = {
-    # Group-normalised rewards, token-level ratios, token mean over the batch.
-    "grpo": {},
-    # No std in the baseline; the token sum over a constant (max_new_tokens x sequences).
-    "dr_grpo": {"trainer": {"ppo": {"reward_norm": {"std_level": "none"}, "loss_agg": "constant"}}},
-    # Leave-one-out group mean as the baseline, no std.
-    "rloo": {"trainer": {"ppo": {"reward_norm": {"std_level": "none", "mean_leave1out": True}}}},
-    # Group mean, batch std; token mean.
-    "liteppo": {"trainer": {"ppo": {"reward_norm": {"std_level": "batch"}}}},
-    # PPO without a critic: no per-group baseline, advantages normalised over the global
-    # batch (AReaL's PPO settings, the value model left out).
-    "ppo_no_critic": {
-        "trainer": {
-            "ppo": {
-                "reward_norm": {"mean_level": "none", "std_level": "none"},
-                "adv_norm": {"mean_level": "batch", "std_level": "batch"},
-            }
-        }
-    },
-    # REINFORCE++: the same, with a small k1 KL-to-reference penalty in the token rewards
-    # (summed from each token on); it loads a frozen reference model on every trainer rank.
-    "reinforce_pp": {
-        "trainer": {
-            "ppo": {
-                "reward_norm": {"mean_level": "none", "std_level": "none"},
-                "adv_norm": {"mean_level": "batch", "std_level": "batch"},
-                "kl_ctl": 0.001,
-                "kl_estimator": "k1",
-            }
-        }
-    },
-    # Clip-higher, dynamic sampling (groups whose rewards are all equal are dropped at the
-    # rollout server and their places filled by new prompts), token mean. The overlong
-    # penalty is trainer.ppo.overlong_* (it needs the length budget).
-    "dapo": {
-        "trainer": {"ppo": {"eps_clip": 0.2, "eps_clip_higher": 0.28}},
-        "rollout": {"workflow_params": {"accept": "nonuniform"}},
-    },
-    # IcePop: tokens whose behaviour ratio left [0.5, 5] are dropped from the loss.
-    "icepop": {"trainer": {"ppo": {"rejection": {"metric": "ratio", "lower": 0.5, "upper": 5.0}}}},
-    # KPop: tokens whose two-way Bernoulli KL between the proximal and behaviour
-    # probabilities exceeds 2 are dropped.
-    "kpop": {"trainer": {"ppo": {"rejection": {"metric": "binary_kl", "upper": 2.0}}}},
-    # One importance ratio per sequence, with the paper's narrow clip range.
-    "gspo": {
-        "trainer": {
-            "ppo": {
-                "importance_sampling_level": "sequence",
-                "eps_clip": 3e-4,
-                "eps_clip_higher": 4e-4,
-            }
-        }
-    },
-}
+ALGORITHMS = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "liteppo",
+    "ppo_no_critic",
+    "reinforce_pp",
+    "dapo",
+    "icepop",
+    "kpop",
+    "gspo",
+)
+ALGORITHMS_DIR = Path(__file__).resolve().parent.parent / "configs" / "algorithms"
+
+
+def algorithm_settings(name: str) -> dict[str, Any]:
+    """The settings the named algorithm stands for (its preset file)."""
+    if name not in ALGORITHMS:
+        raise FieldError("algorithm", f"must be one of {', '.join(ALGORITHMS)}, got {name!r}")
+    return yaml.safe_load((ALGORITHMS_DIR / f"{name}.yaml").read_text()) or {}
+
+
 DTYPES = ("float32", "float64")
 MIXED_PRECISION = ("auto", "on", "off")
 REJECTION_ACTIONS = ("mask", "clamp")
@@ -999,7 +968,7 @@ class RunConfig:
         "grpo",
         help="A named algorithm (one of ALGORITHMS): the settings it stands for are applied "
         "first, then the file and the overrides; --print-config shows the result.",
-        choices=tuple(ALGORITHMS),
+        choices=ALGORITHMS,
     )
     total_steps: int = setting(400, help="Training steps (policy versions) of the run.", ge=1)
     model: ModelConfig = setting(factory=ModelConfig, help="The policy.")
@@ -1079,42 +1048,31 @@ def _parse_override(override: str) -> tuple[str, Any]:
 
 
 def load_config(
-    path: str | None, overrides: Sequence[str] = (), *, sections: Sequence[str] | None = None
+    path: str | Sequence[str] | None,
+    overrides: Sequence[str] = (),
+    *,
+    sections: Sequence[str] | None = None,
 ) -> RunConfig:
-    """The run config: defaults, then the YAML file at ``path`` (if any), then ``overrides``.
+    """The run config: defaults, the named algorithm's preset, then the YAML file at ``path``
+    (or each of several files, in order, the last winning), then ``overrides``.
 
-    ``path`` may also be the document itself, a YAML/JSON mapping starting with ``{`` (how a
+    A path may also be the document itself, a YAML/JSON mapping starting with ``{`` (how a
     launcher hands a server its run config). ``sections``: what :func:`validate_config`
     checks (default: the whole run).
     """
-    cfg = OmegaConf.structured(RunConfig)
-    data: dict[str, Any] | None = None
-    if path is not None:
-        inline = path.lstrip().startswith("{")
-        text = path if inline else Path(path).read_text()
-        if inline:
-            path = "config"
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise FieldError(str(path), f"not valid YAML: {exc}") from exc
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise FieldError(
-                str(path), f"the top level must be a mapping, got {type(data).__name__}"
-            )
+    paths = [] if path is None else [path] if isinstance(path, str) else list(path)
+    files = [(_where(p), _read_file(p)) for p in paths]
     parsed = [_parse_override(o) for o in overrides]
     # The algorithm's settings go under everything the user set: find its name first.
-    algorithm = next(
-        (str(v) for k, v in reversed(parsed) if k == "algorithm"),
-        str(data.get("algorithm", "grpo")) if data is not None else "grpo",
-    )
-    if algorithm not in ALGORITHMS:
-        raise FieldError("algorithm", f"must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-    cfg = _merge(cfg, ALGORITHMS[algorithm], "algorithm")
-    if data is not None:
-        cfg = _merge(cfg, data, str(path))
+    algorithm = "grpo"
+    for _, data in files:
+        algorithm = str(data.get("algorithm", algorithm))
+    for key, value in parsed:
+        if key == "algorithm":
+            algorithm = str(value)
+    cfg = _merge(OmegaConf.structured(RunConfig), algorithm_settings(algorithm), "algorithm")
+    for where, data in files:
+        cfg = _merge(cfg, data, where)
     for key, value in parsed:
         # One override at a time, so an error names the override's key even when OmegaConf
         # does not (e.g. a scalar given for a whole section).
@@ -1128,6 +1086,31 @@ def load_config(
         raise TypeError(f"expected RunConfig, got {type(obj).__name__}")
     validate_config(obj, sections)
     return obj
+
+
+def _where(path: str) -> str:
+    """How errors name a config source: its path, or "config" for an inline document."""
+    return "config" if path.lstrip().startswith("{") else path
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    """The mapping a config file (or inline document) holds; FieldError names a bad one."""
+    inline = path.lstrip().startswith("{")
+    try:
+        text = path if inline else Path(path).read_text()
+    except OSError as exc:
+        raise FieldError(path, f"cannot read the config file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise FieldError(_where(path), f"not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise FieldError(
+            _where(path), f"the top level must be a mapping, got {type(data).__name__}"
+        )
+    return data
 
 
 def to_json(cfg: RunConfig) -> str:

@@ -42,6 +42,7 @@ def add_run_config_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("run config (the coordinator's keys; see --print-config)")
     g.add_argument(
         "--config",
+        action="append",
         default=None,
         help="the run's YAML config file (or the document itself, as launchers pass it)",
     )

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
-from areal_grpc.config import RunConfig, load_config, to_yaml, validate_config
+from areal_grpc.config import (
+    ALGORITHMS,
+    ALGORITHMS_DIR,
+    RunConfig,
+    load_config,
+    to_yaml,
+    validate_config,
+)
 from areal_grpc.errors import FieldError
 
 
@@ -388,3 +396,22 @@ def test_the_submit_helper_prints_the_job_script_for_a_config(tmp_path, capsys):
         assert line in script.splitlines(), line
     assert script.splitlines()[-1].endswith(f"--config {tmp_path.resolve()}/submitted-config.yaml")
     assert not (tmp_path / "submit.sbatch").exists()  # a dry run writes nothing
+
+
+def test_algorithm_presets_are_config_files_that_layer_with_the_users_own(tmp_path: Path):
+    """configs/algorithms/<name>.yaml is what ``algorithm: <name>`` applies; the same files
+    layer with the user's as repeated --config, the last winning."""
+    files = sorted(p.stem for p in ALGORITHMS_DIR.glob("*.yaml"))
+    assert files == sorted(ALGORITHMS)
+    run = tmp_path / "run.yaml"
+    run.write_text("trainer:\n  ppo:\n    eps_clip_higher: 0.3\n  lr: 2.0e-4\n")
+    dapo = str(ALGORITHMS_DIR / "dapo.yaml")
+    layered = load_config([dapo, str(run)])
+    named = load_config(str(run), ["algorithm=dapo"])
+    assert layered.trainer == named.trainer and layered.rollout == named.rollout
+    assert layered.trainer.ppo.eps_clip_higher == 0.3  # the later file wins
+    assert layered.rollout.workflow_params == {"accept": "nonuniform"}  # the preset's own
+    assert load_config([str(run), dapo]).trainer.ppo.eps_clip_higher == 0.28
+    with pytest.raises(FieldError) as err:
+        load_config([str(tmp_path / "missing.yaml")])
+    assert "missing.yaml" in err.value.field and "cannot read" in str(err.value)

@@ -51,7 +51,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Run asynchronous RL (GRPO) on a mesh of gRPC services. With no "
         "arguments: the built-in tiny model and task on a local mesh.",
     )
-    parser.add_argument("--config", default=None, help="YAML file of settings (areal_grpc.config)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        help="YAML file of settings (areal_grpc.config); repeat it to layer several, the last "
+        "winning, e.g. --config configs/algorithms/dapo.yaml --config run.yaml",
+    )
     parser.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in output.dir"
     )
