@@ -833,6 +833,19 @@ class OutputConfig:
     )
     plot: bool = setting(True, help="Write reward and eval plots (PNG) under dir at the end.")
     progress_bar: bool = setting(True, help="Show a progress bar on a terminal.")
+    rollouts_per_step: int = setting(
+        2,
+        help="Groups of each step's batch whose trajectories are written to "
+        "dir/rollouts/step-<step>.jsonl (token ids, reward, finish reason, versions, "
+        "log-probs), for python -m areal_grpc.inspect to show as text; 0: none.",
+        ge=0,
+    )
+    rollouts_max_mb: float = setting(
+        64.0,
+        help="The rollouts directory holds at most this many MiB; later steps are not "
+        "written once it is full (a warning says so).",
+        gt=0.0,
+    )
 
 
 @dataclass

@@ -52,6 +52,7 @@ from areal_grpc.coordinator.rollout_fleet import (
     RolloutLike,
     RolloutReport,
 )
+from areal_grpc.coordinator.rollouts import RolloutLog
 from areal_grpc.coordinator.run_log import (
     RunLog,
     RunResult,
@@ -174,7 +175,11 @@ class Coordinator:
             if cfg.rollout.health_interval_s > 0
             else None,
         )
-        self.run_log = RunLog(out_dir, cfg.output.tensorboard)
+        self.run_log = RunLog(
+            out_dir,
+            cfg.output.tensorboard,
+            RolloutLog(out_dir, cfg.output.rollouts_per_step, cfg.output.rollouts_max_mb),
+        )
         self.signal = SignalWatch(
             external=self.loader is None, every=zero_signal_steps(cfg.total_steps)
         )

@@ -15,6 +15,7 @@ from arealgrpc.v1 import trainer_pb2
 
 from areal_grpc.coordinator.metrics import MetricsWriter, plot_curves
 from areal_grpc.coordinator.pool import Finished
+from areal_grpc.coordinator.rollouts import RolloutLog
 
 __all__ = [
     "RunLog",
@@ -172,9 +173,13 @@ class SignalWatch:
 class RunLog:
     """The run's :class:`RunResult` and its metrics writer (JSONL, TensorBoard, PNG)."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool) -> None:
+    def __init__(
+        self, out_dir: Path, tensorboard: bool, rollouts: RolloutLog | None = None
+    ) -> None:
         self.out_dir = out_dir
         self.tensorboard = tensorboard
+        # The samples each step trained on (None: none written).
+        self.rollouts = rollouts
         self.result = RunResult()
         self.metrics: MetricsWriter | None = None
         # The step the run started from (the rewards list is indexed from it).
@@ -183,6 +188,8 @@ class RunLog:
     def open(self, keep_until: int | None = None) -> None:
         """Opens the metrics files, keeping the records up to ``keep_until`` (a resume)."""
         self.metrics = MetricsWriter(self.out_dir, self.tensorboard, keep_until=keep_until)
+        if self.rollouts is not None and keep_until is not None:
+            self.rollouts.forget_after(keep_until)
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> dict[str, Any]:
         """Writes one record; returns it as written."""
@@ -223,6 +230,8 @@ class RunLog:
                 for f in batch
             ],
         )
+        if self.rollouts is not None:
+            self.rollouts.write(step, version, batch)
         rewards = [t.reward for f in batch for t in f.group.trajectories]
         reward = sum(rewards) / len(rewards)
         r = self.result
@@ -253,6 +262,8 @@ class RunLog:
         assert self.metrics is not None, "RunLog.open() first"
         self.metrics.close()
         self.metrics = MetricsWriter(self.out_dir, self.tensorboard, keep_until=step)
+        if self.rollouts is not None:
+            self.rollouts.forget_after(step)
         r = self.result
         r.rewards = r.rewards[: max(0, step - self.first_step)]
         r.last_reward = r.rewards[-1] if r.rewards else None

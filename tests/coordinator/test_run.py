@@ -129,6 +129,32 @@ def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(
     assert (out / "model" / "config.json").is_file()
     assert "done: 9 steps, version 9" in log
 
+    # What each step trained on, readable: its first output.rollouts_per_step (2) groups.
+    files = sorted((out / "rollouts").glob("step-*.jsonl"))
+    assert [p.name for p in files] == [f"step-{s:06d}.jsonl" for s in range(steps)]
+    for path, b in zip(files, batches, strict=True):
+        samples = read_jsonl(path)
+        assert len(samples) == 2 * 2  # 2 groups x group_size 2
+        assert {r["task_id"] for r in samples} <= {g["task_id"] for g in b["groups"]}
+        for r in samples:
+            assert r["version"] == b["version"] and r["finish_reason"] in ("stop", "length")
+            assert len(r["completion_ids"]) == len(r["versions"]) == len(r["logprobs"]) > 0
+            assert all(b["version"] - eta <= v <= b["version"] for v in r["versions"])
+    shown = subprocess.run(
+        [sys.executable, "-m", "areal_grpc.inspect", str(out), "-n", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    tokenizer = load_tokenizer(cfg.model.source)
+    last = read_jsonl(files[-1])[-3:]
+    for r in last:
+        assert (
+            repr(tokenizer.decode(r["completion_ids"], skip_special_tokens=False)) in shown.stdout
+        )
+    assert shown.stdout.count(f"step {steps - 1}  version {steps - 1}  reward ") == 3
+
 
 def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path, coordinator_command):
     # 20 steps x 2 prompts cross the 36-prompt epoch; the kill comes soon after the first
@@ -176,6 +202,13 @@ def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path, co
     # The records of the redone steps were replaced, not duplicated.
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert (train[-1]["step"], train[-1]["version"]) == (steps, steps)
+
+    # So were the samples of the redone steps: the same prompts as the uninterrupted run's.
+    def sampled(run: Path) -> list[list[str]]:
+        files = sorted((run / "rollouts").glob("step-*.jsonl"))
+        return [sorted({r["task_id"] for r in read_jsonl(p)}) for p in files]
+
+    assert sampled(out) == sampled(reference) and len(sampled(out)) == steps
 
 
 def test_ctrl_c_stops_the_run_and_every_child(tmp_path, coordinator_command):
