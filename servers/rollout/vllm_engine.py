@@ -63,7 +63,7 @@ from areal_servers.rollout.engine import (
     TokenEvent,
     TopLogprobs,
 )
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from areal_grpc.config import LoraSettings, VllmSettings
@@ -489,23 +489,71 @@ class VLLMEngine(InferenceEngine):
         if self._tied:
             # The head is the embedding: vLLM loads no head of a tied model.
             tensors.pop("lm_head.weight", None)
+        self._check_specs(
+            {n: (tuple(t.shape), t.is_floating_point(), str(t.dtype)) for n, t in tensors.items()}
+        )
+        return tensors
+
+    def _check_specs(self, specs: Mapping[str, tuple[tuple[int, ...], bool, str]]) -> None:
+        """ValueError unless the tensors named (shape, floating point, dtype name) are
+        exactly the model's, with its shapes."""
         expected = self._expected
         if not expected:
-            return tensors
-        unknown = sorted(set(tensors) - set(expected))
+            return
+        unknown = sorted(set(specs) - set(expected))
         if unknown:
             raise ValueError(f"state dict has unknown tensors: {unknown[:5]}")
-        missing = sorted(set(expected) - set(tensors))
+        missing = sorted(set(expected) - set(specs))
         if missing:
             raise ValueError(f"state dict lacks tensors: {missing[:5]}")
-        for name, t in tensors.items():
-            if tuple(t.shape) != expected[name]:
+        for name, (shape, floating, dtype) in specs.items():
+            if shape != expected[name]:
                 raise ValueError(
-                    f"{name}: shape {tuple(t.shape)} does not match the model's {expected[name]}"
+                    f"{name}: shape {shape} does not match the model's {expected[name]}"
                 )
-            if not t.is_floating_point():
-                raise ValueError(f"{name}: dtype {t.dtype} is not a floating-point one")
-        return tensors
+            if not floating:
+                raise ValueError(f"{name}: dtype {dtype} is not a floating-point one")
+
+    async def load_weight_files(self, files: Sequence[Path], version: int) -> int:
+        """Loads a version stored as safetensors files (a disk or shared-memory update)
+        straight from them: vLLM's worker reads the files, so nothing is read or written
+        here first (the write is most of an update's own cost otherwise). Checked from the
+        files' headers before anything changes (ValueError); returns the tensors loaded."""
+        self._check_alive()
+        async with self._update_lock:
+            if version <= self._version:
+                raise PreconditionError(
+                    f"weights version {version} is not newer than the served version "
+                    f"{self._version}"
+                )
+            specs = await asyncio.to_thread(_file_specs, files)
+            skip = ["lm_head.weight"] if self._tied else []
+            self._check_specs({n: v for n, v in specs.items() if n not in skip})
+            paused_here = not self._gate.paused
+            if paused_here:
+                await self.pause()
+            self._swaps += 1
+            start = time.perf_counter()
+            try:
+                count = await self._llm.collective_rpc(
+                    "areal_load_files", args=([str(f) for f in files], skip)
+                )
+            except BaseException as exc:
+                self._fail(f"loading version {version} failed: {exc!r}")
+                raise
+            done = time.perf_counter()
+            self._version = version
+            if paused_here:
+                await self.resume()
+        self.last_load_s = (0.0, done - start)
+        log.info(
+            "vllm engine: version %d loaded: 0.000 s writing 0 MiB, %.3f s in vLLM's reload "
+            "(read from the update's %d files)",
+            version,
+            done - start,
+            len(files),
+        )
+        return int(count[0]) if isinstance(count, list) else int(count)
 
     async def _reload(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Writes the tensors once as a safetensors file and has the worker reload them."""
@@ -610,6 +658,29 @@ def _logprobs(
             best = sorted(d.items(), key=lambda kv: kv[1].rank)[:top_n]
             top.append(([int(t) for t, _ in best], [float(lp.logprob) for _, lp in best]))
     return lps, top
+
+
+# Floating-point dtypes as safetensors headers name them.
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+
+
+def _file_specs(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], bool, str]]:
+    """Name -> (shape, floating point, dtype) of every tensor in safetensors ``files``, from
+    their headers only (safetensors also checks that each file covers what its header
+    declares); ValueError for an unreadable file or a tensor in two of them."""
+    specs: dict[str, tuple[tuple[int, ...], bool, str]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if name in specs:
+                        raise ValueError(f"tensor {name!r} appears in two files")
+                    part = f.get_slice(name)
+                    dtype = part.get_dtype()
+                    specs[name] = (tuple(part.get_shape()), dtype in _FLOAT_DTYPES, dtype)
+        except (OSError, SafetensorError) as exc:
+            raise ValueError(f"cannot read {file.name}: {exc}") from None
+    return specs
 
 
 def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -30,14 +30,23 @@ class WorkerExtension:
     def areal_load_weights(self, path: str) -> int:
         """Loads the checkpoint-format safetensors file at ``path`` into the served model;
         the number of tensors read."""
+        return self.areal_load_files([path], [])
+
+    def areal_load_files(self, paths: list[str], skip: list[str]) -> int:
+        """Loads the checkpoint-format safetensors files at ``paths`` (but the tensors named
+        in ``skip``) into the served model; the number of tensors read."""
         count = 0
+        skipped = set(skip)
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count
-            with safe_open(path, "pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    count += 1
-                    yield name, f.get_tensor(name)
+            for path in paths:
+                with safe_open(path, "pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        if name in skipped:
+                            continue
+                        count += 1
+                        yield name, f.get_tensor(name)
 
         self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
         self._retie_output_head()

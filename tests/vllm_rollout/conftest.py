@@ -53,6 +53,8 @@ class VllmServer:
     rollout: rollout_pb2_grpc.RolloutServiceStub
     sync: weight_sync_pb2_grpc.WeightSyncServiceStub
     fatal: list[str] = field(default_factory=list)
+    # Where UpdateFromDisk paths must lie (None: no disk updates).
+    disk_root: Path | None = None
 
     def version(self) -> int:
         """The version GetRolloutStatus reports."""
@@ -152,13 +154,17 @@ def start_vllm_server(
         rollout_pb2_grpc.RolloutServiceStub(channel),
         weight_sync_pb2_grpc.WeightSyncServiceStub(channel),
         fatal,
+        disk_root,
     )
 
 
 @pytest.fixture(scope="module")
-def vllm_server(vllm_installed: None) -> Iterator[VllmServer]:
-    """A rollout server on vLLM serving the built-in tiny model, for the module."""
-    s = start_vllm_server()
+def vllm_server(
+    vllm_installed: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """A rollout server on vLLM serving the built-in tiny model, for the module (disk
+    updates from under its ``disk_root``)."""
+    s = start_vllm_server(disk_root=tmp_path_factory.mktemp("vllm-disk-root"))
     yield s
     s.close()
 

@@ -8,6 +8,7 @@ seed is the reference for tokens and log-probs.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 import threading
 import time
@@ -19,11 +20,12 @@ import torch
 from areal_clients.rollout import item_struct
 from areal_servers.rollout.engine import SamplingConfig
 from areal_servers.rollout.hf_engine import HFEngine
-from arealgrpc.v1 import common_pb2, rollout_pb2
+from arealgrpc.v1 import common_pb2, rollout_pb2, weight_sync_pb2
 
 from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_model
+from areal_grpc.weight_disk import write_version
 
 from .conftest import RPC_TIMEOUT, TINY, VllmServer, push_messages
 
@@ -220,11 +222,38 @@ def test_a_corrupted_or_mismatched_update_is_refused_and_the_old_weights_keep_se
         vllm_server.push(wrong, v + 1)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert name in (info.value.details() or "")
+    # A disk update that vLLM's worker would read straight from its files: a file of the
+    # wrong tensors, and a truncated one, are refused from their headers, before any change.
+    root = vllm_server.disk_root
+    assert root is not None
+
+    def update_from_disk(state: dict[str, torch.Tensor], version: int, cut: int = 0) -> object:
+        directory = write_version(root, version, [state], 1)
+        if cut:
+            [file] = directory.glob("*.safetensors")
+            file.write_bytes(file.read_bytes()[:-cut])
+        request = weight_sync_pb2.UpdateFromDiskRequest(policy_version=version, path=directory.name)
+        try:
+            return vllm_server.sync.UpdateFromDisk(request, timeout=RPC_TIMEOUT)
+        finally:
+            shutil.rmtree(directory)
+
+    for state, cut in ((wrong, 0), (new, 64)):
+        with pytest.raises(grpc.RpcError) as info:
+            update_from_disk(state, v + 1, cut)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (name if cut == 0 else "cannot read") in (info.value.details() or "")
     assert vllm_server.version() == v
     again = vllm_server.greedy(PROMPT)
     assert list(again.output_ids) == list(before.output_ids)
     assert list(again.output_logprobs) == list(before.output_logprobs)
     assert vllm_server.fatal == []
+    # A sound one lands, read from its own file: nothing written for vLLM first.
+    assert update_from_disk(new, v + 1).policy_version == v + 1
+    assert vllm_server.engine.last_load_s[0] == 0.0
+    assert vllm_server.greedy(PROMPT).output_logprobs != pytest.approx(
+        list(before.output_logprobs), abs=1e-4
+    )
 
 
 def test_a_request_in_flight_during_an_update_is_interrupted_and_completes_after_it(

@@ -16,8 +16,8 @@ from pathlib import Path
 from areal_servers.rollout.receive.base import Receiver, ReceiverState
 from arealgrpc.v1 import weight_sync_pb2
 
-from areal_grpc.errors import PreconditionError
-from areal_grpc.weight_disk import load_version, resolve_confined
+from areal_grpc.errors import FieldError, PreconditionError
+from areal_grpc.weight_disk import load_version, resolve_confined, weight_files
 
 __all__ = ["DiskReceiver", "load_directory"]
 
@@ -73,6 +73,15 @@ async def load_directory(state: ReceiverState, root: str, path: str, version: in
                 str(directory), version
             )
             return 0
+        load_files = getattr(state.engine, "load_weight_files", None)
+        if load_files is not None and not state.engine.adapters_only:
+            # An engine that reads the files itself (vLLM's worker) is handed them as they are.
+            files = weight_files(directory, Path(root), "path")
+            state.spare = {}
+            try:
+                return int(await load_files(files, version))
+            except ValueError as exc:
+                raise FieldError("path", str(exc)) from None
         # Mapped, not copied: nothing to receive into (see the module docstring).
         state_dict = await asyncio.to_thread(load_version, root, str(directory))
         # The weights such an update replaces may themselves be mapped files: as receive
