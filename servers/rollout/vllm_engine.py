@@ -19,10 +19,12 @@ The engine contract, and how vLLM is made to keep it:
   that arrives after a swap began, for a request that started before it, ends that request
   INTERRUPTED without those tokens. So every token carries the version it was generated
   under.
-* Weight updates: every transfer method hands :meth:`load_weights` a state dict; it is
-  checked against the checkpoint's names and shapes (nothing changes on a mismatch), written
-  once as a safetensors file in shared memory, and loaded by our worker extension
-  (:mod:`areal_servers.rollout.vllm_worker`) through vLLM's layerwise reload.
+* Weight updates: socket, stream and distributed hand :meth:`load_weights` a state dict; it
+  is checked against the checkpoint's names and shapes (nothing changes on a mismatch),
+  written once as a safetensors file in shared memory, and loaded by our worker extension
+  (:mod:`areal_servers.rollout.vllm_worker`) through vLLM's layerwise reload. Disk and shared
+  memory updates arrive as safetensors files: :meth:`load_weight_files` checks their headers
+  and the worker reads them directly.
 * LoRA (``model.lora.rank > 0``): updates bring adapters only, each loaded as a run-time
   adapter per version; a request runs on the adapter current when it started, and a
   replaced adapter is removed once no request uses it.
