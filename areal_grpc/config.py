@@ -46,10 +46,12 @@ __all__ = [
     "NormSettings",
     "OutputConfig",
     "PPOSettings",
+    "RaySettings",
     "RolloutConfig",
     "RunConfig",
     "SamplingSettings",
     "SecurityConfig",
+    "SlurmSettings",
     "StalenessConfig",
     "TrainerConfig",
     "VllmSettings",
@@ -849,6 +851,42 @@ class OutputConfig:
 
 
 @dataclass
+class RaySettings:
+    """ray mode (``launcher.mode: ray``): the cluster and how the servers are placed on it."""
+
+    address: str | None = setting(
+        None,
+        help='The cluster: host:port of the head\'s GCS, "auto" for the one `ray start` made on '
+        "this machine, or ray://host:port; null starts a private Ray instance on this machine "
+        "(stopped with the run).",
+    )
+    nodes: int = setting(
+        1,
+        help="One placement-group bundle per node; the servers (trainer ranks first, then "
+        "rollout servers) are dealt to the bundles in contiguous blocks.",
+        ge=1,
+    )
+    strategy: str = setting("PACK", help="The placement group's strategy.", choices=RAY_STRATEGIES)
+    start_timeout_s: float = setting(
+        300.0,
+        help="How long placement and the servers' start may take before the run fails.",
+        gt=0,
+    )
+
+
+@dataclass
+class SlurmSettings:
+    """slurm mode: the job that ``python -m areal_grpc.coordinator.submit`` writes and
+    submits (None: the cluster's default)."""
+
+    nodes: int = setting(1, help="Nodes of the job.", ge=1)
+    time: str = setting("01:00:00", help="The job's time limit (e.g. 01:00:00, 1-02:00:00).")
+    partition: str | None = setting(None, help="The partition; null: the cluster's default.")
+    account: str | None = setting(None, help="The account; null: the cluster's default.")
+    gres: str | None = setting(None, help="Generic resources per node (e.g. gpu:8); null: none.")
+
+
+@dataclass
 class LauncherConfig:
     """Start the mesh here (local), on a Ray cluster (ray), as job steps of the Slurm
     allocation the coordinator runs in (slurm), or use running servers (attach)."""
@@ -877,23 +915,6 @@ class LauncherConfig:
         factory=list,
         help="attach mode: one host:port per trainer rank, in rank order.",
     )
-    ray_address: str | None = setting(
-        None,
-        help='ray mode: the cluster (host:port of the head\'s GCS, "auto" for the one `ray '
-        "start` made on this machine, or ray://host:port); None starts a private Ray "
-        "instance on this machine (stopped with the run).",
-    )
-    ray_nodes: int = setting(
-        1,
-        help="ray mode: one placement-group bundle per node; the servers (trainer ranks first, "
-        "then rollout servers) are dealt to the bundles in contiguous blocks.",
-        ge=1,
-    )
-    ray_strategy: str = setting(
-        "PACK",
-        help="ray mode: the placement group's strategy.",
-        choices=RAY_STRATEGIES,
-    )
     rollout_cpus: float = setting(
         1.0,
         help="CPUs each rollout server reserves: Ray's logical resources in ray mode (Ray "
@@ -912,32 +933,9 @@ class LauncherConfig:
     trainer_gpus: float = setting(
         0.0, help="GPUs each trainer rank reserves (see rollout_cpus).", ge=0.0
     )
-    ray_start_timeout_s: float = setting(
-        300.0,
-        help="ray mode: how long placement and the servers' start may take before the run fails.",
-        gt=0,
-    )
-    slurm_nodes: int = setting(
-        1,
-        help="slurm mode: nodes of the job that `python -m areal_grpc.coordinator.submit` writes"
-        " and submits.",
-        ge=1,
-    )
-    slurm_time: str = setting(
-        "01:00:00",
-        help="slurm mode: the job's time limit (see slurm_nodes).",
-    )
-    slurm_partition: str | None = setting(
-        None,
-        help="slurm mode: the partition; null: the cluster's default.",
-    )
-    slurm_account: str | None = setting(
-        None,
-        help="slurm mode: the account; null: the cluster's default.",
-    )
-    slurm_gres: str | None = setting(
-        None,
-        help="slurm mode: generic resources per node (e.g. gpu:8); null: none.",
+    ray: RaySettings = setting(factory=RaySettings, help="ray mode: the cluster and placement.")
+    slurm: SlurmSettings = setting(
+        factory=SlurmSettings, help="slurm mode: the job the submit command writes."
     )
 
 
@@ -1022,6 +1020,8 @@ class RunConfig:
 
 # Keys that earlier versions read, and what replaced them (named in the unknown-key error).
 REPLACED_KEYS = {
+    **{f"launcher.ray_{k}": f"launcher.ray.{k}" for k in RaySettings.__dataclass_fields__},
+    **{f"launcher.slurm_{k}": f"launcher.slurm.{k}" for k in SlurmSettings.__dataclass_fields__},
     "trainer.ppo.behav_imp_weight_cap": "trainer.ppo.rejection.upper (null: rejection.metric=none)",
     "trainer.ppo.behav_imp_weight_mode": "trainer.ppo.rejection.action",
 }
@@ -1487,19 +1487,19 @@ def _validate_launcher(cfg: RunConfig) -> None:
     for key in ("rollout_addresses", "trainer_addresses"):
         for i, addr in enumerate(getattr(la, key)):
             _address(f"launcher.{key}[{i}]", addr)
-    if not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", la.slurm_time):
+    if not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", la.slurm.time):
         raise FieldError(
-            "launcher.slurm_time",
-            f"must be a Slurm time limit like 01:00:00, got {la.slurm_time!r}",
+            "launcher.slurm.time",
+            f"must be a Slurm time limit like 01:00:00, got {la.slurm.time!r}",
         )
-    if la.mode == "ray" and la.ray_nodes > r.num_servers + t.ranks:
+    if la.mode == "ray" and la.ray.nodes > r.num_servers + t.ranks:
         raise FieldError(
-            "launcher.ray_nodes",
-            f"{la.ray_nodes} bundles for {r.num_servers + t.ranks} servers would leave "
+            "launcher.ray.nodes",
+            f"{la.ray.nodes} bundles for {r.num_servers + t.ranks} servers would leave "
             "a bundle empty",
         )
-    if la.ray_address is not None and not la.ray_address:
-        raise FieldError("launcher.ray_address", "must not be empty (leave it unset instead)")
+    if la.ray.address is not None and not la.ray.address:
+        raise FieldError("launcher.ray.address", "must not be empty (leave it unset instead)")
     if la.mode == "attach":
         if len(la.rollout_addresses) != r.num_servers:
             raise FieldError(

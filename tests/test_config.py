@@ -358,11 +358,11 @@ def test_a_gateway_chat_template_must_be_a_readable_jinja_file(tmp_path):
 
 
 def test_slurm_job_settings_are_checked_by_name():
-    cfg = load_config(None, ["launcher.mode=slurm", "launcher.slurm_time=1-02:00:00"])
-    assert cfg.launcher.mode == "slurm" and cfg.launcher.slurm_nodes == 1
+    cfg = load_config(None, ["launcher.mode=slurm", "launcher.slurm.time=1-02:00:00"])
+    assert cfg.launcher.mode == "slurm" and cfg.launcher.slurm.nodes == 1
     for overrides, field in [
-        (["launcher.slurm_time=2 hours"], "launcher.slurm_time"),
-        (["launcher.slurm_nodes=0"], "launcher.slurm_nodes"),
+        (["launcher.slurm.time=2 hours"], "launcher.slurm.time"),
+        (["launcher.slurm.nodes=0"], "launcher.slurm.nodes"),
         (["launcher.mode=pbs"], "launcher.mode"),
     ]:
         with pytest.raises(FieldError) as err:
@@ -377,10 +377,10 @@ def test_the_submit_helper_prints_the_job_script_for_a_config(tmp_path, capsys):
         [
             "--dry-run",
             f"output.dir={tmp_path}",
-            "launcher.slurm_nodes=2",
-            "launcher.slurm_gres=gpu:8",
-            "launcher.slurm_partition=gpu",
-            "launcher.slurm_account=rl",
+            "launcher.slurm.nodes=2",
+            "launcher.slurm.gres=gpu:8",
+            "launcher.slurm.partition=gpu",
+            "launcher.slurm.account=rl",
         ]
     )
     script = capsys.readouterr().out
@@ -415,3 +415,15 @@ def test_algorithm_presets_are_config_files_that_layer_with_the_users_own(tmp_pa
     with pytest.raises(FieldError) as err:
         load_config([str(tmp_path / "missing.yaml")])
     assert "missing.yaml" in err.value.field and "cannot read" in str(err.value)
+
+
+def test_the_flat_ray_and_slurm_keys_of_earlier_versions_name_their_nested_keys():
+    for old, new in (
+        ("launcher.ray_nodes=2", "launcher.ray.nodes"),
+        ("launcher.slurm_gres=gpu:8", "launcher.slurm.gres"),
+    ):
+        with pytest.raises(FieldError) as err:
+            load_config(None, [old])
+        assert f"no longer read: use {new}" in str(err.value)
+    layered = load_config(None, ["launcher.ray.nodes=2", "launcher.slurm.time=02:00:00"])
+    assert (layered.launcher.ray.nodes, layered.launcher.slurm.time) == (2, "02:00:00")

@@ -1,7 +1,7 @@
 """Ray launcher (``launcher.mode=ray``): the mesh's servers as Ray actors in a placement group.
 
-The layout is ``launcher.ray_nodes`` placement-group bundles, one per node, placed with
-``launcher.ray_strategy`` (PACK by default, as AReaL does). The servers, trainer ranks first
+The layout is ``launcher.ray.nodes`` placement-group bundles, one per node, placed with
+``launcher.ray.strategy`` (PACK by default, as AReaL does). The servers, trainer ranks first
 and then rollout servers, are dealt to the bundles in contiguous blocks, so a two-node layout
 puts the trainers on one node and the rollout servers on the other (AReaL's decoupled
 allocation). Each bundle reserves the sum of its servers' ``launcher.*_cpus`` / ``*_gpus``.
@@ -136,7 +136,7 @@ def bundle_layout(cfg: RunConfig) -> list[list[str]]:
     names = [f"trainer-{r}" for r in range(cfg.trainer.ranks)] + [
         f"rollout-{i}" for i in range(cfg.rollout.num_servers)
     ]
-    nodes = cfg.launcher.ray_nodes
+    nodes = cfg.launcher.ray.nodes
     blocks: list[list[str]] = []
     start = 0
     for j in range(nodes):
@@ -248,7 +248,7 @@ class RayMesh(Mesh):
             return ray.get(refs, timeout=timeout_s)
         except GetTimeoutError as exc:
             raise LaunchError(
-                f"{what} did not finish within launcher.ray_start_timeout_s={timeout_s:.0f}s "
+                f"{what} did not finish within launcher.ray.start_timeout_s={timeout_s:.0f}s "
                 f"(cluster resources: {ray.available_resources()})"
             ) from exc
         except RayTaskError as exc:
@@ -274,7 +274,7 @@ class RayMesh(Mesh):
         """Reserves the placement group, starts every server, fills in the addresses."""
         assert self.cfg is not None
         cfg = self.cfg
-        timeout_s = cfg.launcher.ray_start_timeout_s
+        timeout_s = cfg.launcher.ray.start_timeout_s
 
         def check() -> None:
             if cancelled is not None and cancelled.is_set():
@@ -283,14 +283,14 @@ class RayMesh(Mesh):
         t0 = time.monotonic()
         layout = bundle_layout(cfg)
         bundles = [_bundle(cfg, names) for names in layout]
-        self.placement = placement_group(bundles, strategy=cfg.launcher.ray_strategy)
+        self.placement = placement_group(bundles, strategy=cfg.launcher.ray.strategy)
         try:
             ray.get(self.placement.ready(), timeout=timeout_s)
         except GetTimeoutError as exc:
             raise FieldError(
-                "launcher.ray_nodes",
+                "launcher.ray.nodes",
                 f"the placement group {bundles} "
-                f"({cfg.launcher.ray_strategy}) could not be placed within {timeout_s:.0f}s; "
+                f"({cfg.launcher.ray.strategy}) could not be placed within {timeout_s:.0f}s; "
                 f"the cluster has {ray.cluster_resources()}",
             ) from exc
         self.timings["placement"] = time.monotonic() - t0
@@ -348,7 +348,7 @@ class RayMesh(Mesh):
         As :meth:`Mesh.restart_trainers`: a group that lost a rank cannot be reused, so every
         rank is stopped (its actor too) and new ones rendezvous afresh; returns the addresses.
         """
-        timeout_s = cfg.launcher.ray_start_timeout_s
+        timeout_s = cfg.launcher.ray.start_timeout_s
         with self._lock:
             old = [s for s in self.servers.values() if s.name.startswith("trainer-")]
         for server in old:
@@ -407,7 +407,7 @@ class RayMesh(Mesh):
             raise PreconditionError(
                 f"rollout.sglang_urls has no URL for rollout server {index}: add one first"
             )
-        timeout_s = cfg.launcher.ray_start_timeout_s
+        timeout_s = cfg.launcher.ray.start_timeout_s
         server = self._new_actor(f"rollout-{index}", None)
         try:
             server.node = self._get(
@@ -495,7 +495,7 @@ def _connect(cfg: RunConfig) -> bool:
         "log_to_driver": False,  # servers log to their own files under output.dir/logs
         "include_dashboard": False,
     }
-    if la.ray_address is None:
+    if la.ray.address is None:
         demand = cfg.trainer.ranks * la.trainer_cpus + cfg.rollout.num_servers * la.rollout_cpus
         # Logical CPUs: enough for the layout plus room for servers added mid-run.
         kwargs["num_cpus"] = int(demand + 0.999) + (os.cpu_count() or 1)
@@ -504,10 +504,10 @@ def _connect(cfg: RunConfig) -> bool:
             kwargs["num_gpus"] = int(gpus + 0.999)
         # Only small arguments travel through the object store.
         kwargs["object_store_memory"] = 128 * 1024 * 1024
-    elif la.ray_address.startswith("ray://"):
-        kwargs = {"address": la.ray_address}  # Ray Client takes no driver options
+    elif la.ray.address.startswith("ray://"):
+        kwargs = {"address": la.ray.address}  # Ray Client takes no driver options
     else:
-        kwargs["address"] = la.ray_address
+        kwargs["address"] = la.ray.address
     ray.init(**kwargs)
     return True
 

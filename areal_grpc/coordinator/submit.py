@@ -4,7 +4,7 @@ writes the sbatch script of a run from its config and submits it.
 The job runs ``python -m areal_grpc.coordinator`` with ``launcher.mode=slurm`` on the first
 node of its allocation; the coordinator starts the servers as job steps
 (:mod:`areal_grpc.coordinator.slurm`). The run's config is written beside the script (under
-``output.dir``), so the job reads exactly what was submitted. ``launcher.slurm_*`` give the
+``output.dir``), so the job reads exactly what was submitted. ``launcher.slurm.*`` give the
 job's nodes, time limit, partition, account and gres. ``--dry-run`` prints the script and
 submits nothing.
 """
@@ -32,17 +32,17 @@ def sbatch_script(cfg: RunConfig, config_path: Path) -> str:
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={cfg.name}",
-        f"#SBATCH --nodes={la.slurm_nodes}",
+        f"#SBATCH --nodes={la.slurm.nodes}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --time={la.slurm_time}",
+        f"#SBATCH --time={la.slurm.time}",
         f"#SBATCH --output={out}/slurm-%j.out",
     ]
-    if la.slurm_partition:
-        lines.append(f"#SBATCH --partition={la.slurm_partition}")
-    if la.slurm_account:
-        lines.append(f"#SBATCH --account={la.slurm_account}")
-    if la.slurm_gres:
-        lines.append(f"#SBATCH --gres={la.slurm_gres}")
+    if la.slurm.partition:
+        lines.append(f"#SBATCH --partition={la.slurm.partition}")
+    if la.slurm.account:
+        lines.append(f"#SBATCH --account={la.slurm.account}")
+    if la.slurm.gres:
+        lines.append(f"#SBATCH --gres={la.slurm.gres}")
     command = [sys.executable, "-m", "areal_grpc.coordinator", "--config", str(config_path)]
     lines += [
         "",

@@ -77,8 +77,8 @@ def ray_overrides(cluster: Cluster) -> list[str]:
     # Ray's nodes bind this machine's address, not loopback: plaintext must be chosen.
     return [
         "launcher.mode=ray",
-        f"launcher.ray_address={cluster.address}",
-        "launcher.ray_nodes=2",
+        f"launcher.ray.address={cluster.address}",
+        "launcher.ray.nodes=2",
         "security.allow_plaintext=true",
     ]
 
@@ -314,12 +314,12 @@ def test_a_layout_the_cluster_cannot_hold_fails_with_the_reason_and_leaves_nothi
         [
             *ray_overrides(ray_cluster),
             "launcher.trainer_cpus=4",
-            "launcher.ray_start_timeout_s=3",
+            "launcher.ray.start_timeout_s=3",
             f"output.dir={tmp_path}",
         ],
     )
     before = set(ray.util.placement_group_table())
-    with pytest.raises(FieldError, match=r"launcher\.ray_nodes: .*could not be placed within 3s"):
+    with pytest.raises(FieldError, match=r"launcher\.ray\.nodes: .*could not be placed within 3s"):
         start_mesh(cfg, tmp_path / "logs", new_mesh(cfg, tmp_path / "logs"))
     created = {k: v for k, v in ray.util.placement_group_table().items() if k not in before}
     assert created and all(v["state"] == "REMOVED" for v in created.values())
@@ -340,15 +340,15 @@ def test_plaintext_off_loopback_is_refused_unless_chosen_and_leaves_nothing(ray_
 
 
 def test_bundles_hold_trainers_then_rollout_servers_in_contiguous_blocks():
-    cfg = load_config(None, ["trainer.ranks=2", "rollout.num_servers=3", "launcher.ray_nodes=2"])
+    cfg = load_config(None, ["trainer.ranks=2", "rollout.num_servers=3", "launcher.ray.nodes=2"])
     assert bundle_layout(cfg) == [
         ["trainer-0", "trainer-1", "rollout-0"],
         ["rollout-1", "rollout-2"],
     ]
-    with pytest.raises(FieldError, match=r"launcher\.ray_nodes"):
-        load_config(None, ["launcher.mode=ray", "launcher.ray_nodes=9"])
-    with pytest.raises(FieldError, match=r"launcher\.ray_strategy"):
-        load_config(None, ["launcher.ray_strategy=ANYWHERE"])
+    with pytest.raises(FieldError, match=r"launcher\.ray\.nodes"):
+        load_config(None, ["launcher.mode=ray", "launcher.ray.nodes=9"])
+    with pytest.raises(FieldError, match=r"launcher\.ray\.strategy"):
+        load_config(None, ["launcher.ray.strategy=ANYWHERE"])
 
 
 def test_a_killed_trainer_rank_on_ray_is_replaced_by_new_actors_and_the_run_finishes(

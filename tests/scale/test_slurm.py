@@ -266,7 +266,7 @@ def test_a_submitted_run_is_stopped_by_scancel_with_nothing_left(
             *SLURM,
             *coordinator_command.SMALL_RUN,
             "total_steps=100000",
-            "launcher.slurm_time=00:10:00",
+            "launcher.slurm.time=00:10:00",
         ],
         env=slurm,
         capture_output=True,
