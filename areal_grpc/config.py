@@ -2,8 +2,8 @@
 
 Precedence: dataclass defaults < YAML file < overrides (applied left to right, the last wins).
 Every error is a :class:`~areal_grpc.errors.FieldError` naming the dotted key, e.g.
-``trainer.lr: ...``, whether the key is unknown, the value has the wrong type or it is out of
-range.
+``trainer.optimizer.lr: ...``, whether the key is unknown, the value has the wrong type or it
+is out of range.
 
 The defaults are the built-in run: the small built-in model, the built-in ``first3`` task, one
 rollout server, two trainer ranks, and GRPO settings from measurements of what a tiny
@@ -12,7 +12,7 @@ temperature 1, lr 1e-3, 1 PPO epoch, no KL, clip 0.2, grad clip 1, eval every 25
 
 Example::
 
-    cfg = load_config("run.yaml", ["trainer.lr=5e-4", "staleness.max_staleness=0"])
+    cfg = load_config("run.yaml", ["trainer.optimizer.lr=5e-4", "staleness.max_staleness=0"])
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ __all__ = [
     "LoraSettings",
     "ModelConfig",
     "NormSettings",
+    "OptimizerSettings",
     "OutputConfig",
     "PPOSettings",
     "RaySettings",
@@ -586,23 +587,10 @@ class PPOSettings:
 
 
 @dataclass
-class TrainerConfig:
-    """The trainer ranks (one SPMD group) and the optimiser."""
+class OptimizerSettings:
+    """The trainer's optimizer: AdamW, a warm-up then constant or decaying learning rate, and
+    gradient-norm clipping."""
 
-    ranks: int = setting(
-        2, help="Trainer ranks: one SPMD group sharding the model with FSDP2.", ge=1
-    )
-    torch_threads: int = setting(1, help="Torch CPU threads of each rank.", ge=1)
-    backend: str = setting(
-        "auto",
-        help="The ranks' process-group backend; auto: gloo on CPU, nccl on GPU.",
-        choices=BACKENDS,
-    )
-    device: str = setting(
-        "auto",
-        help="Where the ranks train; auto: a GPU per rank when there are any, else the CPU.",
-        choices=DEVICES,
-    )
     lr: float = setting(1e-3, help="AdamW's learning rate (peak, after warm-up).", gt=0)
     weight_decay: float = setting(
         0.0, help="AdamW's weight decay (the measured runs used none).", ge=0.0
@@ -623,6 +611,29 @@ class TrainerConfig:
         help="The linear / cosine schedule decays to lr x min_lr_ratio at total_steps.",
     )
     grad_clip: float = setting(1.0, help="Global gradient-norm clip.", gt=0)
+
+
+@dataclass
+class TrainerConfig:
+    """The trainer ranks (one SPMD group) and the optimiser."""
+
+    ranks: int = setting(
+        2, help="Trainer ranks: one SPMD group sharding the model with FSDP2.", ge=1
+    )
+    torch_threads: int = setting(1, help="Torch CPU threads of each rank.", ge=1)
+    backend: str = setting(
+        "auto",
+        help="The ranks' process-group backend; auto: gloo on CPU, nccl on GPU.",
+        choices=BACKENDS,
+    )
+    device: str = setting(
+        "auto",
+        help="Where the ranks train; auto: a GPU per rank when there are any, else the CPU.",
+        choices=DEVICES,
+    )
+    optimizer: OptimizerSettings = setting(
+        factory=OptimizerSettings, help="AdamW, its learning-rate schedule and gradient clipping."
+    )
     max_tokens_per_mb: int = setting(
         16384,
         help="Tokens per micro-batch at most (rows are packed by first-fit-decreasing; a longer "
@@ -1020,6 +1031,7 @@ class RunConfig:
 
 # Keys that earlier versions read, and what replaced them (named in the unknown-key error).
 REPLACED_KEYS = {
+    **{f"trainer.{k}": f"trainer.optimizer.{k}" for k in OptimizerSettings.__dataclass_fields__},
     **{f"launcher.ray_{k}": f"launcher.ray.{k}" for k in RaySettings.__dataclass_fields__},
     **{f"launcher.slurm_{k}": f"launcher.slurm.{k}" for k in SlurmSettings.__dataclass_fields__},
     "trainer.ppo.behav_imp_weight_cap": "trainer.ppo.rejection.upper (null: rejection.metric=none)",
@@ -1051,7 +1063,9 @@ def _parse_override(override: str) -> tuple[str, Any]:
     key, sep, raw = override.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise FieldError(override, "an override must look like key=value, e.g. trainer.lr=5e-4")
+        raise FieldError(
+            override, "an override must look like key=value, e.g. trainer.optimizer.lr=5e-4"
+        )
     try:
         # The YAML reading of the value, as on the command line of most tools: 3 -> int,
         # [a,b] -> list, null -> None.
@@ -1354,8 +1368,11 @@ def _validate_rollout(cfg: RunConfig) -> None:
 
 def _validate_trainer(cfg: RunConfig) -> None:
     t = cfg.trainer
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise FieldError("trainer.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    if not 0.0 <= t.optimizer.min_lr_ratio <= 1.0:
+        raise FieldError(
+            "trainer.optimizer.min_lr_ratio",
+            f"must be in [0, 1], got {t.optimizer.min_lr_ratio}",
+        )
     p = t.ppo
     if p.c_clip is not None and not p.c_clip > 1.0:
         raise FieldError("trainer.ppo.c_clip", f"must be > 1 when set, got {p.c_clip}")

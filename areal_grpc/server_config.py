@@ -7,7 +7,7 @@ from it with the functions here. Their command lines add only what differs betwe
 of one run: address, rank, rendezvous, device, SGLang URL.
 
     areal-trainer --port 0 --rank 0 --world-size 2 --master-port 29510 \\
-        --config run.yaml trainer.lr=2e-5
+        --config run.yaml trainer.optimizer.lr=2e-5
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ def add_run_config_args(parser: argparse.ArgumentParser) -> None:
         help="the run's YAML config file (or the document itself, as launchers pass it)",
     )
     g.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=2e-5"
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. trainer.optimizer.lr=2e-5",
     )
 
 

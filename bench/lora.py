@@ -70,7 +70,7 @@ def main() -> int:
         | {
             "model.lora.rank": args.rank,
             "model.lora.alpha": args.alpha,
-            "trainer.lr": args.lora_lr,
+            "trainer.optimizer.lr": args.lora_lr,
         },
     }
     got: dict[str, dict[str, float]] = {}

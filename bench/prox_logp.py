@@ -72,7 +72,7 @@ def engine_step_times(args: argparse.Namespace) -> dict[str, float]:
     from areal_servers.trainer.algorithm import token_logprobs
     from areal_servers.trainer.engine import TrainerEngine
 
-    from areal_grpc.config import ModelConfig, PPOSettings, TrainerConfig
+    from areal_grpc.config import ModelConfig, OptimizerSettings, PPOSettings, TrainerConfig
 
     torch.manual_seed(0)
     rows, width, prompt = args.groups * args.group_size, args.tokens, args.tokens // 4
@@ -82,9 +82,9 @@ def engine_step_times(args: argparse.Namespace) -> dict[str, float]:
             TrainerConfig(
                 fsdp=False,
                 device="cpu",
-                lr=1e-4,
                 ppo=PPOSettings(n_minibatches=args.minibatches, prox_logp_method=method),
                 max_tokens_per_mb=4096,
+                optimizer=OptimizerSettings(lr=1e-4),
             ),
             ModelConfig(source=args.engine_model),
         )

@@ -295,7 +295,8 @@ def plain_loop(config: Path, target: float, threads: int) -> None:
     sampling = cfg["rollout"]["sampling"]
     temperature = float(sampling["temperature"])
     system = cfg["rollout"].get("system_prompt")
-    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+    o = t["optimizer"]
+    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], weight_decay=o["weight_decay"])
     ppo = PPOSettings()
     every = cfg["eval"]["every_steps"]
     # Seconds generating and training so far (the step's profile beside the mesh's).
@@ -356,7 +357,7 @@ def plain_loop(config: Path, target: float, threads: int) -> None:
             logp, logp.detach(), logp.detach(), adv, loss_mask, ppo, float(loss_mask.sum())
         )
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o["grad_clip"])
         opt.step()
         spent["generate_s"] += t1 - t0
         spent["train_s"] += time.monotonic() - t1
@@ -401,7 +402,7 @@ def time_to_target(tmp: Path, args: argparse.Namespace) -> None:
             "total_steps": args.target_steps,
             "eval.every_steps": args.target_eval_every,
             "rollout.sampling.temperature": 0.7,
-            "trainer.lr": 1e-5,
+            "trainer.optimizer.lr": 1e-5,
             "model.seed": seed,
         }
         config = example_config(tmp / f"seed{seed}", overrides, mix, sizes=(4000, 100))

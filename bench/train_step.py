@@ -130,7 +130,7 @@ def trainer_flags(args: argparse.Namespace) -> list[str]:
         "model.seed=0",
         "trainer.torch_threads=1",
         "trainer.backend=gloo",
-        "trainer.lr=1e-5",
+        "trainer.optimizer.lr=1e-5",
         f"trainer.max_tokens_per_mb={args.max_tokens_per_mb}",
         "trainer.collective_timeout_s=300",
     ]

@@ -107,7 +107,7 @@ def test_explain_prints_a_sections_settings_with_defaults_choices_and_help(capsy
         assert f"\n{key} = " in out
     assert 'trainer.ppo.rejection.metric = "ratio"  (one of: ratio, kl_k1' in out
     # Only that section: nothing of its parent or siblings.
-    assert "trainer.ppo.eps_clip" not in out and "trainer.lr" not in out
+    assert "trainer.ppo.eps_clip" not in out and "trainer.optimizer.lr" not in out
     # A leaf alone, and an unknown key refused with status 2.
     assert main(["--explain", "staleness.max_staleness"]) == 0
     assert capsys.readouterr().out.startswith("staleness.max_staleness = 2  (>= 0)\n    eta:")

@@ -58,15 +58,17 @@ def test_the_trainer_reads_the_coordinators_file_and_overrides(tmp_path: Path):
     config = tmp_path / "run.yaml"
     config.write_text(
         "total_steps: 7\n"
-        "trainer:\n  lr: 3.0e-4\n  ppo:\n    reward_norm:\n      std_level: none\n"
+        "trainer:\n  optimizer:\n    lr: 3.0e-4\n  ppo:\n    reward_norm:\n      std_level: none\n"
         "      mean_leave1out: true\n      eps: 1.0e-3\n"
         f"output:\n  dir: {tmp_path / 'out'}\n"
         "weight_sync:\n  methods: [stream]\n"
     )
     cfg = config_from_args(
-        trainer_args(["--config", str(config), "trainer.lr=2e-5", "trainer.ppo.kl_estimator=k3"])
+        trainer_args(
+            ["--config", str(config), "trainer.optimizer.lr=2e-5", "trainer.ppo.kl_estimator=k3"]
+        )
     )
-    assert cfg.trainer.lr == 2e-5 and cfg.total_steps == 7
+    assert cfg.trainer.optimizer.lr == 2e-5 and cfg.total_steps == 7
     assert cfg.trainer.ppo.kl_estimator == "k3"
     # RLOO: a leave-one-out group mean and no std, with the configured eps.
     norm = cfg.trainer.ppo.reward_norm
@@ -83,7 +85,7 @@ def test_what_the_coordinator_runs_with_is_what_each_trainer_rank_gets(tmp_path:
         None,
         [
             f"output.dir={tmp_path}/out",
-            "trainer.lr=4e-4",
+            "trainer.optimizer.lr=4e-4",
             "trainer.ppo.adv_norm.std_level=none",
             "trainer.device=cpu",
             "weight_sync.bucket_mb=8",
@@ -95,7 +97,7 @@ def test_what_the_coordinator_runs_with_is_what_each_trainer_rank_gets(tmp_path:
     assert (args.rank, args.world_size, args.master_port) == (rank, run.trainer.ranks, 29999)
     assert run_config_from_args(args, TRAINER_SECTIONS) == for_servers(run)
     cfg = config_from_args(args)
-    assert cfg.trainer.lr == 4e-4 and cfg.weights.bucket_bytes == 8 << 20
+    assert cfg.trainer.optimizer.lr == 4e-4 and cfg.weights.bucket_bytes == 8 << 20
     assert cfg.weights.disk_root == str((tmp_path / "out" / "weights").resolve())
 
 

@@ -5,7 +5,8 @@ subprocesses on free loopback ports), trains the built-in task, writes metrics, 
 the final model under ``output.dir``, stops the mesh and exits 0. Examples::
 
     python -m areal_grpc.coordinator
-    python -m areal_grpc.coordinator --config run.yaml trainer.lr=5e-4 staleness.max_staleness=0
+    python -m areal_grpc.coordinator --config run.yaml trainer.optimizer.lr=5e-4 \\
+        staleness.max_staleness=0
     python -m areal_grpc.coordinator launcher.mode=attach \\
         'launcher.rollout_addresses=[10.0.0.5:50061]' \\
         'launcher.trainer_addresses=[10.0.0.6:50071,10.0.0.7:50071]'
@@ -73,7 +74,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "meaning, and exit",
     )
     parser.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=5e-4"
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. trainer.optimizer.lr=5e-4",
     )
     return parser.parse_args(argv)
 

@@ -6,7 +6,7 @@ Start one process per rank, e.g. two ranks over gloo on one machine::
     areal-trainer --port 0 --rank 1 --world-size 2 --master-port 29510 model.source=builtin:tiny
 
 Every training setting comes from the run config, as the coordinator reads it: ``--config
-run.yaml`` (the coordinator's own file) and ``key=value`` overrides (``trainer.lr=2e-5``);
+run.yaml`` (the coordinator's own file) and ``key=value`` overrides (``trainer.optimizer.lr=2e-5``);
 see areal_grpc.server_config.
 
 Under torchrun, leave out --rank/--world-size/--master-*: RANK, WORLD_SIZE, MASTER_ADDR and

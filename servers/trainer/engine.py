@@ -59,7 +59,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from areal_grpc.config import LoraSettings, ModelConfig, TrainerConfig
+from areal_grpc.config import LoraSettings, ModelConfig, OptimizerSettings, TrainerConfig
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import (
     adapter_names,
@@ -198,7 +198,7 @@ def apply_fsdp(
     return model
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerSettings) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (DTensors under FSDP)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(
@@ -206,7 +206,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.O
     )
 
 
-def lr_factor(step: int, cfg: TrainerConfig, total_steps: int | None) -> float:
+def lr_factor(step: int, cfg: OptimizerSettings, total_steps: int | None) -> float:
     """Multiplier of the base learning rate for optimizer step ``step`` (0-based) of
     ``total_steps`` (None: no decay)."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
@@ -223,7 +223,7 @@ def lr_factor(step: int, cfg: TrainerConfig, total_steps: int | None) -> float:
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainerConfig, total_steps: int | None
+    optimizer: torch.optim.Optimizer, cfg: OptimizerSettings, total_steps: int | None
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR applying :func:`lr_factor`."""
     return torch.optim.lr_scheduler.LambdaLR(
@@ -347,8 +347,8 @@ class TrainerEngine:
             self.ref_model = build_model(policy.source, policy.seed, self.device, self.dtype)
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
-        self.optimizer = build_optimizer(self.model, cfg)
-        self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, total_steps)
         self.version = 0
         self.global_step = 0
 
@@ -674,7 +674,7 @@ class TrainerEngine:
             stats.add(mb_stats)
             trained_one()
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None], self.cfg.grad_clip
+            [p for p in self.model.parameters() if p.grad is not None], self.cfg.optimizer.grad_clip
         )
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()

@@ -227,7 +227,7 @@ def test_ctrl_c_stops_the_run_and_every_child(tmp_path, coordinator_command):
 
 def test_bad_config_names_the_key(tmp_path, coordinator_command):
     for override, key in [
-        ("trainer.lr=-1", "trainer.lr"),
+        ("trainer.optimizer.lr=-1", "trainer.optimizer.lr"),
         ("trainer.ppo.n_minibatches=0", "trainer.ppo.n_minibatches"),
         ("no_such.key=1", "no_such"),
     ]:

@@ -25,7 +25,7 @@ from google.protobuf import duration_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
-from areal_grpc.config import ModelConfig, TrainerConfig
+from areal_grpc.config import ModelConfig, OptimizerSettings, TrainerConfig
 from areal_grpc.durations import duration
 from areal_grpc.paths import is_marked
 from areal_grpc.server import BackgroundServer, service
@@ -136,7 +136,12 @@ def step_messages(
 
 def start_trainer(root: Path) -> Trainer:
     cfg = TrainerServiceConfig(
-        trainer=TrainerConfig(fsdp=False, device="cpu", lr=1e-3, max_tokens_per_mb=MAX_TOKENS),
+        trainer=TrainerConfig(
+            fsdp=False,
+            device="cpu",
+            max_tokens_per_mb=MAX_TOKENS,
+            optimizer=OptimizerSettings(lr=1e-3),
+        ),
         model=ModelConfig(source=MODEL),
         distributed=False,
         path_roots=(str(root),),

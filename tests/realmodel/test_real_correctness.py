@@ -34,7 +34,7 @@ from arealgrpc.v1 import weight_sync_pb2 as wpb
 from torch.distributed.tensor import DTensor
 
 from areal_grpc.batch import groups_to_batch
-from areal_grpc.config import ModelConfig, TrainerConfig
+from areal_grpc.config import ModelConfig, OptimizerSettings, TrainerConfig
 from areal_grpc.model import load_tokenizer
 from areal_grpc.ports import free_port
 
@@ -71,7 +71,9 @@ class Mesh:
         self.root = root
         self.trainer = TrainerService(
             TrainerServiceConfig(
-                trainer=TrainerConfig(fsdp=True, device="cpu", lr=1e-4),
+                trainer=TrainerConfig(
+                    fsdp=True, device="cpu", optimizer=OptimizerSettings(lr=1e-4)
+                ),
                 model=ModelConfig(source=model_dir),
                 distributed=True,
                 dist=DistConfig("gloo", "127.0.0.1", free_port(), 0, 1, timeout_s=TIMEOUT),

@@ -21,7 +21,7 @@ from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from arealgrpc.v1 import weight_sync_pb2 as wpb
 
-from areal_grpc.config import ModelConfig, TrainerConfig
+from areal_grpc.config import ModelConfig, OptimizerSettings, TrainerConfig
 
 TIMEOUT = 300.0
 # The ``serve`` fixture (conftest.py): (trainer service, model dir, weights root) -> Served.
@@ -37,7 +37,9 @@ class Mesh:
         torch.set_num_threads(1)
         self.trainer = TrainerService(
             TrainerServiceConfig(
-                trainer=TrainerConfig(fsdp=False, device="cpu", lr=1e-4),
+                trainer=TrainerConfig(
+                    fsdp=False, device="cpu", optimizer=OptimizerSettings(lr=1e-4)
+                ),
                 model=ModelConfig(source=model_dir),
                 distributed=False,
                 path_roots=(str(root),),

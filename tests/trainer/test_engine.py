@@ -24,7 +24,7 @@ from areal_servers.trainer.engine import (
 from areal_servers.trainer.weight_publisher import gather_buckets, published_tensors, tensor_metas
 from torch.distributed.tensor import DTensor
 
-from areal_grpc.config import ModelConfig, PPOSettings, TrainerConfig
+from areal_grpc.config import ModelConfig, OptimizerSettings, PPOSettings, TrainerConfig
 from areal_grpc.ports import free_port
 from areal_grpc.weight_transfer import plan_buckets
 
@@ -48,11 +48,9 @@ def config(
         dtype=dtype,
         fsdp=fsdp,
         device="cpu",
-        lr=lr,
-        warmup_steps=2,
-        grad_clip=1.0,
         ppo=PPOSettings(kl_ctl=0.0),
         max_tokens_per_mb=max_tokens or 1 << 30,
+        optimizer=OptimizerSettings(lr=lr, warmup_steps=2, grad_clip=1.0),
     )
 
 
@@ -66,8 +64,8 @@ def max_diff(a, b) -> float:
 
 
 def test_warmup_schedule():
-    cfg = TrainerConfig(lr=1.0, warmup_steps=4, lr_schedule="linear")
-    assert [lr_factor(s, cfg, 8) for s in range(9)] == [
+    cfg = TrainerConfig(optimizer=OptimizerSettings(lr=1.0, warmup_steps=4, lr_schedule="linear"))
+    assert [lr_factor(s, cfg.optimizer, 8) for s in range(9)] == [
         0.25,
         0.5,
         0.75,

@@ -16,7 +16,7 @@ import pytest
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import trainer_pb2, trainer_pb2_grpc
 
-from areal_grpc.config import TrainerConfig
+from areal_grpc.config import OptimizerSettings, TrainerConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.paths import DEFAULT_ROOT_NAME, MARKER_NAME
 from areal_grpc.server import BackgroundServer, service
@@ -36,7 +36,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 class Rank:
     def __init__(self, roots: tuple[str, ...]) -> None:
         cfg = TrainerServiceConfig(
-            trainer=TrainerConfig(fsdp=False, device="cpu", lr=1e-3),
+            trainer=TrainerConfig(fsdp=False, device="cpu", optimizer=OptimizerSettings(lr=1e-3)),
             distributed=False,
             path_roots=roots,
         )

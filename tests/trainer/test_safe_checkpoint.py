@@ -18,7 +18,7 @@ from areal_servers.trainer.engine import TrainerEngine
 from areal_servers.trainer.safe_checkpoint import UnsafeCheckpointError
 from torch.distributed.checkpoint import FileSystemReader
 
-from areal_grpc.config import ModelConfig, TrainerConfig
+from areal_grpc.config import ModelConfig, OptimizerSettings, TrainerConfig
 
 
 class _Touch:
@@ -33,7 +33,8 @@ class _Touch:
 
 def engine() -> TrainerEngine:
     return TrainerEngine(
-        TrainerConfig(fsdp=False, device="cpu", lr=1e-3), ModelConfig(source="builtin:micro")
+        TrainerConfig(fsdp=False, device="cpu", optimizer=OptimizerSettings(lr=1e-3)),
+        ModelConfig(source="builtin:micro"),
     )
 
 

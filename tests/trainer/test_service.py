@@ -27,7 +27,7 @@ from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weight_sync_
 from safetensors.torch import load_file
 
 from areal_grpc.batch import batch_to_trajectories, groups_to_batch
-from areal_grpc.config import ModelConfig, PPOSettings, TrainerConfig
+from areal_grpc.config import ModelConfig, OptimizerSettings, PPOSettings, TrainerConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_tokenizer
 from areal_grpc.ports import free_port
@@ -65,8 +65,8 @@ def start_ranks(log_dir: Path, root: Path, world: int = 2) -> list[Rank]:
             "--log-level=WARNING",
             f"model.source={MODEL}",
             "trainer.torch_threads=1",
-            f"trainer.lr={LR}",
-            "trainer.warmup_steps=2",
+            f"trainer.optimizer.lr={LR}",
+            "trainer.optimizer.warmup_steps=2",
             f"trainer.max_tokens_per_mb={MAX_TOKENS}",
             "trainer.collective_timeout_s=120",
             f"output.dir={root}",
@@ -166,11 +166,9 @@ def plain_engine() -> TrainerEngine:
         TrainerConfig(
             fsdp=False,
             device="cpu",
-            lr=LR,
-            warmup_steps=2,
-            weight_decay=0.0,
             ppo=PPOSettings(),
             max_tokens_per_mb=MAX_TOKENS,
+            optimizer=OptimizerSettings(lr=LR, warmup_steps=2, weight_decay=0.0),
         ),
         ModelConfig(source=MODEL),
     )

@@ -11,7 +11,7 @@ import pytest
 from areal_servers.trainer.service import TrainerService, TrainerServiceConfig
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
-from areal_grpc.config import TrainerConfig
+from areal_grpc.config import OptimizerSettings, TrainerConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.server import ServerOptions, aio_channel, service, start_server
 
@@ -44,7 +44,9 @@ END = trainer_pb2.TrainStepRequest(end=trainer_pb2.StepEnd())
 
 async def scenario(tmp_path) -> None:
     cfg = TrainerServiceConfig(
-        trainer=TrainerConfig(fsdp=False, device="cpu", lr=1e-3, max_tokens_per_mb=16),
+        trainer=TrainerConfig(
+            fsdp=False, device="cpu", max_tokens_per_mb=16, optimizer=OptimizerSettings(lr=1e-3)
+        ),
         distributed=False,
         path_roots=(str(tmp_path),),
     )

@@ -182,7 +182,7 @@ def start_trainers(
             f"model.source={model}",
             "trainer.torch_threads=1",
             # Large enough that one step visibly changes greedy outputs.
-            "trainer.lr=3e-3",
+            "trainer.optimizer.lr=3e-3",
             "trainer.ppo.rejection.metric=none",
             "trainer.collective_timeout_s=120",
             f"weight_sync.disk_root={weights_root}",
