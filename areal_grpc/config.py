@@ -40,6 +40,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "EvalConfig",
+    "FaultToleranceConfig",
     "LauncherConfig",
     "LoraSettings",
     "ModelConfig",
@@ -49,12 +50,14 @@ __all__ = [
     "PPOSettings",
     "RaySettings",
     "RolloutConfig",
+    "RolloutSupervision",
     "RunConfig",
     "SamplingSettings",
     "SecurityConfig",
     "SlurmSettings",
     "StalenessConfig",
     "TrainerConfig",
+    "TrainerSupervision",
     "VllmSettings",
     "WeightSyncConfig",
     "describe",
@@ -363,44 +366,6 @@ class RolloutConfig:
         "default).",
         ge=1,
     )
-    episode_timeout_s: float = setting(
-        1800.0,
-        help="A server holding a task longer than this is taken as stalled: out of rotation, its"
-        " work re-queued elsewhere. Generous: one episode of a long workflow may take "
-        "minutes.",
-        gt=0,
-    )
-    health_interval_s: float = setting(
-        5.0,
-        help="Liveness check of every server in rotation: a server whose health check fails (or "
-        "does not answer within health_timeout_s) is treated like a stalled one.",
-        ge=0.0,
-    )
-    health_timeout_s: float = setting(
-        5.0,
-        help="Seconds a server's health check may take (see health_interval_s).",
-        gt=0,
-    )
-    max_restarts: int = setting(
-        3,
-        help="Restarts of rollout servers that died (their process is gone, or they stayed out "
-        "of rotation too long), over the whole run and all servers; local and Ray launchers"
-        " only.",
-        ge=0,
-    )
-    replace_after_s: float = setting(
-        60.0,
-        help="A launcher's server that still runs but has been out of rotation this long is "
-        "replaced (stopped, a fresh one started) instead of waited for; one whose process "
-        "is gone at once.",
-        gt=0,
-    )
-    no_server_timeout_s: float = setting(
-        300.0,
-        help="With no server left in rotation for this long, the run fails instead of waiting "
-        "forever.",
-        gt=0,
-    )
 
 
 @dataclass
@@ -662,6 +627,56 @@ class TrainerConfig:
         gt=0,
     )
     ppo: PPOSettings = setting(factory=PPOSettings, help="The GRPO / decoupled-PPO objective.")
+
+
+@dataclass
+class RolloutSupervision:
+    """How the coordinator watches the rollout servers: stalls, health, restarts."""
+
+    episode_timeout_s: float = setting(
+        1800.0,
+        help="A server holding a task longer than this is taken as stalled: out of rotation, its"
+        " work re-queued elsewhere. Generous: one episode of a long workflow may take "
+        "minutes.",
+        gt=0,
+    )
+    health_interval_s: float = setting(
+        5.0,
+        help="Liveness check of every server in rotation: a server whose health check fails (or "
+        "does not answer within health_timeout_s) is treated like a stalled one.",
+        ge=0.0,
+    )
+    health_timeout_s: float = setting(
+        5.0,
+        help="Seconds a server's health check may take (see health_interval_s).",
+        gt=0,
+    )
+    max_restarts: int = setting(
+        3,
+        help="Restarts of rollout servers that died (their process is gone, or they stayed out "
+        "of rotation too long), over the whole run and all servers; local and Ray launchers"
+        " only.",
+        ge=0,
+    )
+    replace_after_s: float = setting(
+        60.0,
+        help="A launcher's server that still runs but has been out of rotation this long is "
+        "replaced (stopped, a fresh one started) instead of waited for; one whose process "
+        "is gone at once.",
+        gt=0,
+    )
+    no_server_timeout_s: float = setting(
+        300.0,
+        help="With no server left in rotation for this long, the run fails instead of waiting "
+        "forever.",
+        gt=0,
+    )
+
+
+@dataclass
+class TrainerSupervision:
+    """How the coordinator watches the trainer group: call deadlines, health, restarts."""
+
     call_timeout_s: float = setting(
         3600.0,
         help="Deadline of each collective call to the ranks (TrainStep, checkpoints, export): a "
@@ -692,6 +707,18 @@ class TrainerConfig:
         10.0,
         help="Seconds a rank's health check may take (see health_interval_s).",
         gt=0,
+    )
+
+
+@dataclass
+class FaultToleranceConfig:
+    """What the coordinator does when a server stalls, hangs or dies."""
+
+    rollout: RolloutSupervision = setting(
+        factory=RolloutSupervision, help="The rollout servers' supervision."
+    )
+    trainer: TrainerSupervision = setting(
+        factory=TrainerSupervision, help="The trainer group's supervision."
     )
 
 
@@ -794,8 +821,8 @@ class GatewaySettings:
     generate_timeout_s: float = setting(
         1800.0,
         help="Seconds one completion may take at its rollout server before the request fails "
-        "(504). As long as rollout.episode_timeout_s: on a busy 2-core machine the agent "
-        "example's completions took over 300 s.",
+        "(504). As long as fault_tolerance.rollout.episode_timeout_s: on a busy 2-core "
+        "machine the agent example's completions took over 300 s.",
     )
 
 
@@ -1020,6 +1047,10 @@ class RunConfig:
         help="Where and how the servers are started.",
     )
     security: SecurityConfig = setting(factory=SecurityConfig, help="TLS and bearer tokens.")
+    fault_tolerance: FaultToleranceConfig = setting(
+        factory=FaultToleranceConfig,
+        help="What the coordinator does when a server stalls, hangs or dies.",
+    )
     gateway: GatewaySettings = setting(
         factory=GatewaySettings,
         help="The OpenAI-compatible agent gateway.",
@@ -1031,6 +1062,11 @@ class RunConfig:
 
 # Keys that earlier versions read, and what replaced them (named in the unknown-key error).
 REPLACED_KEYS = {
+    **{
+        f"{owner}.{k}": f"fault_tolerance.{owner}.{k}"
+        for owner, cls in (("rollout", RolloutSupervision), ("trainer", TrainerSupervision))
+        for k in cls.__dataclass_fields__
+    },
     **{f"trainer.{k}": f"trainer.optimizer.{k}" for k in OptimizerSettings.__dataclass_fields__},
     **{f"launcher.ray_{k}": f"launcher.ray.{k}" for k in RaySettings.__dataclass_fields__},
     **{f"launcher.slurm_{k}": f"launcher.slurm.{k}" for k in SlurmSettings.__dataclass_fields__},
@@ -1551,6 +1587,7 @@ SECTION_CHECKS: dict[str, Callable[[RunConfig], None]] = {
     "checkpoint": lambda cfg: None,
     "output": _validate_output,
     "security": lambda cfg: _validate_security(cfg.security),
+    "fault_tolerance": lambda cfg: None,
     "launcher": _validate_launcher,
     "gateway": _validate_gateway,
 }

@@ -154,14 +154,17 @@ def test_bad_override_names_the_key(override, field, words):
         ("rollout.vllm.idle_spin_s=-1", "rollout.vllm.idle_spin_s"),
         ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
         ("rollout.max_concurrent_rollouts=0", "rollout.max_concurrent_rollouts"),
-        ("rollout.max_restarts=-1", "rollout.max_restarts"),
-        ("rollout.no_server_timeout_s=0", "rollout.no_server_timeout_s"),
+        ("fault_tolerance.rollout.max_restarts=-1", "fault_tolerance.rollout.max_restarts"),
+        (
+            "fault_tolerance.rollout.no_server_timeout_s=0",
+            "fault_tolerance.rollout.no_server_timeout_s",
+        ),
         ("staleness.max_staleness=-1", "staleness.max_staleness"),
         ("staleness.batch_size=0", "staleness.batch_size"),
         ("weight_sync.methods=[nfs]", "weight_sync.methods[0]"),
         ("weight_sync.methods=[stream,stream]", "weight_sync.methods"),
         ("weight_sync.methods=[stream,nfs]", "weight_sync.methods[1]"),
-        ("rollout.replace_after_s=0", "rollout.replace_after_s"),
+        ("fault_tolerance.rollout.replace_after_s=0", "fault_tolerance.rollout.replace_after_s"),
         ("weight_sync.timeout_s=0", "weight_sync.timeout_s"),
         ("eval.every_steps=-1", "eval.every_steps"),
         ("launcher.mode=remote", "launcher.mode"),
@@ -447,3 +450,15 @@ def test_the_example_configs_hold_only_keys_the_config_tree_has(name: str):
 
     path = Path(__file__).resolve().parents[1] / "examples" / name
     load_config(str(path), sections=[s for s in SECTION_CHECKS if s != "data"])
+
+
+def test_supervision_keys_of_earlier_versions_name_their_fault_tolerance_home():
+    for old, new in (
+        ("rollout.episode_timeout_s=5", "fault_tolerance.rollout.episode_timeout_s"),
+        ("trainer.call_timeout_s=5", "fault_tolerance.trainer.call_timeout_s"),
+    ):
+        with pytest.raises(FieldError) as err:
+            load_config(None, [old])
+        assert f"no longer read: use {new}" in str(err.value)
+    # rollout.vllm's own health settings stay where they are.
+    assert load_config(None, ["rollout.vllm.health_timeout_s=9"]).rollout.vllm.health_timeout_s == 9

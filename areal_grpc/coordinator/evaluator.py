@@ -91,8 +91,8 @@ class Evaluator:
             )
         except TimeoutError:
             log.warning(
-                "eval on %s did not finish within rollout.episode_timeout_s=%g: %d of %d "
-                "prompts scored",
+                "eval on %s did not finish within fault_tolerance.rollout.episode_timeout_s=%g: "
+                "%d of %d prompts scored",
                 client.address,
                 self.episode_timeout_s,
                 len(scores),

@@ -117,7 +117,7 @@ class Coordinator:
     ) -> None:
         """``restart_trainers`` replaces a failed trainer group (the local launcher's restart);
         None (attach mode) waits for the same addresses to come back, restarted by their own
-        supervisor (e.g. torchrun), for up to ``trainer.restart_timeout_s``.
+        supervisor (e.g. torchrun), for up to ``fault_tolerance.trainer.restart_timeout_s``.
 
         ``launcher`` replaces rollout servers it started that die (None, attach mode: a
         server is waited for until it serves again); ``rollout_replaced(old, new)`` is called
@@ -158,7 +158,7 @@ class Coordinator:
             health=health,
         )
         self.trainers = TrainerGroup(
-            cfg.trainer,
+            cfg.fault_tolerance.trainer,
             trainer_addresses,
             restart=restart_trainers,
             client_factory=trainer_client,
@@ -171,8 +171,8 @@ class Coordinator:
             self.fleet,
             self.pool,
             # The fleet's own liveness rule (rollout_fleet._watch), applied within an update.
-            health_timeout_s=cfg.rollout.health_timeout_s
-            if cfg.rollout.health_interval_s > 0
+            health_timeout_s=cfg.fault_tolerance.rollout.health_timeout_s
+            if cfg.fault_tolerance.rollout.health_interval_s > 0
             else None,
         )
         self.run_log = RunLog(
@@ -192,7 +192,7 @@ class Coordinator:
             syncer=self.syncer,
             pool=self.pool,
             run_log=self.run_log,
-            max_restarts=cfg.trainer.max_restarts,
+            max_restarts=cfg.fault_tolerance.trainer.max_restarts,
             every_steps=cfg.checkpoint.every_steps,
         )
         eval_items = [] if self.loader is None else load_items(cfg, "eval")[: cfg.eval.max_prompts]
@@ -201,7 +201,7 @@ class Coordinator:
             workflow=episode.workflow,
             workflow_params=episode.workflow_params,
             sampling=episode.sampling,
-            episode_timeout_s=cfg.rollout.episode_timeout_s,
+            episode_timeout_s=cfg.fault_tolerance.rollout.episode_timeout_s,
         )
 
     # -- what the service and the entry point ask ----------------------------------------------

@@ -226,7 +226,7 @@ class Mesh:
         self.trainer_addresses[:] = [c.address for c in started]
         wait_healthy(
             [(a, TRAINER_SERVICE) for a in self.trainer_addresses],
-            timeout_s=cfg.trainer.restart_timeout_s,
+            timeout_s=cfg.fault_tolerance.trainer.restart_timeout_s,
         )
         return list(self.trainer_addresses)
 

@@ -368,7 +368,7 @@ class RayMesh(Mesh):
         self.trainer_addresses[:] = [s.address for s in trainers]
         wait_healthy(
             [(a, TRAINER_SERVICE) for a in self.trainer_addresses],
-            timeout_s=cfg.trainer.restart_timeout_s,
+            timeout_s=cfg.fault_tolerance.trainer.restart_timeout_s,
         )
         return list(self.trainer_addresses)
 

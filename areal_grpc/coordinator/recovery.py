@@ -112,14 +112,15 @@ class Recovery:
         continue from a version above any the rollout servers have served, and every server
         gets the restored weights under it before rollouts resume. A failure during the
         restart itself (a new rank dying, the group not forming in time) leads to another
-        restart, while ``trainer.max_restarts`` allows.
+        restart, while ``fault_tolerance.trainer.max_restarts`` allows.
         """
         failed_at = self.pool.global_step
         while True:
             if self.restarts >= self.max_restarts:
                 raise TrainerGroupFailed(
                     f"the trainer group failed at step {failed_at} after {self.restarts} "
-                    f"restart(s) (trainer.max_restarts={self.max_restarts}): {explain(cause)}"
+                    f"restart(s) (fault_tolerance.trainer.max_restarts={self.max_restarts}): "
+                    f"{explain(cause)}"
                 ) from cause
             latest = self.store.latest()
             if latest is None:

@@ -3,12 +3,14 @@
 A submitter sends prompts over one long-lived ``RunEpisodes`` stream per server in rotation
 (least-loaded first) while the pool's staleness capacity is positive; one reader per stream
 files results into the pool. A server whose stream breaks, whose health check fails, or that
-holds a task past ``rollout.episode_timeout_s`` leaves rotation (:meth:`RolloutFleet.take_out`),
+holds a task past ``fault_tolerance.rollout.episode_timeout_s`` leaves rotation
+(:meth:`RolloutFleet.take_out`),
 its tasks are re-queued, and it is brought back once it serves again, through ``join`` (the
 weight-sync orchestration brings it to the run's version). One the run's launcher started is
 replaced instead when its process is gone or it stays out of rotation for
-``rollout.replace_after_s`` (at most ``rollout.max_restarts`` times per run). With no server
-in rotation for ``rollout.no_server_timeout_s`` the run fails (:class:`RolloutFleetLost`).
+``fault_tolerance.rollout.replace_after_s`` (at most ``fault_tolerance.rollout.max_restarts``
+times per run). With no server in rotation for ``fault_tolerance.rollout.no_server_timeout_s``
+the run fails (:class:`RolloutFleetLost`).
 
 Clients come from ``client_factory`` and health answers from ``health``, so the fleet can run
 against in-process fakes in unit tests.
@@ -57,13 +59,13 @@ NO_SERVER_WARN_EVERY_S = 30.0
 # Back-off before restart n (1-based) of a rollout server: 1 s, 2 s, 4 s, ... up to this.
 RESTART_BACKOFF_MAX_S = 30.0
 # SIGTERM to SIGKILL for a server being replaced: it is dead or has not answered for
-# rollout.replace_after_s, and its work was re-queued when it left rotation, so there is
-# nothing to drain (a frozen process would only use up a longer grace).
+# fault_tolerance.rollout.replace_after_s, and its work was re-queued when it left rotation, so
+# there is nothing to drain (a frozen process would only use up a longer grace).
 REPLACE_GRACE_S = 2.0
 
 
 class RolloutFleetLost(RuntimeError):
-    """No rollout server was in rotation for ``rollout.no_server_timeout_s``."""
+    """No rollout server was in rotation for ``fault_tolerance.rollout.no_server_timeout_s``."""
 
 
 class StreamLike(Protocol):
@@ -178,7 +180,7 @@ class RolloutFleet:
         """``launcher`` replaces servers it started that die (None, attach mode: a server is
         waited for until it serves again); ``on_replaced(old, new)`` is called after a server
         was replaced (``new`` None: it is gone for good), e.g. to rewrite mesh.json."""
-        self.cfg = cfg.rollout
+        self.cfg = cfg.fault_tolerance.rollout
         self.pool = pool
         self.episode = episode
         self.launcher = launcher
@@ -433,8 +435,9 @@ class RolloutFleet:
 
         A server that stops answering (hung, frozen, partitioned) does not break its stream,
         so without this its tasks would wait forever. Stalled means: a task of ours ran past
-        ``rollout.episode_timeout_s``, or its health check failed or did not answer within
-        ``rollout.health_timeout_s`` (every ``rollout.health_interval_s``; 0: no checks).
+        ``fault_tolerance.rollout.episode_timeout_s``, or its health check failed or did not
+        answer within ``fault_tolerance.rollout.health_timeout_s`` (every
+        ``fault_tolerance.rollout.health_interval_s``; 0: no checks).
         """
         r = self.cfg
         tick = min(1.0, r.health_interval_s) if r.health_interval_s > 0 else 1.0
@@ -452,8 +455,9 @@ class RolloutFleet:
                 overdue = self.pool.overdue_on(ep.address, r.episode_timeout_s)
                 if overdue:
                     log.warning(
-                        "rollout server %s held %d task(s) past rollout.episode_timeout_s=%g "
-                        "(e.g. %s): taking it out of rotation, its work is re-queued",
+                        "rollout server %s held %d task(s) past "
+                        "fault_tolerance.rollout.episode_timeout_s=%g (e.g. %s): taking it out "
+                        "of rotation, its work is re-queued",
                         ep.address,
                         len(overdue),
                         r.episode_timeout_s,
@@ -501,7 +505,7 @@ class RolloutFleet:
             ]
             log.warning(
                 "no rollout server in rotation for %.0f s (%s); the run fails after "
-                "rollout.no_server_timeout_s=%g",
+                "fault_tolerance.rollout.no_server_timeout_s=%g",
                 elapsed,
                 ", ".join(waiting) or "none left in the mesh",
                 timeout_s,
@@ -509,8 +513,9 @@ class RolloutFleet:
         if elapsed >= timeout_s and not self._fatal.is_set():
             self._fatal_error = RolloutFleetLost(
                 f"no rollout server was in rotation for {elapsed:.0f} s "
-                f"(rollout.no_server_timeout_s={timeout_s:g}; {self.restarts} of "
-                f"rollout.max_restarts={self.cfg.max_restarts} restart(s) used; out: "
+                f"(fault_tolerance.rollout.no_server_timeout_s={timeout_s:g}; {self.restarts} "
+                f"of fault_tolerance.rollout.max_restarts={self.cfg.max_restarts} restart(s) "
+                "used; out: "
                 f"{[*sorted(self.lost), *(e.address for e in self.endpoints)]})"
             )
             self._fatal.set()
@@ -547,7 +552,7 @@ class RolloutFleet:
         """Waits until ``ep`` serves again, then brings it back (retrying every second).
 
         A server the launcher started is replaced instead (:meth:`_replace`) once its process
-        is gone, or when it has not come back within ``rollout.replace_after_s``.
+        is gone, or when it has not come back within ``fault_tolerance.rollout.replace_after_s``.
         """
         down_since = time.monotonic()
         spent_logged = False
@@ -577,8 +582,8 @@ class RolloutFleet:
             if not spent_logged:
                 spent_logged = True
                 log.error(
-                    "rollout server %s is down (%s) and rollout.max_restarts=%d restart(s) "
-                    "are spent: the run goes on without it",
+                    "rollout server %s is down (%s) and fault_tolerance.rollout.max_restarts=%d "
+                    "restart(s) are spent: the run goes on without it",
                     ep.address,
                     cause,
                     self.cfg.max_restarts,
@@ -607,8 +612,9 @@ class RolloutFleet:
         """Stops a dead or stuck server and starts a fresh one in its place.
 
         The replacement joins like :meth:`add`'s: it is brought to the run's version before
-        it takes work. Starts are retried with back-off while ``rollout.max_restarts``
-        (counted over the run) allows; then the server is retired.
+        it takes work. Starts are retried with back-off while
+        ``fault_tolerance.rollout.max_restarts`` (counted over the run) allows; then the
+        server is retired.
         """
         old = ep.address
         max_restarts = self.cfg.max_restarts
@@ -626,7 +632,7 @@ class RolloutFleet:
             self.restarts += 1
             n = self.restarts
             log.warning(
-                "rollout server %s died (%s): restart %d/%d (rollout.max_restarts)",
+                "rollout server %s died (%s): restart %d/%d (fault_tolerance.rollout.max_restarts)",
                 old,
                 cause,
                 n,
@@ -640,8 +646,8 @@ class RolloutFleet:
                 log.warning("rollout server %s: %s", old, cause)
         if new is None:
             log.error(
-                "rollout server %s is gone and rollout.max_restarts=%d restart(s) are spent: "
-                "the run goes on without it",
+                "rollout server %s is gone and fault_tolerance.rollout.max_restarts=%d "
+                "restart(s) are spent: the run goes on without it",
                 old,
                 max_restarts,
             )

@@ -23,7 +23,7 @@ import grpc
 from areal_clients.trainer import TrainerClient, on_all_ranks
 from arealgrpc.v1 import common_pb2, trainer_pb2
 
-from areal_grpc.config import TrainerConfig
+from areal_grpc.config import TrainerSupervision
 from areal_grpc.coordinator.pool import Finished
 from areal_grpc.dispatch import balance_ratio, dispatch_groups
 from areal_grpc.launch import TRAINER_SERVICE, HealthCheck, check_health
@@ -107,7 +107,7 @@ class TrainerGroup:
 
     def __init__(
         self,
-        cfg: TrainerConfig,
+        cfg: TrainerSupervision,
         addresses: Sequence[str],
         *,
         restart: RestartTrainers | None = None,
@@ -228,7 +228,7 @@ class TrainerGroup:
                 if lost and not task.done():
                     raise TrainerRankLost(
                         f"trainer rank(s) {lost} failed their health check during a collective "
-                        f"call (trainer.health_timeout_s={t.health_timeout_s:g})"
+                        f"call (fault_tolerance.trainer.health_timeout_s={t.health_timeout_s:g})"
                     )
         finally:
             if not task.done():
@@ -273,7 +273,8 @@ class TrainerGroup:
         group still answers, but reports its broken group (or is stuck in a collective). A
         rank our launcher restarted was listening when the restart returned: one that refuses
         connections ``GONE_AFTER`` polls in a row has died, and the group never forms without
-        it, so that fails the group at once instead of at ``trainer.restart_timeout_s``.
+        it, so that fails the group at once instead of at
+        ``fault_tolerance.trainer.restart_timeout_s``.
         """
         timeout_s = self.cfg.restart_timeout_s
         deadline = time.monotonic() + timeout_s
@@ -310,9 +311,10 @@ class TrainerGroup:
                 return
             if time.monotonic() > deadline:
                 raise TrainerGroupFailed(
-                    f"the trainer group did not come back within trainer.restart_timeout_s="
-                    f"{timeout_s:g} ({', '.join(problems)}); under attach mode restart every "
-                    f"rank (e.g. torchrun --max-restarts)"
+                    "the trainer group did not come back within "
+                    f"fault_tolerance.trainer.restart_timeout_s={timeout_s:g} "
+                    f"({', '.join(problems)}); under attach mode restart every rank (e.g. "
+                    "torchrun --max-restarts)"
                 )
             if ", ".join(problems) != waiting:
                 waiting = ", ".join(problems)

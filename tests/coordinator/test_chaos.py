@@ -103,12 +103,12 @@ def test_a_run_survives_killed_and_frozen_servers_and_ranks(tmp_path, coordinato
         "checkpoint.every_steps=3",
         "checkpoint.export_hf=false",
         "output.plot=false",
-        "trainer.health_interval_s=1",
-        "trainer.health_timeout_s=2",
-        "trainer.max_restarts=10",
-        "rollout.health_interval_s=1",
-        "rollout.health_timeout_s=2",
-        "rollout.max_restarts=10",
+        "fault_tolerance.trainer.health_interval_s=1",
+        "fault_tolerance.trainer.health_timeout_s=2",
+        "fault_tolerance.trainer.max_restarts=10",
+        "fault_tolerance.rollout.health_interval_s=1",
+        "fault_tolerance.rollout.health_timeout_s=2",
+        "fault_tolerance.rollout.max_restarts=10",
     )
     seen: set[int] = set()
     deadline = time.monotonic() + 600

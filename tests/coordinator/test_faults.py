@@ -111,8 +111,8 @@ def test_a_lost_trainer_rank_restarts_the_group_from_the_checkpoint_and_the_run_
         tmp_path,
         f"total_steps={steps}",
         "checkpoint.every_steps=3",
-        "trainer.health_interval_s=1",
-        "trainer.health_timeout_s=2",
+        "fault_tolerance.trainer.health_interval_s=1",
+        "fault_tolerance.trainer.health_timeout_s=2",
     )
     out = Path(cfg.output.dir)
     with local_mesh(cfg, tmp_path) as mesh:
@@ -165,7 +165,7 @@ def test_a_rank_dying_during_the_restart_leads_to_another_restart_not_a_failed_r
         "checkpoint.every_steps=3",
         # The second group never forms (a rank is gone). Not the timeout: a restarted rank
         # that refuses connections fails the group at once (the test's own timeout is 300 s).
-        "trainer.restart_timeout_s=600",
+        "fault_tolerance.trainer.restart_timeout_s=600",
     )
     out = Path(cfg.output.dir)
     with local_mesh(cfg, tmp_path) as mesh:
@@ -282,9 +282,21 @@ async def wait_until(
 @pytest.mark.parametrize(
     "detection",
     [
-        pytest.param(["rollout.health_interval_s=0.5", "rollout.health_timeout_s=1"], id="health"),
+        pytest.param(
+            [
+                "fault_tolerance.rollout.health_interval_s=0.5",
+                "fault_tolerance.rollout.health_timeout_s=1",
+            ],
+            id="health",
+        ),
         # No health checks: the episode deadline alone must notice.
-        pytest.param(["rollout.health_interval_s=0", "rollout.episode_timeout_s=5"], id="deadline"),
+        pytest.param(
+            [
+                "fault_tolerance.rollout.health_interval_s=0",
+                "fault_tolerance.rollout.episode_timeout_s=5",
+            ],
+            id="deadline",
+        ),
     ],
 )
 def test_a_stalled_rollout_server_loses_its_work_to_the_other_and_rejoins(tmp_path, detection):

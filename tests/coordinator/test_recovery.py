@@ -75,14 +75,18 @@ def test_a_group_failure_before_the_first_checkpoint_fails_the_run_naming_the_ke
 
 def test_restarts_stop_at_trainer_max_restarts(tmp_path):
     cfg = small_run(
-        tmp_path, "total_steps=10", "checkpoint.every_steps=2", "trainer.max_restarts=1"
+        tmp_path,
+        "total_steps=10",
+        "checkpoint.every_steps=2",
+        "fault_tolerance.trainer.max_restarts=1",
     )
     mesh = FakeMesh()
     # Fails at step 3 (restored to 2, redone), then at step 5: the second failure is one
     # restart too many.
     mesh.ranks["trainer-0"].fail_at_steps = {3, 5}
     with pytest.raises(
-        TrainerGroupFailed, match=r"after 1 restart\(s\) \(trainer\.max_restarts=1\)"
+        TrainerGroupFailed,
+        match=r"after 1 restart\(s\) \(fault_tolerance\.trainer\.max_restarts=1\)",
     ):
         run(mesh, cfg)
     assert mesh.restarts == 1

@@ -29,8 +29,8 @@ def test_a_server_holding_tasks_past_the_episode_timeout_loses_them_to_the_other
         f"total_steps={steps}",
         # One batch per version: no prompt of the next epoch is trained before this one ends.
         "staleness.max_staleness=0",
-        "rollout.episode_timeout_s=0.3",
-        "rollout.health_interval_s=0",
+        "fault_tolerance.rollout.episode_timeout_s=0.3",
+        "fault_tolerance.rollout.health_interval_s=0",
     )
     mesh = FakeMesh(rollouts=2)
     hung = mesh.rollouts["rollout-0"]
@@ -51,7 +51,7 @@ def test_a_server_holding_tasks_past_the_episode_timeout_loses_them_to_the_other
 
 def test_a_broken_stream_requeues_its_tasks_and_the_server_rejoins_at_the_run_version(tmp_path):
     steps = 16
-    cfg = small_run(tmp_path, f"total_steps={steps}", "rollout.health_interval_s=0")
+    cfg = small_run(tmp_path, f"total_steps={steps}", "fault_tolerance.rollout.health_interval_s=0")
     mesh = FakeMesh(rollouts=2)
     # Long enough for the server to be brought back (after 1 s) before the run ends.
     mesh.ranks["trainer-0"].step_s = 0.15
@@ -90,9 +90,9 @@ def test_with_no_server_in_rotation_the_run_fails_naming_the_key(tmp_path):
     cfg = small_run(
         tmp_path,
         "total_steps=50",
-        "rollout.health_interval_s=0.2",
-        "rollout.health_timeout_s=0.2",
-        "rollout.no_server_timeout_s=1",
+        "fault_tolerance.rollout.health_interval_s=0.2",
+        "fault_tolerance.rollout.health_timeout_s=0.2",
+        "fault_tolerance.rollout.no_server_timeout_s=1",
     )
     mesh = FakeMesh(rollouts=1)
 

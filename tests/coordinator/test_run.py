@@ -380,13 +380,14 @@ def kill_rollout_0_after(
     ("sig", "extra", "cause"),
     [
         (signal.SIGKILL, (), "process is gone"),
-        # Frozen, not dead: replaced once out of rotation for rollout.replace_after_s.
+        # Frozen, not dead: replaced once out of rotation for
+        # fault_tolerance.rollout.replace_after_s.
         (
             signal.SIGSTOP,
             (
-                "rollout.replace_after_s=3",
-                "rollout.health_interval_s=1",
-                "rollout.health_timeout_s=1",
+                "fault_tolerance.rollout.replace_after_s=3",
+                "fault_tolerance.rollout.health_interval_s=1",
+                "fault_tolerance.rollout.health_timeout_s=1",
             ),
             "out of rotation for 3 s",
         ),
@@ -448,8 +449,8 @@ def test_with_no_restarts_left_a_run_without_rollout_servers_fails_naming_the_ke
         out,
         *coordinator_command.SMALL_RUN,
         "total_steps=100000",
-        "rollout.max_restarts=0",
-        f"rollout.no_server_timeout_s={timeout_s}",
+        "fault_tolerance.rollout.max_restarts=0",
+        f"fault_tolerance.rollout.no_server_timeout_s={timeout_s}",
     )
     _, children = kill_rollout_0_after(coordinator_command, proc, out, 2, 100000)
     killed_at = time.monotonic()
@@ -458,7 +459,7 @@ def test_with_no_restarts_left_a_run_without_rollout_servers_fails_naming_the_ke
     assert proc.returncode == 1, log
     assert "no rollout server in rotation" in log
     [error] = [line for line in log.splitlines() if line.startswith("error: ")]
-    assert f"rollout.no_server_timeout_s={timeout_s}" in error
+    assert f"fault_tolerance.rollout.no_server_timeout_s={timeout_s}" in error
     # Not before the timeout (finish()'s own deadline is what catches a hang).
     assert took >= timeout_s, took
     for child in children:

@@ -359,7 +359,7 @@ def test_a_killed_trainer_rank_on_ray_is_replaced_by_new_actors_and_the_run_fini
     overrides = [
         o for o in run_overrides(tmp_path, steps, 1) if not o.startswith("checkpoint.every")
     ]
-    overrides += ["checkpoint.every_steps=2", "trainer.health_interval_s=1"]
+    overrides += ["checkpoint.every_steps=2", "fault_tolerance.trainer.health_interval_s=1"]
     proc = coordinator_command.start(out, *overrides, *ray_overrides(ray_cluster))
     coordinator_command.address(proc)
     try:
