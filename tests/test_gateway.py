@@ -28,6 +28,7 @@ import pytest
 import uvicorn
 from areal_clients.gateway import create_app
 from areal_clients.gateway.chat import ChatRenderer, Conversation, normalize_messages
+from areal_clients.gateway.state import MAX_N
 from areal_clients.gateway.tools import (
     ToolSettings,
     assistant_message,
@@ -984,3 +985,35 @@ def test_the_example_agents_calculator_evaluates_arithmetic_only() -> None:
     for bad in ("__import__('os').system('true')", "x + 1", "2 ** 99999", "1 / 0", "1 +"):
         assert agent.calculate(bad).startswith("error:"), bad
     assert agent.answered("so it is 936.", 936) and not agent.answered("935", 936)
+
+
+def test_the_openapi_document_describes_every_body_and_every_error_answer():
+    """The routes read their bodies themselves; the document still says what they take and
+    answers every error status with OpenAI's error object."""
+    doc = create_app(gateway_run(), "127.0.0.1:1").openapi()
+    paths = doc["paths"]
+
+    def schema(path: str, method: str = "post") -> dict:
+        return paths[path][method]["requestBody"]["content"]["application/json"]["schema"]
+
+    chat = schema("/v1/chat/completions")
+    assert chat["required"] == ["messages"]
+    assert chat["properties"]["n"]["maximum"] == MAX_N
+    assert schema("/v1/completions")["required"] == ["prompt"]
+    assert {tuple(o["required"]) for o in schema("/rl/sessions/{session_id}/reward")["oneOf"]} == {
+        ("reward",),
+        ("rewards",),
+    }
+    assert not paths["/rl/sessions"]["post"]["requestBody"]["required"]
+    for path, method, statuses in (
+        ("/v1/chat/completions", "post", {"400", "401", "404", "409", "429", "503", "504"}),
+        ("/v1/completions", "post", {"400", "401", "429", "503", "504"}),
+        ("/rl/sessions", "post", {"400", "401", "429"}),
+        ("/rl/sessions/{session_id}/reward", "post", {"400", "404", "409"}),
+        ("/rl/sessions/{session_id}", "delete", {"401", "404"}),
+    ):
+        answers = paths[path][method]["responses"]
+        assert statuses <= set(answers), (path, sorted(answers))
+        for status in statuses:
+            error = answers[status]["content"]["application/json"]["schema"]
+            assert error["required"] == ["error"], (path, status)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from areal_grpc.errors import FieldError
 
 from .chat import ChatRenderer, Conversation, normalize_messages
+from .openapi import CHAT_BODY, COMPLETION_BODY, body, errors
 from .state import (
     FINISH_REASONS,
     MAX_N,
@@ -388,7 +389,7 @@ async def answer(gw: Gateway, call: Call) -> Any:
         call.release()
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=errors(401))
 async def models(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
     gw.check_auth(request)
@@ -398,7 +399,11 @@ async def models(request: Request) -> dict[str, Any]:
     }
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=body(CHAT_BODY),
+    responses=errors(400, 401, 404, 409, 429, 502, 503, 504),
+)
 async def chat_completions(request: Request) -> Any:
     body = await json_body(request)
     gw = gateway_of(request)
@@ -422,7 +427,11 @@ async def chat_completions(request: Request) -> Any:
     return await answer(gw, await prepare(gw, request, body, fresh, "chat", None, tools))
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    openapi_extra=body(COMPLETION_BODY),
+    responses=errors(400, 401, 404, 409, 429, 502, 503, 504),
+)
 async def completions(request: Request) -> Any:
     body = await json_body(request)
     gw = gateway_of(request)

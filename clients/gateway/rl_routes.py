@@ -11,13 +11,18 @@ from fastapi import APIRouter, Request
 
 from areal_grpc.errors import FieldError
 
+from .openapi import REWARD_BODY, SESSION_BODY, body, errors
 from .sessions import Session
 from .state import PRODUCER_ID, from_rpc, gateway_of, int_field, json_body
 
 router = APIRouter()
 
 
-@router.post("/rl/sessions")
+@router.post(
+    "/rl/sessions",
+    openapi_extra=body(SESSION_BODY, required=False),
+    responses=errors(400, 401, 429, 503),
+)
 async def open_session(request: Request) -> Any:
     body = await json_body(request) if await request.body() else {}
     gw = gateway_of(request)
@@ -42,7 +47,11 @@ async def open_session(request: Request) -> Any:
     }
 
 
-@router.post("/rl/sessions/{session_id}/reward")
+@router.post(
+    "/rl/sessions/{session_id}/reward",
+    openapi_extra=body(REWARD_BODY),
+    responses=errors(400, 401, 404, 409, 503),
+)
 async def reward(session_id: str, request: Request) -> Any:
     body = await json_body(request)
     gw = gateway_of(request)
@@ -67,7 +76,7 @@ async def reward(session_id: str, request: Request) -> Any:
     }
 
 
-@router.delete("/rl/sessions/{session_id}")
+@router.delete("/rl/sessions/{session_id}", responses=errors(401, 404, 503))
 async def release(session_id: str, request: Request) -> Any:
     gw = gateway_of(request)
     gw.check_auth(request)
