@@ -561,6 +561,24 @@ def test_bad_requests_are_400_naming_the_field(gateway: Gateway) -> None:
     reward = httpx.post(f"{gateway.url}/rl/sessions/nope/reward", json={"reward": 1}, timeout=10)
     assert reward.status_code == 404
     assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    # Found by schemathesis against a live gateway: a token id outside the vocabulary was a
+    # 500 (the tokenizer raised); a tiny top_p reached the engine as 0; booleans were truthy.
+    text_cases = [
+        ({"prompt": [5, 10**12]}, "prompt[1]"),
+        ({"prompt": "hi", "top_p": 5e-324}, "top_p"),
+        ({"prompt": "hi", "temperature": 1e-9}, "temperature"),
+        ({"prompt": "hi", "return_token_ids": {}}, "return_token_ids"),
+        ({"prompt": "hi", "stream_options": "yes"}, "stream_options"),
+    ]
+    for body, param in text_cases:
+        answer = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 400, (body, answer.text)
+        assert answer.json()["error"]["param"] == param, body
+    # One token id is a prompt too (a one-element list was taken for a list of strings).
+    one = httpx.post(
+        f"{gateway.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=60
+    )
+    assert one.status_code == 200, one.text
 
 
 def test_rewards_per_completion_and_a_released_session(gateway: Gateway, mesh: Mesh) -> None:

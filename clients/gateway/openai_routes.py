@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from areal_grpc.errors import FieldError
 
 from .chat import ChatRenderer, Conversation, normalize_messages
-from .openapi import CHAT_BODY, COMPLETION_BODY, body, errors
+from .openapi import CHAT_BODY, COMPLETION_BODY, COMPLETION_OK, body, errors
 from .state import (
     FINISH_REASONS,
     MAX_N,
@@ -402,7 +402,7 @@ async def models(request: Request) -> dict[str, Any]:
 @router.post(
     "/v1/chat/completions",
     openapi_extra=body(CHAT_BODY),
-    responses=errors(400, 401, 404, 409, 429, 502, 503, 504),
+    responses=COMPLETION_OK | errors(400, 401, 404, 409, 429, 502, 503, 504),
 )
 async def chat_completions(request: Request) -> Any:
     body = await json_body(request)
@@ -430,15 +430,24 @@ async def chat_completions(request: Request) -> Any:
 @router.post(
     "/v1/completions",
     openapi_extra=body(COMPLETION_BODY),
-    responses=errors(400, 401, 404, 409, 429, 502, 503, 504),
+    responses=COMPLETION_OK | errors(400, 401, 404, 409, 429, 502, 503, 504),
 )
 async def completions(request: Request) -> Any:
     body = await json_body(request)
     gw = gateway_of(request)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    ints = isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    )
+    if isinstance(prompt, list) and prompt and ints:
+        vocab = len(gw.tokenizer)
+        for i, t in enumerate(prompt):
+            if not 0 <= t < vocab:
+                raise FieldError(
+                    f"prompt[{i}]", f"token id {t} is not in the vocabulary [0, {vocab})"
+                )
         ids = [int(t) for t in prompt]
         text = gw.tokenizer.decode(ids)
     elif isinstance(prompt, str) and prompt:

@@ -10,9 +10,31 @@ from __future__ import annotations
 
 from typing import Any
 
+from areal_grpc.sampling import MIN_TEMPERATURE, MIN_TOP_P
+
 from .state import MAX_N, MAX_STOPS
 
-__all__ = ["CHAT_BODY", "COMPLETION_BODY", "REWARD_BODY", "SESSION_BODY", "body", "errors"]
+__all__ = [
+    "CHAT_BODY",
+    "COMPLETION_BODY",
+    "COMPLETION_OK",
+    "REWARD_BODY",
+    "SESSION_BODY",
+    "body",
+    "errors",
+]
+
+# A completion's 200: a JSON object, or with "stream": true server-sent events of chunks.
+COMPLETION_OK: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion (application/json), or with stream: true its chunks as "
+        "server-sent events (text/event-stream).",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+}
 
 _ERROR = {
     "type": "object",
@@ -44,8 +66,11 @@ _WHY = {
 
 _SAMPLING: dict[str, Any] = {
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "default": 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "temperature": {
+        "description": f"0 (greedy) or at least {MIN_TEMPERATURE}",
+        "anyOf": [{"const": 0}, {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": 2}],
+    },
+    "top_p": {"type": "number", "minimum": MIN_TOP_P, "maximum": 1},
     "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 1 << 20},
     "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 1 << 20},
     "stop": {
@@ -66,7 +91,14 @@ _SAMPLING: dict[str, Any] = {
     "return_token_ids": {"type": "boolean"},
 }
 
+# top_logprobs > 0 needs logprobs: true.
+_TOP_NEEDS_LOGPROBS: dict[str, Any] = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"minimum": 1}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
+
 CHAT_BODY: dict[str, Any] = {
+    **_TOP_NEEDS_LOGPROBS,
     "type": "object",
     "required": ["messages"],
     "properties": {
@@ -79,19 +111,65 @@ CHAT_BODY: dict[str, Any] = {
                 "required": ["role"],
                 "properties": {
                     "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-                    "content": {"type": ["string", "array", "null"]},
-                    "tool_calls": {"type": "array"},
+                    "content": {
+                        "anyOf": [
+                            {"type": "string"},
+                            {"type": "null"},
+                            {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["type", "text"],
+                                    "properties": {
+                                        "type": {"const": "text"},
+                                        "text": {"type": "string"},
+                                    },
+                                },
+                            },
+                        ]
+                    },
+                    "tool_calls": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["function"],
+                            "properties": {
+                                "id": {"type": "string"},
+                                "type": {"const": "function"},
+                                "function": {
+                                    "type": "object",
+                                    "required": ["name"],
+                                    "properties": {"name": {"type": "string"}},
+                                },
+                            },
+                        },
+                    },
                     "tool_call_id": {"type": "string"},
                 },
             },
         },
-        "tools": {"type": ["array", "null"]},
+        "tools": {
+            "type": ["array", "null"],
+            "items": {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {
+                    "type": {"const": "function"},
+                    "function": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string", "minLength": 1}},
+                    },
+                },
+            },
+        },
         "tool_choice": {"type": ["string", "object", "null"]},
         **_SAMPLING,
     },
 }
 
 COMPLETION_BODY: dict[str, Any] = {
+    **_TOP_NEEDS_LOGPROBS,
     "type": "object",
     "required": ["prompt"],
     "properties": {
@@ -99,8 +177,18 @@ COMPLETION_BODY: dict[str, Any] = {
         "prompt": {
             "oneOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": 0},
+                    "minItems": 1,
+                    "description": "token ids of the served model's vocabulary",
+                },
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "minItems": 1,
+                    "maxItems": 1,
+                },
             ]
         },
         **_SAMPLING,
@@ -110,8 +198,13 @@ COMPLETION_BODY: dict[str, Any] = {
 SESSION_BODY: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "group_size": {"type": "integer", "minimum": 1, "maximum": 1 << 16, "default": 1},
-        "metadata": {"type": "object"},
+        "group_size": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "maximum": 1 << 16,
+            "default": 1,
+        },
+        "metadata": {"type": ["object", "null"]},
     },
 }
 

@@ -27,7 +27,8 @@ async def open_session(request: Request) -> Any:
     body = await json_body(request) if await request.body() else {}
     gw = gateway_of(request)
     group_size = int_field(body, "group_size", 1, 1, 1 << 16)
-    metadata = body.get("metadata") or {}
+    metadata = body.get("metadata")
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
         raise FieldError("metadata", "must be an object")
     try:

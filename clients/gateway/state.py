@@ -27,6 +27,7 @@ from areal_grpc import tracing
 from areal_grpc.config import RunConfig, read_chat_template
 from areal_grpc.errors import FieldError, retry_delay_s
 from areal_grpc.model import load_tokenizer
+from areal_grpc.sampling import MIN_TEMPERATURE, MIN_TOP_P
 
 from ..coordinator import CoordinatorClient
 from ..rollout import RolloutClient
@@ -114,6 +115,9 @@ def int_field(body: Mapping[str, Any], key: str, default: int, low: int, high: i
     value = body.get(key, default)
     if value is None:
         return default
+    # JSON has one number type: 3.0 is the integer 3 (as JSON Schema reads it).
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise FieldError(key, f"must be an integer in [{low}, {high}], got {value!r}")
     return value
@@ -298,6 +302,15 @@ class Gateway:
         for key in ("functions", "response_format"):
             if body.get(key) not in (None, [], {}):
                 raise FieldError(key, "is not supported by this gateway yet")
+        for key in ("logprobs", "stream", "return_token_ids"):
+            if not isinstance(body.get(key), (bool, type(None))):
+                raise FieldError(key, f"must be true, false or null, got {body[key]!r}")
+        options = body.get("stream_options")
+        if options is not None and (
+            not isinstance(options, dict)
+            or not isinstance(options.get("include_usage", False), bool)
+        ):
+            raise FieldError("stream_options", 'must be null or {"include_usage": true|false}')
         # The newer name wins; a null one falls back to max_tokens.
         key = (
             "max_completion_tokens"
@@ -318,11 +331,16 @@ class Gateway:
             params.seed = int_field(body, "seed", 0, -(2**63), 2**63 - 1) % 2**64
         temperature = float_field(body, "temperature", 0.0, 2.0)
         if temperature is not None:
+            # The contract's rule, checked here so a stream never starts on a bad value.
+            if 0.0 < temperature < MIN_TEMPERATURE:
+                raise FieldError(
+                    "temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}"
+                )
             params.temperature = temperature
         top_p = float_field(body, "top_p", 0.0, 1.0)
         if top_p is not None:
-            if top_p == 0.0:
-                raise FieldError("top_p", "must be > 0")
+            if top_p < MIN_TOP_P:
+                raise FieldError("top_p", f"must be in [{MIN_TOP_P}, 1], got {top_p}")
             params.top_p = top_p
         return params, stop_strings
 

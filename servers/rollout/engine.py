@@ -22,6 +22,7 @@ import torch
 from arealgrpc.v1 import common_pb2, rollout_pb2
 
 from areal_grpc.errors import FieldError
+from areal_grpc.sampling import MIN_TEMPERATURE
 
 
 class FinishReason(enum.IntEnum):
@@ -34,8 +35,6 @@ class FinishReason(enum.IntEnum):
     CANCELLED = common_pb2.FINISH_REASON_CANCELLED
 
 
-# Smallest positive sampling temperature accepted (0 means greedy).
-MIN_TEMPERATURE = 1e-3
 # Most alternatives a request may ask for per token (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
 
