@@ -1197,6 +1197,16 @@ def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def _bounds(f: Any) -> list[str]:
+    """A field's declared numeric bounds as text (">= 1", "> 0"), as setting() records them."""
+    out = []
+    if f.metadata["ge"] is not None:
+        out.append(f">= {f.metadata['ge']}")
+    if f.metadata["gt"] is not None:
+        out.append(f"> {f.metadata['gt']}")
+    return out
+
+
 def describe(prefix: str = "") -> str:
     """Each setting at or under the dotted key ``prefix`` ("": all) with its default, its
     choices and its help text, one paragraph per setting; ValueError for an unknown key."""
@@ -1216,10 +1226,7 @@ def describe(prefix: str = "") -> str:
                 line = f"{key} = {json.dumps(value)}"
                 if f.metadata["choices"]:
                     line += f"  (one of: {', '.join(f.metadata['choices'])})"
-                if f.metadata["ge"] is not None:
-                    line += f"  (>= {f.metadata['ge']})"
-                if f.metadata["gt"] is not None:
-                    line += f"  (> {f.metadata['gt']})"
+                line += "".join(f"  ({b})" for b in _bounds(f))
                 help_text = textwrap.fill(
                     f.metadata["help"], 96, initial_indent="    ", subsequent_indent="    "
                 )
@@ -1240,11 +1247,7 @@ def reference_markdown() -> str:
         out = []
         if f.metadata["choices"]:
             out.append("one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"]))
-        if f.metadata["ge"] is not None:
-            out.append(f">= {f.metadata['ge']}")
-        if f.metadata["gt"] is not None:
-            out.append(f"> {f.metadata['gt']}")
-        return "; ".join(out)
+        return "; ".join([*out, *_bounds(f)])
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
