@@ -64,6 +64,9 @@ class RolloutLog:
         self.groups_per_step = groups_per_step
         self.max_bytes = int(max_mb * (1 << 20))
         self._full = False
+        # Bytes under dir, counted from disk once (a resumed run's files count too), then kept
+        # up to date here instead of re-reading every file's size at every step.
+        self._used: int | None = None
 
     def _files(self) -> list[Path]:
         return sorted(self.dir.glob("step-*.jsonl")) if self.dir.is_dir() else []
@@ -73,15 +76,18 @@ class RolloutLog:
         for path in self._files():
             if int(path.stem.removeprefix("step-")) >= keep_until:
                 path.unlink()
+        self._used = None
 
     def write(self, step: int, version: int, batch: Sequence[Finished]) -> None:
         """Writes step ``step``'s samples (nothing once the directory is full)."""
         if self.groups_per_step <= 0 or self._full:
             return
         records = rollout_records(step, version, batch[: self.groups_per_step])
-        text = "".join(json.dumps(r) + "\n" for r in records)
-        used = sum(p.stat().st_size for p in self._files())
-        if used + len(text) > self.max_bytes:
+        data = "".join(json.dumps(r) + "\n" for r in records).encode()
+        if self._used is None:
+            self._used = sum(p.stat().st_size for p in self._files())
+        used = self._used
+        if used + len(data) > self.max_bytes:
             self._full = True
             log.warning(
                 "%s holds %.1f MiB (output.rollouts_max_mb): no more samples are written",
@@ -90,4 +96,5 @@ class RolloutLog:
             )
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / f"step-{step:06d}.jsonl").write_text(text)
+        (self.dir / f"step-{step:06d}.jsonl").write_bytes(data)
+        self._used = used + len(data)
