@@ -37,6 +37,7 @@ __all__ = [
     "EXTERNAL_TASK",
     "NORM_LEVELS",
     "WEIGHT_SYNC_METHODS",
+    "AttachSettings",
     "CheckpointConfig",
     "DataConfig",
     "EvalConfig",
@@ -62,6 +63,7 @@ __all__ = [
     "WeightSyncConfig",
     "describe",
     "load_config",
+    "preflight",
     "reference_markdown",
     "to_json",
     "to_yaml",
@@ -925,6 +927,16 @@ class SlurmSettings:
 
 
 @dataclass
+class AttachSettings:
+    """attach mode: servers started by someone else, used as they are."""
+
+    rollout_addresses: list[str] = setting(factory=list, help="One host:port per rollout server.")
+    trainer_addresses: list[str] = setting(
+        factory=list, help="One host:port per trainer rank, in rank order."
+    )
+
+
+@dataclass
 class LauncherConfig:
     """Start the mesh here (local), on a Ray cluster (ray), as job steps of the Slurm
     allocation the coordinator runs in (slurm), or use running servers (attach)."""
@@ -945,14 +957,6 @@ class LauncherConfig:
         help="Port of the coordinator's own gRPC service (external producers connect here); 0: "
         "any free.",
     )
-    rollout_addresses: list[str] = setting(
-        factory=list,
-        help="attach mode: one host:port per rollout server.",
-    )
-    trainer_addresses: list[str] = setting(
-        factory=list,
-        help="attach mode: one host:port per trainer rank, in rank order.",
-    )
     rollout_cpus: float = setting(
         1.0,
         help="CPUs each rollout server reserves: Ray's logical resources in ray mode (Ray "
@@ -970,6 +974,9 @@ class LauncherConfig:
     )
     trainer_gpus: float = setting(
         0.0, help="GPUs each trainer rank reserves (see rollout_cpus).", ge=0.0
+    )
+    attach: AttachSettings = setting(
+        factory=AttachSettings, help="attach mode: the running servers to use."
     )
     ray: RaySettings = setting(factory=RaySettings, help="ray mode: the cluster and placement.")
     slurm: SlurmSettings = setting(
@@ -1070,6 +1077,7 @@ REPLACED_KEYS = {
     **{f"trainer.{k}": f"trainer.optimizer.{k}" for k in OptimizerSettings.__dataclass_fields__},
     **{f"launcher.ray_{k}": f"launcher.ray.{k}" for k in RaySettings.__dataclass_fields__},
     **{f"launcher.slurm_{k}": f"launcher.slurm.{k}" for k in SlurmSettings.__dataclass_fields__},
+    **{f"launcher.{k}": f"launcher.attach.{k}" for k in AttachSettings.__dataclass_fields__},
     "trainer.ppo.behav_imp_weight_cap": "trainer.ppo.rejection.upper (null: rejection.metric=none)",
     "trainer.ppo.behav_imp_weight_mode": "trainer.ppo.rejection.action",
 }
@@ -1331,10 +1339,6 @@ def _address(key: str, value: str) -> None:
 
 
 def _validate_security(sec: SecurityConfig) -> None:
-    for key in ("tls_cert", "tls_key", "tls_ca", "auth_token_file"):
-        value = getattr(sec, key)
-        if value is not None and not Path(value).is_file():
-            raise FieldError(f"security.{key}", f"no such file: {value!r}")
     if (sec.tls_cert is None) != (sec.tls_key is None):
         missing = "tls_key" if sec.tls_key is None else "tls_cert"
         raise FieldError(f"security.{missing}", "tls_cert and tls_key go together")
@@ -1345,8 +1349,6 @@ def _validate_security(sec: SecurityConfig) -> None:
         raise FieldError("security.tls_cert", "security.tls_ca is set but TLS is not (no cert)")
     if sec.mutual_tls and sec.tls_cert is None:
         raise FieldError("security.mutual_tls", "needs security.tls_cert, tls_key and tls_ca")
-    if sec.auth_token_file is not None and not Path(sec.auth_token_file).read_text().strip():
-        raise FieldError("security.auth_token_file", f"{sec.auth_token_file!r} is empty")
 
 
 def _validate_run(cfg: RunConfig) -> None:
@@ -1368,10 +1370,6 @@ def _validate_model(cfg: RunConfig) -> None:
 def _validate_data(cfg: RunConfig) -> None:
     if not cfg.data.task:
         raise FieldError("data.task", "must not be empty")
-    for key in ("path", "eval_path"):
-        value = getattr(cfg.data, key)
-        if value is not None and not Path(value).is_file():
-            raise FieldError(f"data.{key}", f"{value!r} is not a file")
     if cfg.data.eval_path is not None and cfg.data.path is None:
         raise FieldError("data.eval_path", "needs data.path (the train items)")
     if cfg.data.task == EXTERNAL_TASK and cfg.data.path is not None:
@@ -1385,6 +1383,17 @@ def _validate_rollout(cfg: RunConfig) -> None:
             raise FieldError(f"rollout.{name}", "must not be empty")
     if not 0.0 < r.sampling.top_p <= 1.0:
         raise FieldError("rollout.sampling.top_p", f"must be in (0, 1], got {r.sampling.top_p}")
+    # Attach mode starts no rollout servers, so it launches no SGLang either.
+    if (
+        cfg.launcher.mode != "attach"
+        and r.engine == "sglang"
+        and len(r.sglang_urls) != r.num_servers
+    ):
+        raise FieldError(
+            "rollout.sglang_urls",
+            f"engine sglang needs one SGLang URL per rollout server (rollout.num_servers = "
+            f"{r.num_servers}), got {len(r.sglang_urls)}",
+        )
     v = r.vllm
     if not 0 <= v.idle_spin_s < float("inf"):
         raise FieldError("rollout.vllm.idle_spin_s", f"must be >= 0, got {v.idle_spin_s}")
@@ -1456,8 +1465,6 @@ def _validate_gateway(cfg: RunConfig) -> None:
         raise FieldError("gateway.port", f"must be in [0, 65535], got {g.port}")
     if not 0 < g.generate_timeout_s < float("inf"):
         raise FieldError("gateway.generate_timeout_s", f"must be > 0, got {g.generate_timeout_s}")
-    if g.chat_template:
-        read_chat_template(g.chat_template)
 
 
 def read_chat_template(path: str) -> str:
@@ -1525,10 +1532,6 @@ def _validate_eval(cfg: RunConfig) -> None:
 def _validate_output(cfg: RunConfig) -> None:
     if not cfg.output.dir:
         raise FieldError("output.dir", "must not be empty")
-    if cfg.output.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise FieldError(
-            "output.tensorboard", "needs the tensorboard package (pip install tensorboard)"
-        )
 
 
 def _validate_launcher(cfg: RunConfig) -> None:
@@ -1541,8 +1544,8 @@ def _validate_launcher(cfg: RunConfig) -> None:
             "launcher.coordinator_port", f"must be in 0-65535, got {la.coordinator_port}"
         )
     for key in ("rollout_addresses", "trainer_addresses"):
-        for i, addr in enumerate(getattr(la, key)):
-            _address(f"launcher.{key}[{i}]", addr)
+        for i, addr in enumerate(getattr(la.attach, key)):
+            _address(f"launcher.attach.{key}[{i}]", addr)
     if not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", la.slurm.time):
         raise FieldError(
             "launcher.slurm.time",
@@ -1557,24 +1560,18 @@ def _validate_launcher(cfg: RunConfig) -> None:
     if la.ray.address is not None and not la.ray.address:
         raise FieldError("launcher.ray.address", "must not be empty (leave it unset instead)")
     if la.mode == "attach":
-        if len(la.rollout_addresses) != r.num_servers:
+        if len(la.attach.rollout_addresses) != r.num_servers:
             raise FieldError(
-                "launcher.rollout_addresses",
+                "launcher.attach.rollout_addresses",
                 f"attach mode needs one address per rollout server (rollout.num_servers = "
-                f"{r.num_servers}), got {len(la.rollout_addresses)}",
+                f"{r.num_servers}), got {len(la.attach.rollout_addresses)}",
             )
-        if len(la.trainer_addresses) != t.ranks:
+        if len(la.attach.trainer_addresses) != t.ranks:
             raise FieldError(
-                "launcher.trainer_addresses",
+                "launcher.attach.trainer_addresses",
                 f"attach mode needs one address per trainer rank (trainer.ranks = {t.ranks}), "
-                f"got {len(la.trainer_addresses)}",
+                f"got {len(la.attach.trainer_addresses)}",
             )
-    elif r.engine == "sglang" and len(r.sglang_urls) != r.num_servers:
-        raise FieldError(
-            "rollout.sglang_urls",
-            f"engine sglang needs one SGLang URL per rollout server (rollout.num_servers = "
-            f"{r.num_servers}), got {len(r.sglang_urls)}",
-        )
 
 
 # Each section's checks, in the order a whole run is checked.
@@ -1609,3 +1606,48 @@ def validate_config(cfg: RunConfig, sections: Sequence[str] | None = None) -> No
         else:
             _check_fields(getattr(cfg, name), f"{name}.")
         SECTION_CHECKS[name](cfg)
+
+
+def _files_exist(section: str, obj: Any, keys: Sequence[str]) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if value is not None and not Path(value).is_file():
+            raise FieldError(f"{section}.{key}", f"no such file: {value!r}")
+
+
+def _preflight_security(cfg: RunConfig) -> None:
+    sec = cfg.security
+    _files_exist("security", sec, ("tls_cert", "tls_key", "tls_ca", "auth_token_file"))
+    if sec.auth_token_file is not None and not Path(sec.auth_token_file).read_text().strip():
+        raise FieldError("security.auth_token_file", f"{sec.auth_token_file!r} is empty")
+
+
+def _preflight_gateway(cfg: RunConfig) -> None:
+    if cfg.gateway.chat_template:
+        read_chat_template(cfg.gateway.chat_template)
+
+
+def _preflight_output(cfg: RunConfig) -> None:
+    if cfg.output.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise FieldError(
+            "output.tensorboard", "needs the tensorboard package (pip install tensorboard)"
+        )
+
+
+# What a section names outside the config (files, packages), checked where the process that
+# uses it launches: a config is valid on a machine that lacks them (--print-config, a submit
+# host, a test), and a trainer on another node need not see the coordinator's data files.
+PREFLIGHT_CHECKS: dict[str, Callable[[RunConfig], None]] = {
+    "data": lambda cfg: _files_exist("data", cfg.data, ("path", "eval_path")),
+    "gateway": _preflight_gateway,
+    "output": _preflight_output,
+    "security": _preflight_security,
+}
+
+
+def preflight(cfg: RunConfig, sections: Sequence[str] | None = None) -> None:
+    """Checks that the files and packages ``sections`` name (default: the whole run's) are
+    here; raises FieldError naming the first missing one."""
+    for name in sections if sections is not None else SECTION_CHECKS:
+        if name in PREFLIGHT_CHECKS:
+            PREFLIGHT_CHECKS[name](cfg)

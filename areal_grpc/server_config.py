@@ -17,7 +17,7 @@ import copy
 from collections.abc import Sequence
 from pathlib import Path
 
-from areal_grpc.config import RunConfig, load_config, to_json
+from areal_grpc.config import RunConfig, load_config, preflight, to_json
 from areal_grpc.tasks import TASKS
 
 __all__ = [
@@ -56,7 +56,9 @@ def add_run_config_args(parser: argparse.ArgumentParser) -> None:
 
 def run_config_from_args(args: argparse.Namespace, sections: Sequence[str]) -> RunConfig:
     """The run config a server's command line describes (FieldError names a bad key)."""
-    return load_config(args.config, args.overrides, sections=sections)
+    cfg = load_config(args.config, args.overrides, sections=sections)
+    preflight(cfg, sections)
+    return cfg
 
 
 def config_argv(cfg: RunConfig) -> list[str]:

@@ -145,8 +145,8 @@ def run_mode(args: argparse.Namespace, eta: int, steps: int, root: Path) -> dict
         coordinator_args = [
             *opts,
             "launcher.mode=attach",
-            f"launcher.rollout_addresses=[{rollout_addr}]",
-            f"launcher.trainer_addresses=[{','.join(trainer_addrs)}]",
+            f"launcher.attach.rollout_addresses=[{rollout_addr}]",
+            f"launcher.attach.trainer_addresses=[{','.join(trainer_addrs)}]",
         ]
         started = time.monotonic()
         with coordinator(coordinator_args, out_dir / "coordinator.log", env=env) as proc:

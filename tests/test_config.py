@@ -12,6 +12,7 @@ from areal_grpc.config import (
     ALGORITHMS_DIR,
     RunConfig,
     load_config,
+    preflight,
     to_yaml,
     validate_config,
 )
@@ -94,8 +95,8 @@ def test_yaml_round_trip(tmp_path):
         None,
         [
             "launcher.mode=attach",
-            "launcher.rollout_addresses=[10.0.0.1:5000]",
-            "launcher.trainer_addresses=[10.0.0.2:6000,10.0.0.3:6000]",
+            "launcher.attach.rollout_addresses=[10.0.0.1:5000]",
+            "launcher.attach.trainer_addresses=[10.0.0.2:6000,10.0.0.3:6000]",
             "rollout.sampling.max_new_tokens=64",
         ],
     )
@@ -168,7 +169,7 @@ def test_bad_override_names_the_key(override, field, words):
         ("weight_sync.timeout_s=0", "weight_sync.timeout_s"),
         ("eval.every_steps=-1", "eval.every_steps"),
         ("launcher.mode=remote", "launcher.mode"),
-        ("launcher.rollout_addresses=[localhost]", "launcher.rollout_addresses[0]"),
+        ("launcher.attach.rollout_addresses=[localhost]", "launcher.attach.rollout_addresses[0]"),
         ("output.log_level=LOUD", "output.log_level"),
         ("launcher.coordinator_port=70000", "launcher.coordinator_port"),
         ("total_steps=0", "total_steps"),
@@ -198,18 +199,18 @@ def test_vllm_refuses_truncated_sampling_whose_logprobs_it_cannot_report(overrid
 
 def test_attach_mode_needs_an_address_per_server_and_rank():
     with pytest.raises(FieldError) as err:
-        load_config(None, ["launcher.mode=attach", "launcher.rollout_addresses=[h:1]"])
-    assert err.value.field == "launcher.trainer_addresses"
+        load_config(None, ["launcher.mode=attach", "launcher.attach.rollout_addresses=[h:1]"])
+    assert err.value.field == "launcher.attach.trainer_addresses"
     assert "trainer.ranks = 2" in str(err.value)
     cfg = load_config(
         None,
         [
             "launcher.mode=attach",
-            "launcher.rollout_addresses=[h:1]",
-            "launcher.trainer_addresses=[h:2,h:3]",
+            "launcher.attach.rollout_addresses=[h:1]",
+            "launcher.attach.trainer_addresses=[h:2,h:3]",
         ],
     )
-    assert cfg.launcher.trainer_addresses == ["h:2", "h:3"]
+    assert cfg.launcher.attach.trainer_addresses == ["h:2", "h:3"]
 
 
 def test_sglang_engine_needs_a_url_per_server():
@@ -245,11 +246,26 @@ def test_validate_config_checks_a_config_built_in_code():
 
 def test_tensorboard_is_off_by_default_and_on_only_where_it_can_write():
     assert load_config(None, []).output.tensorboard is False
+    cfg = load_config(None, ["output.tensorboard=true"])
     if importlib.util.find_spec("tensorboard") is None:
         with pytest.raises(FieldError, match=r"output\.tensorboard: needs the tensorboard"):
-            load_config(None, ["output.tensorboard=true"])
+            preflight(cfg)
     else:
-        assert load_config(None, ["output.tensorboard=true"]).output.tensorboard is True
+        preflight(cfg)
+
+
+def test_validation_reads_no_files_and_preflight_names_the_missing_one(tmp_path):
+    # A config is valid on a machine without its files (--print-config, a submit host);
+    # the process that launches checks them.
+    missing = tmp_path / "missing.jsonl"
+    cfg = load_config(None, [f"data.path={missing}", "output.tensorboard=false"])
+    with pytest.raises(FieldError) as err:
+        preflight(cfg)
+    assert err.value.field == "data.path" and "missing.jsonl" in str(err.value)
+    # A trainer's sections do not include the coordinator's data.
+    preflight(cfg, ["model", "trainer"])
+    missing.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    preflight(cfg)
 
 
 def test_an_algorithm_name_sets_its_keys_under_what_the_user_sets(tmp_path):
@@ -358,7 +374,7 @@ def test_a_gateway_chat_template_must_be_a_readable_jinja_file(tmp_path):
     broken.write_text("line one\n{% for m in messages %}{{ m.content }}")
     for path, says in [(tmp_path / "missing.jinja", "cannot be read"), (broken, "line 2")]:
         with pytest.raises(FieldError) as err:
-            load_config(None, [f"gateway.chat_template={path}"])
+            preflight(load_config(None, [f"gateway.chat_template={path}"]))
         assert err.value.field == "gateway.chat_template" and says in str(err.value)
 
 

@@ -8,8 +8,8 @@ the final model under ``output.dir``, stops the mesh and exits 0. Examples::
     python -m areal_grpc.coordinator --config run.yaml trainer.optimizer.lr=5e-4 \\
         staleness.max_staleness=0
     python -m areal_grpc.coordinator launcher.mode=attach \\
-        'launcher.rollout_addresses=[10.0.0.5:50061]' \\
-        'launcher.trainer_addresses=[10.0.0.6:50071,10.0.0.7:50071]'
+        'launcher.attach.rollout_addresses=[10.0.0.5:50061]' \\
+        'launcher.attach.trainer_addresses=[10.0.0.6:50071,10.0.0.7:50071]'
     python -m areal_grpc.coordinator --resume output.dir=outputs/run   # after a stop or crash
 
 Ctrl-C (SIGINT) or SIGTERM stops the run and every child process cleanly (exit code 130 /
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_grpc import tracing
-from areal_grpc.config import RunConfig, describe, load_config, to_yaml
+from areal_grpc.config import RunConfig, describe, load_config, preflight, to_yaml
 from areal_grpc.coordinator.launcher import new_mesh
 from areal_grpc.coordinator.loop import RolloutFleetLost, TrainerGroupFailed
 from areal_grpc.coordinator.run import Run
@@ -164,8 +164,10 @@ def check_launch(cfg: RunConfig) -> None:
 
     The output directory must be creatable, and ``launcher.host`` / ``coordinator_port`` a
     local address this process can listen on (every mode serves CoordinatorService there; the
-    local launcher's children bind the same host).
+    local launcher's children bind the same host). The files and packages the config names
+    must be here.
     """
+    preflight(cfg)
     out = Path(cfg.output.dir)
     try:
         out.mkdir(parents=True, exist_ok=True)

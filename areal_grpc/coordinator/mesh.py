@@ -4,7 +4,7 @@ Local mode starts every server as a subprocess (our entry points with ``--port 0
 loopback and learns its address from its ``LISTENING`` line. Trainer ranks rendezvous over a
 free loopback port. Children get one torch thread each, so a small machine is not
 oversubscribed by every process assuming it owns all cores. Attach mode uses the addresses in
-``launcher.rollout_addresses`` / ``launcher.trainer_addresses`` and starts nothing.
+``launcher.attach.rollout_addresses`` / ``launcher.attach.trainer_addresses`` and starts nothing.
 """
 
 from __future__ import annotations
@@ -283,8 +283,8 @@ def start_local_mesh(
 
     try:
         if cfg.launcher.mode == "attach":
-            mesh.rollout_addresses[:] = cfg.launcher.rollout_addresses
-            mesh.trainer_addresses[:] = cfg.launcher.trainer_addresses
+            mesh.rollout_addresses[:] = cfg.launcher.attach.rollout_addresses
+            mesh.trainer_addresses[:] = cfg.launcher.attach.trainer_addresses
         else:
             port = free_port(cfg.launcher.host)
             specs = [

@@ -94,8 +94,8 @@ def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(
             out,
             *overrides,
             "launcher.mode=attach",
-            f"launcher.rollout_addresses=[{','.join(mesh.rollout_addresses)}]",
-            f"launcher.trainer_addresses=[{','.join(mesh.trainer_addresses)}]",
+            f"launcher.attach.rollout_addresses=[{','.join(mesh.rollout_addresses)}]",
+            f"launcher.attach.trainer_addresses=[{','.join(mesh.trainer_addresses)}]",
         )
         log = coordinator_command.finish(proc)
         assert proc.returncode == 0, log
@@ -302,8 +302,8 @@ def test_a_dead_rollout_server_loses_no_work_and_a_registered_one_joins(
             "rollout.num_servers=2",
             "launcher.mode=attach",
             "launcher.coordinator_port=0",
-            f"launcher.rollout_addresses=[{','.join(mesh.rollout_addresses[:2])}]",
-            f"launcher.trainer_addresses=[{','.join(mesh.trainer_addresses)}]",
+            f"launcher.attach.rollout_addresses=[{','.join(mesh.rollout_addresses[:2])}]",
+            f"launcher.attach.trainer_addresses=[{','.join(mesh.trainer_addresses)}]",
         )
         address = coordinator_command.address(proc)
         metrics = out / "metrics.jsonl"
