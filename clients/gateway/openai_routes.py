@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from areal_grpc.errors import FieldError
 
 from .chat import ChatRenderer, Conversation, normalize_messages
-from .openapi import CHAT_BODY, COMPLETION_BODY, COMPLETION_OK, body, errors
+from .openapi import CHAT_BODY, COMPLETION_BODY, COMPLETION_OK, errors, request_body
 from .state import (
     FINISH_REASONS,
     MAX_N,
@@ -401,7 +401,7 @@ async def models(request: Request) -> dict[str, Any]:
 
 @router.post(
     "/v1/chat/completions",
-    openapi_extra=body(CHAT_BODY),
+    openapi_extra=request_body(CHAT_BODY),
     responses=COMPLETION_OK | errors(400, 401, 404, 409, 429, 502, 503, 504),
 )
 async def chat_completions(request: Request) -> Any:
@@ -429,7 +429,7 @@ async def chat_completions(request: Request) -> Any:
 
 @router.post(
     "/v1/completions",
-    openapi_extra=body(COMPLETION_BODY),
+    openapi_extra=request_body(COMPLETION_BODY),
     responses=COMPLETION_OK | errors(400, 401, 404, 409, 429, 502, 503, 504),
 )
 async def completions(request: Request) -> Any:

@@ -20,8 +20,8 @@ __all__ = [
     "COMPLETION_OK",
     "REWARD_BODY",
     "SESSION_BODY",
-    "body",
     "errors",
+    "request_body",
 ]
 
 # A completion's 200: a JSON object, or with "stream": true server-sent events of chunks.
@@ -224,7 +224,7 @@ REWARD_BODY: dict[str, Any] = {
 }
 
 
-def body(schema: dict[str, Any], required: bool = True) -> dict[str, Any]:
+def request_body(schema: dict[str, Any], required: bool = True) -> dict[str, Any]:
     """The ``openapi_extra`` that documents a route's JSON request body."""
     return {
         "requestBody": {

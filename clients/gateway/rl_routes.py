@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from areal_grpc.errors import FieldError
 
-from .openapi import REWARD_BODY, SESSION_BODY, body, errors
+from .openapi import REWARD_BODY, SESSION_BODY, errors, request_body
 from .sessions import Session
 from .state import PRODUCER_ID, from_rpc, gateway_of, int_field, json_body
 
@@ -20,7 +20,7 @@ router = APIRouter()
 
 @router.post(
     "/rl/sessions",
-    openapi_extra=body(SESSION_BODY, required=False),
+    openapi_extra=request_body(SESSION_BODY, required=False),
     responses=errors(400, 401, 429, 503),
 )
 async def open_session(request: Request) -> Any:
@@ -50,7 +50,7 @@ async def open_session(request: Request) -> Any:
 
 @router.post(
     "/rl/sessions/{session_id}/reward",
-    openapi_extra=body(REWARD_BODY),
+    openapi_extra=request_body(REWARD_BODY),
     responses=errors(400, 401, 404, 409, 503),
 )
 async def reward(session_id: str, request: Request) -> Any:

@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -461,29 +461,38 @@ class VLLMEngine(InferenceEngine):
         into fresh memory here)."""
         self._check_alive()
         async with self._update_lock:
-            if version <= self._version:
-                raise PreconditionError(
-                    f"weights version {version} is not newer than the served version "
-                    f"{self._version}"
-                )
+            self._check_newer(version)
             if self.adapters_only:
                 await self._load_adapter(state_dict, version)
                 return {}
             tensors = self._checked(state_dict)
-            paused_here = not self._gate.paused
-            if paused_here:
-                await self.pause()
-            self._swaps += 1
-            try:
+            async with self._swapping(version):
                 await self._reload(tensors, version)
-            except BaseException as exc:
-                # The worker may hold part of the update: nothing trustworthy is served.
-                self._fail(f"loading version {version} failed: {exc!r}")
-                raise
-            self._version = version
-            if paused_here:
-                await self.resume()
         return dict(state_dict) if owned else {}
+
+    def _check_newer(self, version: int) -> None:
+        if version <= self._version:
+            raise PreconditionError(
+                f"weights version {version} is not newer than the served version {self._version}"
+            )
+
+    @contextlib.asynccontextmanager
+    async def _swapping(self, version: int) -> AsyncIterator[None]:
+        """Generation paused (unless the caller paused it) while the body replaces the
+        weights with ``version``'s, which is served from then on."""
+        paused_here = not self._gate.paused
+        if paused_here:
+            await self.pause()
+        self._swaps += 1
+        try:
+            yield
+        except BaseException as exc:
+            # The worker may hold part of the update: nothing trustworthy is served.
+            self._fail(f"loading version {version} failed: {exc!r}")
+            raise
+        self._version = version
+        if paused_here:
+            await self.resume()
 
     def _checked(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors to load, or ValueError (nothing changed) when they do not fit."""
@@ -523,30 +532,16 @@ class VLLMEngine(InferenceEngine):
         files' headers before anything changes (ValueError); returns the tensors loaded."""
         self._check_alive()
         async with self._update_lock:
-            if version <= self._version:
-                raise PreconditionError(
-                    f"weights version {version} is not newer than the served version "
-                    f"{self._version}"
-                )
+            self._check_newer(version)
             specs = await asyncio.to_thread(_file_specs, files)
             skip = ["lm_head.weight"] if self._tied else []
             self._check_specs({n: v for n, v in specs.items() if n not in skip})
-            paused_here = not self._gate.paused
-            if paused_here:
-                await self.pause()
-            self._swaps += 1
-            start = time.perf_counter()
-            try:
+            async with self._swapping(version):
+                start = time.perf_counter()
                 count = await self._llm.collective_rpc(
                     "areal_load_files", args=([str(f) for f in files], skip)
                 )
-            except BaseException as exc:
-                self._fail(f"loading version {version} failed: {exc!r}")
-                raise
-            done = time.perf_counter()
-            self._version = version
-            if paused_here:
-                await self.resume()
+                done = time.perf_counter()
         self.last_load_s = (0.0, done - start)
         log.info(
             "vllm engine: version %d loaded: 0.000 s writing 0 MiB, %.3f s in vLLM's reload "
