@@ -12,5 +12,5 @@ actors), ``metrics`` (JSONL, TensorBoard, PNG), ``checkpoint`` (recovery checkpo
 ``serve`` (``areal-coordinator``, the service alone).
 
 This is the entry-point layer: it may import ``areal_clients`` and launch servers; the core
-modules (``areal_grpc/*.py``) never import it (``tests/test_layering.py`` checks).
+modules (``areal_grpc/*.py``) never import it (``tests/unit/test_layering.py`` checks).
 """

@@ -1,0 +1,388 @@
+"""The vllm engine keeps the engine contract the hf engine keeps (real vLLM, CPU build).
+
+One rollout server on vLLM (built-in tiny model, the trainer's initial weights) answers
+Generate, GenerateStream, RunEpisodes and WeightSync calls; an hf engine on the same model and
+seed is the reference for tokens and log-probs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from areal_clients.rollout import item_struct
+from areal_servers.rollout.engine import SamplingConfig
+from areal_servers.rollout.hf_engine import HFEngine
+from arealgrpc.v1 import common_pb2, rollout_pb2, weight_sync_pb2
+
+from areal_grpc.config import ModelConfig, RolloutConfig
+from areal_grpc.errors import field_violations
+from areal_grpc.model import load_model
+from areal_grpc.weight_disk import write_version
+from tests.support.vllm import RPC_TIMEOUT, TINY, VllmServer
+from tests.support.weightsync import push_messages
+
+PROMPT = [5, 17, 42, 99, 7, 64, 128, 3, 250, 11]
+# Log-probs of vLLM's CPU kernels against transformers' eager fp32 forward.
+LOGPROB_TOL = 2e-4
+
+
+def hf_reference(
+    prompt: list[int], params: SamplingConfig, state_dict: dict[str, torch.Tensor] | None = None
+):
+    """The hf engine's answer on the same model and seed (optionally other weights)."""
+
+    async def run():
+        engine = HFEngine(ModelConfig(source=TINY), RolloutConfig(device="cpu"))
+        try:
+            if state_dict is not None:
+                await engine.load_weights(state_dict, 1)
+            return await engine.generate(prompt, params)
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+def initial_weights() -> dict[str, torch.Tensor]:
+    """The weights the server started from (the trainer's initial ones, from the seed), as a
+    trainer sends them: the tied output head is the embedding, and is left out."""
+    sd = load_model(TINY, seed=0).state_dict()
+    return {k: v.clone() for k, v in sd.items() if k != "lm_head.weight"}
+
+
+def expect_invalid(call, field: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert [f for f, _ in field_violations(info.value)] == [field], info.value.details()
+
+
+def test_greedy_tokens_and_logprobs_equal_the_hf_engine(vllm_server: VllmServer):
+    got = vllm_server.greedy(PROMPT, n=16)
+    want = hf_reference(PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=16, ignore_eos=True))
+    assert list(got.output_ids) == want.output_ids
+    assert list(got.output_logprobs) == pytest.approx(want.output_logprobs, abs=LOGPROB_TOL)
+    assert got.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert set(got.output_versions) == {vllm_server.version()}
+
+
+def test_sampled_logprobs_are_log_softmax_over_temperature_as_the_trainer_computes(
+    vllm_server: VllmServer,
+):
+    temperature = 0.7
+    reply = vllm_server.generate(
+        PROMPT, temperature=temperature, max_new_tokens=12, seed=3, ignore_eos=True
+    )
+    c = reply.completions[0]
+    model = load_model(TINY, seed=0)
+    ids = torch.tensor([PROMPT + list(c.output_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    n = len(PROMPT)
+    want = [logp[n - 1 + i, t].item() for i, t in enumerate(c.output_ids)]
+    assert list(c.output_logprobs) == pytest.approx(want, abs=LOGPROB_TOL)
+
+
+def test_the_same_seed_gives_the_same_samples(vllm_server: VllmServer):
+    def samples(seed: int) -> list[list[int]]:
+        reply = vllm_server.generate(
+            PROMPT, temperature=1.0, max_new_tokens=12, n_samples=4, seed=seed, ignore_eos=True
+        )
+        return [list(c.output_ids) for c in reply.completions]
+
+    first = samples(11)
+    assert samples(11) == first
+    # Sample i uses seed + i: the four differ, and another seed gives other ones.
+    assert len({tuple(s) for s in first}) == 4
+    assert samples(12) != first
+    assert samples(12)[:3] == first[1:]
+
+
+def test_stop_token_ids_end_generation_and_are_kept(vllm_server: VllmServer):
+    greedy = list(vllm_server.greedy(PROMPT, n=12).output_ids)
+    stop = greedy[5]
+    reply = vllm_server.generate(
+        PROMPT, temperature=0.0, max_new_tokens=12, stop_token_ids=[stop], ignore_eos=True
+    )
+    c = reply.completions[0]
+    cut = greedy.index(stop) + 1
+    assert list(c.output_ids) == greedy[:cut]
+    assert c.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_top_logprobs_are_the_most_likely_tokens_as_the_hf_engine_reports(
+    vllm_server: VllmServer,
+):
+    reply = vllm_server.generate(
+        PROMPT, temperature=0.0, max_new_tokens=6, top_logprobs=3, ignore_eos=True
+    )
+    c = reply.completions[0]
+    want = hf_reference(
+        PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=6, top_logprobs=3, ignore_eos=True)
+    )
+    assert len(c.output_top_logprobs) == 6
+    for got, (ids, lps) in zip(c.output_top_logprobs, want.output_top, strict=True):
+        assert list(got.token_ids) == ids
+        assert list(got.logprobs) == pytest.approx(lps, abs=LOGPROB_TOL)
+
+
+def test_bad_sampling_fields_and_overlong_prompts_are_invalid_argument_naming_the_field(
+    vllm_server: VllmServer,
+):
+    # vLLM reports log-probs after truncation: refused rather than reported wrong.
+    expect_invalid(lambda: vllm_server.generate(PROMPT, top_p=0.5), "sampling.top_p")
+    expect_invalid(lambda: vllm_server.generate(PROMPT, top_k=5), "sampling.top_k")
+    expect_invalid(lambda: vllm_server.generate(PROMPT, temperature=-1.0), "sampling.temperature")
+    limit = vllm_server.engine.max_context
+    expect_invalid(lambda: vllm_server.generate([5] * limit), "input_ids")
+    expect_invalid(
+        lambda: vllm_server.generate([5] * (limit - 4), max_new_tokens=8), "sampling.max_new_tokens"
+    )
+    expect_invalid(lambda: vllm_server.generate([5, 6, 7, 100_000]), "input_ids[3]")
+    # The server stays up and serves.
+    assert len(vllm_server.greedy(PROMPT, n=4).output_ids) == 4
+    assert vllm_server.fatal == []
+
+
+def test_a_cancelled_stream_frees_its_request(vllm_server: VllmServer):
+    call = vllm_server.rollout.GenerateStream(
+        rollout_pb2.GenerateStreamRequest(
+            input_ids=PROMPT,
+            sampling=common_pb2.SamplingParams(
+                temperature=1.0, max_new_tokens=200, ignore_eos=True
+            ),
+        ),
+        timeout=RPC_TIMEOUT,
+    )
+    got = 0
+    for msg in call:
+        got += len(msg.output_ids)
+        if got >= 3:
+            call.cancel()
+            break
+    deadline = time.monotonic() + 30
+    while vllm_server.engine.status().running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert vllm_server.engine.status().running == 0
+
+
+def test_an_update_changes_logprobs_and_the_original_weights_restore_them_exactly(
+    vllm_server: VllmServer,
+):
+    original = initial_weights()
+    before = vllm_server.greedy(PROMPT)
+    v = vllm_server.version()
+    # A change the hf engine's reference sees too (every MLP weight and the tied embedding).
+    changed = {k: (t * 1.05 if "mlp" in k or "embed" in k else t) for k, t in original.items()}
+    assert vllm_server.push(changed, v + 1).policy_version == v + 1
+    after = vllm_server.greedy(PROMPT)
+    assert list(after.output_logprobs) != pytest.approx(list(before.output_logprobs), abs=1e-3)
+    want = hf_reference(
+        PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True), changed
+    )
+    assert list(after.output_ids) == want.output_ids
+    assert list(after.output_logprobs) == pytest.approx(want.output_logprobs, abs=LOGPROB_TOL)
+    assert set(after.output_versions) == {v + 1}
+    # Back to the original weights: the original log-probs, exactly (same kernels, same
+    # weights).
+    vllm_server.push(original, v + 2)
+    restored = vllm_server.greedy(PROMPT)
+    assert list(restored.output_ids) == list(before.output_ids)
+    assert list(restored.output_logprobs) == list(before.output_logprobs)
+
+
+def test_a_corrupted_or_mismatched_update_is_refused_and_the_old_weights_keep_serving(
+    vllm_server: VllmServer,
+):
+    v = vllm_server.version()
+    before = vllm_server.greedy(PROMPT)
+    new = {k: t + 0.01 for k, t in initial_weights().items()}
+    messages = push_messages(new, v + 1, chunk_bytes=4096)
+    bad = messages[3].to_proto()
+    bad.data = bytes([bad.data[0] ^ 1]) + bad.data[1:]
+    messages[3] = bad
+    with pytest.raises(grpc.RpcError) as info:
+        vllm_server.push_messages(messages)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert next(f for f, _ in field_violations(info.value)).endswith(".crc32c")
+    # A well-formed stream of the wrong tensors (a shape the model does not have).
+    wrong = dict(new)
+    name = "model.layers.0.mlp.up_proj.weight"
+    wrong[name] = torch.zeros(wrong[name].shape[0] + 1, wrong[name].shape[1])
+    with pytest.raises(grpc.RpcError) as info:
+        vllm_server.push(wrong, v + 1)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert name in (info.value.details() or "")
+    # A disk update that vLLM's worker would read straight from its files: a file of the
+    # wrong tensors, and a truncated one, are refused from their headers, before any change.
+    root = vllm_server.disk_root
+    assert root is not None
+
+    def update_from_disk(state: dict[str, torch.Tensor], version: int, cut: int = 0) -> object:
+        directory = write_version(root, version, [state], 1)
+        if cut:
+            [file] = directory.glob("*.safetensors")
+            file.write_bytes(file.read_bytes()[:-cut])
+        request = weight_sync_pb2.UpdateFromDiskRequest(policy_version=version, path=directory.name)
+        try:
+            return vllm_server.sync.UpdateFromDisk(request, timeout=RPC_TIMEOUT)
+        finally:
+            shutil.rmtree(directory)
+
+    for state, cut in ((wrong, 0), (new, 64)):
+        with pytest.raises(grpc.RpcError) as info:
+            update_from_disk(state, v + 1, cut)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (name if cut == 0 else "cannot read") in (info.value.details() or "")
+    assert vllm_server.version() == v
+    again = vllm_server.greedy(PROMPT)
+    assert list(again.output_ids) == list(before.output_ids)
+    assert list(again.output_logprobs) == list(before.output_logprobs)
+    assert vllm_server.fatal == []
+    # A sound one lands, read from its own file: nothing written for vLLM first.
+    assert update_from_disk(new, v + 1).policy_version == v + 1
+    assert vllm_server.engine.last_load_s[0] == 0.0
+    assert vllm_server.greedy(PROMPT).output_logprobs != pytest.approx(
+        list(before.output_logprobs), abs=1e-4
+    )
+
+
+def test_a_request_in_flight_during_an_update_is_interrupted_and_completes_after_it(
+    vllm_server: VllmServer,
+):
+    """RunEpisodes keeps a long episode going across Pause, an update and Resume: the
+    tokens before the update carry the old version and those after it the new one, and the
+    log-probs after it are the new weights'."""
+    v = vllm_server.version()
+    new = {k: t * 1.05 if "mlp" in k else t for k, t in initial_weights().items()}
+    n_new = 150
+    results: list[rollout_pb2.RunEpisodesResponse] = []
+
+    def run() -> None:
+        task = rollout_pb2.EpisodeTask(
+            task_id="long",
+            data=item_struct({"input_ids": PROMPT, "answer": "-"}),
+            workflow="rlvr",
+            workflow_params=item_struct({"reward_fn": "exact_match"}),
+            group_size=1,
+            sampling=common_pb2.SamplingParams(
+                temperature=1.0, max_new_tokens=n_new, ignore_eos=True, seed=5
+            ),
+        )
+
+        def requests():
+            yield rollout_pb2.RunEpisodesRequest(task=task)
+            while not results:
+                time.sleep(0.05)
+
+        for res in vllm_server.rollout.RunEpisodes(requests(), timeout=RPC_TIMEOUT):
+            results.append(res)
+            break
+
+    start = vllm_server.engine.status().generated_tokens
+    worker = threading.Thread(target=run)
+    worker.start()
+    # Let some tokens come out under the old weights.
+    deadline = time.monotonic() + 60
+    while vllm_server.engine.status().generated_tokens < start + 20 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    paused = vllm_server.rollout.PauseGeneration(
+        rollout_pb2.PauseGenerationRequest(), timeout=RPC_TIMEOUT
+    )
+    assert vllm_server.push(new, v + 1).policy_version == v + 1
+    vllm_server.rollout.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), timeout=RPC_TIMEOUT)
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    [res] = results
+    assert res.outcome == rollout_pb2.EPISODE_OUTCOME_ACCEPTED, res.reason
+    [traj] = res.group.trajectories
+    gen = [i for i, m in enumerate(traj.loss_mask) if m]
+    versions = [traj.versions[i] for i in gen]
+    assert len(gen) == n_new
+    assert paused.interrupted_requests >= 1
+    # Old version first, then the new one: the episode went on after the update.
+    assert versions[0] == v and versions[-1] == v + 1
+    switch = versions.index(v + 1)
+    assert versions == [v] * switch + [v + 1] * (n_new - switch)
+    # The tokens after the update were scored by the new weights: the log-probs the trainer
+    # recomputes with them (at temperature 1).
+    model = load_model(TINY, seed=0)
+    model.load_state_dict(new, strict=False)  # the tied head is the embedding
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([list(traj.token_ids)])).logits[0], -1)
+    want = [logp[i - 1, traj.token_ids[i]].item() for i in gen[switch:]]
+    got = [traj.logprobs[i] for i in gen[switch:]]
+    assert got == pytest.approx(want, abs=LOGPROB_TOL)
+
+
+def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
+    """200 full updates (each one a fresh file and a layerwise reload in vLLM's worker): the
+    resident memory of the server's vLLM processes stays put after the first few."""
+    import psutil
+
+    engine = vllm_server.engine
+    weights = initial_weights()
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    vllm_procs = [
+        p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")
+    ]
+    assert len(vllm_procs) >= 1
+
+    def rss() -> int:
+        return sum(p.memory_info().rss for p in vllm_procs)
+
+    def update(n: int) -> None:
+        async def run() -> None:
+            for _ in range(n):
+                await engine.load_weights(weights, engine.version + 1)
+
+        vllm_server.server.call(run(), timeout_s=900)
+
+    def weight_files() -> set[Path]:
+        roots = (Path(tempfile.gettempdir()), Path("/dev/shm"))
+        return {d for r in roots if r.is_dir() for d in r.glob("areal-vllm-weights-*")}
+
+    # Left by other runs (a server killed with SIGKILL mid-update cannot remove its own).
+    earlier = weight_files()
+    update(20)  # allocator and page cache settle
+    before = rss()
+    update(200)
+    grown = rss() - before
+    print(f"vLLM RSS {before / 2**20:.0f} MiB, {grown / 2**20:+.1f} MiB over 200 updates")
+    # A leak of one copy per update would be 200 x the weights (800 MB here).
+    assert grown < 10 * nbytes, f"vLLM grew {grown / 2**20:.0f} MiB over 200 updates"
+    assert vllm_server.greedy(PROMPT).output_ids
+    assert vllm_server.fatal == []
+    # Each update's file is removed in the background: none of the 220 is left behind.
+    deadline = time.monotonic() + 60
+    while left := weight_files() - earlier:
+        assert time.monotonic() < deadline, f"weight files left behind: {sorted(left)[:3]}"
+        time.sleep(0.1)
+
+
+def test_an_idle_worker_gives_its_core_back(vllm_server: VllmServer):
+    """Right after generation ends, vLLM's model worker would spin for a second after every
+    message (its shared-memory queue's busy wait), health pings included: a core's worth of
+    CPU that a trainer sharing the machine loses. With ``rollout.vllm.idle_spin_s`` (0.05 s
+    here) it sleeps instead: over the 4 s after a generation it uses a small share of the
+    CPU seconds one spinning second alone would take (CPU time, not wall time: a busy
+    machine cannot make it pass or fail)."""
+    import psutil
+
+    (worker,) = [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::Worker"]
+    assert vllm_server.greedy(PROMPT, n=8).output_ids
+    before = worker.cpu_times()
+    time.sleep(4.0)
+    after = worker.cpu_times()
+    used = (after.user - before.user) + (after.system - before.system)
+    print(f"vLLM worker: {used:.2f} CPU s in the 4 s after generation")
+    assert used < 0.3, f"vLLM's worker used {used:.2f} CPU s while idle"
