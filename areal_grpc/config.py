@@ -58,6 +58,7 @@ __all__ = [
     "SlurmSettings",
     "StalenessConfig",
     "TrainerConfig",
+    "TinkerConfig",
     "TrainerSupervision",
     "VllmSettings",
     "WeightSyncConfig",
@@ -795,6 +796,45 @@ class WeightSyncConfig:
 
 
 @dataclass
+class TinkerConfig:
+    """The Tinker-compatible LoRA training service (python -m areal_grpc.tinker): many
+    tenants' LoRA runs on model.source, driven by the official tinker SDK over HTTP or by
+    LoraTrainingService over gRPC."""
+
+    host: str = setting("127.0.0.1", help="Interface the HTTP face and the gRPC service bind.")
+    port: int = setting(
+        0,
+        help="Port of the HTTP face the tinker SDK talks to (printed as TINKER "
+        "http://host:port); 0: any free port.",
+        ge=0,
+    )
+    grpc_port: int = setting(0, help="Port of LoraTrainingService (gRPC); 0: any free port.", ge=0)
+    tenants_file: str | None = setting(
+        None,
+        help="A JSON object mapping each tenant's name to its API key (keys start with tml-, "
+        "as the SDK requires); null: one tenant, 'default', whose key is printed.",
+    )
+    root: str | None = setting(
+        None, help="Where checkpoints are written (and only there); null: <output.dir>/tinker."
+    )
+    max_runs_per_tenant: int = setting(8, help="Training runs a tenant may hold at once.", ge=1)
+    max_queued_per_tenant: int = setting(
+        64, help="Calls a tenant may have queued; more are refused (429).", ge=1
+    )
+    max_adapter_mib_per_tenant: float = setting(
+        1024.0,
+        help="Trainer memory a tenant's adapters and optimizer states may take (MiB).",
+        gt=0.0,
+    )
+    samplers_per_run: int = setting(
+        4, help="Sampler checkpoints of a run kept in memory (the newest).", ge=1
+    )
+    retry_after_s: float = setting(
+        1.0, help="The retry delay a quota refusal names (RetryInfo, Retry-After).", gt=0.0
+    )
+
+
+@dataclass
 class GatewaySettings:
     """The OpenAI-compatible agent gateway (areal-gateway) the coordinator may start."""
 
@@ -1061,6 +1101,10 @@ class RunConfig:
     gateway: GatewaySettings = setting(
         factory=GatewaySettings,
         help="The OpenAI-compatible agent gateway.",
+    )
+    tinker: TinkerConfig = setting(
+        factory=TinkerConfig,
+        help="The Tinker-compatible LoRA training service (python -m areal_grpc.tinker).",
     )
 
 
@@ -1574,6 +1618,14 @@ def _validate_launcher(cfg: RunConfig) -> None:
             )
 
 
+def _validate_tinker(cfg: RunConfig) -> None:
+    for key in ("port", "grpc_port"):
+        if getattr(cfg.tinker, key) > 65535:
+            raise FieldError(f"tinker.{key}", f"must be in 0-65535, got {getattr(cfg.tinker, key)}")
+    if not cfg.tinker.host:
+        raise FieldError("tinker.host", "must not be empty")
+
+
 # Each section's checks, in the order a whole run is checked.
 SECTION_CHECKS: dict[str, Callable[[RunConfig], None]] = {
     "run": _validate_run,
@@ -1590,6 +1642,7 @@ SECTION_CHECKS: dict[str, Callable[[RunConfig], None]] = {
     "fault_tolerance": lambda cfg: None,
     "launcher": _validate_launcher,
     "gateway": _validate_gateway,
+    "tinker": _validate_tinker,
 }
 
 
@@ -1634,6 +1687,12 @@ def _preflight_output(cfg: RunConfig) -> None:
         )
 
 
+def _preflight_tinker(cfg: RunConfig) -> None:
+    path = cfg.tinker.tenants_file
+    if path is not None:
+        read_tenants(path)
+
+
 # What a section names outside the config (files, packages), checked where the process that
 # uses it launches: a config is valid on a machine that lacks them (--print-config, a submit
 # host, a test), and a trainer on another node need not see the coordinator's data files.
@@ -1642,6 +1701,7 @@ PREFLIGHT_CHECKS: dict[str, Callable[[RunConfig], None]] = {
     "gateway": _preflight_gateway,
     "output": _preflight_output,
     "security": _preflight_security,
+    "tinker": _preflight_tinker,
 }
 
 
@@ -1651,3 +1711,24 @@ def preflight(cfg: RunConfig, sections: Sequence[str] | None = None) -> None:
     for name in sections if sections is not None else SECTION_CHECKS:
         if name in PREFLIGHT_CHECKS:
             PREFLIGHT_CHECKS[name](cfg)
+
+
+def read_tenants(path: str) -> dict[str, str]:
+    """``tinker.tenants_file``: tenant name -> API key, checked (FieldError naming it)."""
+    key = "tinker.tenants_file"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise FieldError(key, f"{path!r} cannot be read as JSON: {exc}") from None
+    if not isinstance(data, dict) or not data:
+        raise FieldError(key, f"{path!r} must hold a JSON object of tenant name -> API key")
+    for name, api_key in data.items():
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}", name):
+            raise FieldError(key, f"tenant name {name!r}: letters, digits, ._- (at most 64)")
+        if not isinstance(api_key, str) or not api_key.startswith("tml-") or len(api_key) < 20:
+            raise FieldError(
+                key, f"tenant {name!r}: the key must be a string starting tml- (20+ characters)"
+            )
+    if len(set(data.values())) != len(data):
+        raise FieldError(key, "two tenants share a key")
+    return dict(data)

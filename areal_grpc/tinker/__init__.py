@@ -1,0 +1,1 @@
+"""``python -m areal_grpc.tinker``: the Tinker-compatible LoRA training service."""

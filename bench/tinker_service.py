@@ -1,0 +1,203 @@
+"""The Tinker-compatible service (``python -m areal_grpc.tinker``) against plain in-process peft.
+
+1. ``tinker_step``: one SFT step (``forward_backward`` with ``cross_entropy`` on a batch, then
+   ``optim_step``) through the official ``tinker`` SDK against the service, and the same step
+   written directly with peft and torch's AdamW in this process (the baseline). Both on the
+   same model, adapter rank and batch, in alternating windows after a warm-up.
+   ``ratio = in-process step time / SDK step time`` (1.0: the service adds nothing).
+2. ``tinker_tenants_<n>`` for n = 1, 4, 16: n tenants, each with its own run, step at once
+   (one SDK client each, in threads); ``ratio = aggregate steps per second / one tenant's``.
+   The service computes one call at a time (the queue takes tenants in turn), so the ratio
+   says how much the queue and the HTTP path overlap with compute, not parallel speed-up.
+   Also printed: the trainer memory each adapter and its optimizer state take.
+
+    .venv/bin/python bench/tinker_service.py [--model smollm2-135m-instruct] [--rank 16]
+        [--batch 4] [--tokens 64] [--steps 6]
+
+The service process and the bench share the 2 cores; the SDK's client threads cost CPU too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import tinker
+import torch
+from arealgrpc.v1 import lora_training_pb2 as pb
+from arealgrpc.v1 import lora_training_pb2_grpc as pb_grpc
+from results import result
+from tinker import types
+
+from areal_grpc.launch import python_module_argv, start_child, stop_children
+from areal_grpc.model import load_model
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+
+def batch(n: int, tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (tokens + 1,), generator=g).tolist() for _ in range(n)]
+
+
+def peft_step_s(model_source: str, rank: int, seqs: list[list[int]], steps: int) -> float:
+    """Median seconds of one SFT step written directly with peft and AdamW."""
+    from peft import LoraConfig, get_peft_model
+
+    model = load_model(model_source)
+    model.requires_grad_(False)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=32, target_modules=targets))
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    ids = torch.tensor([s[:-1] for s in seqs])
+    targets_t = torch.tensor([s[1:] for s in seqs])
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        logits = peft_model(input_ids=ids).logits.float()
+        lp = torch.log_softmax(logits, -1).gather(-1, targets_t[..., None])[..., 0]
+        (-lp.sum()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def sdk_step_s(tc: tinker.TrainingClient, seqs: list[list[int]], steps: int) -> list[float]:
+    """Seconds of each SFT step through the SDK (the first, a warm-up, left out)."""
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(s[:-1]),
+            loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)},
+        )
+        for s in seqs
+    ]
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        fb = tc.forward_backward(data, "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=1e-4))
+        fb.result()
+        opt.result()
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--tenants", type=int, nargs="+", default=[1, 4, 16])
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="bench-tinker-"))
+    n_max = max(args.tenants)
+    keys = {f"t{i}": f"tml-bench-tenant-{i:04d}-0123456789" for i in range(n_max)}
+    (work / "tenants.json").write_text(json.dumps(keys))
+    child = start_child(
+        "tinker",
+        python_module_argv(
+            "areal_grpc.tinker",
+            f"model.source={args.model}",
+            f"output.dir={work / 'run'}",
+            f"tinker.tenants_file={work / 'tenants.json'}",
+            f"tinker.max_runs_per_tenant={len(args.tenants) + 1}",
+        ),
+        log_dir=work,
+        env={"OMP_NUM_THREADS": "1"},
+        ready_timeout_s=600,
+    )
+    url = f"http://{child.address}"
+    print(f"{os.cpu_count()} CPU(s); service {url}; model {args.model}", flush=True)
+    try:
+        clients = {
+            name: tinker.ServiceClient(base_url=url, api_key=key) for name, key in keys.items()
+        }
+        base_name = (
+            tinker.RestClient(base_url=url, api_key=keys["t0"])
+            .get_server_capabilities()
+            .result()
+            .supported_models[0]
+            .model_name
+        )
+        first = clients["t0"].create_lora_training_client(base_model=base_name, rank=args.rank)
+        tc = first.result()
+        vocab = 49152 if "smollm2" in args.model else 384
+        seqs = batch(args.batch, args.tokens, vocab)
+
+        # 1. one step: SDK vs in-process peft, alternating.
+        sdk, direct = [], []
+        for _ in range(2):
+            sdk.extend(sdk_step_s(tc, seqs, args.steps))
+            direct.append(peft_step_s(args.model, args.rank, seqs, args.steps))
+        sdk_s, direct_s = statistics.median(sdk), statistics.median(direct)
+        print(
+            f"step ({args.batch} x {args.tokens} tokens, rank {args.rank}): SDK median "
+            f"{sdk_s:.3f} s (range {min(sdk):.3f}-{max(sdk):.3f}), in-process peft "
+            f"{direct_s:.3f} s",
+            flush=True,
+        )
+        result("tinker_step", sdk_s, "s", direct_s, "0.8", ratio=direct_s / sdk_s)
+
+        # 2. n tenants at once.
+        runs = {}
+        for i in range(n_max):
+            name = f"t{i}"
+            runs[name] = (
+                tc
+                if i == 0
+                else clients[name]
+                .create_lora_training_client(base_model=base_name, rank=args.rank)
+                .result()
+            )
+        single = None
+        for n in sorted(args.tenants):
+            done: dict[str, int] = {}
+            start = time.perf_counter()
+
+            def tenant(name: str, done: dict[str, int] = done) -> None:
+                done[name] = len(sdk_step_s(runs[name], seqs, args.steps))
+
+            threads = [threading.Thread(target=tenant, args=(f"t{i}",)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            rate = sum(done.values()) / (time.perf_counter() - start)
+            single = single or rate
+            print(f"{n} tenant(s): {rate:.3f} steps/s in all", flush=True)
+            result(f"tinker_tenants_{n}", rate, "steps/s", single, "none")
+        log = (work / "tinker.log").read_text()
+        grpc_address = next(
+            line.split()[1] for line in log.splitlines() if line.startswith("GRPC ")
+        )
+        with grpc.insecure_channel(grpc_address) as channel:
+            reply = pb_grpc.LoraTrainingServiceStub(channel).ListTrainingRuns(
+                pb.ListTrainingRunsRequest(),
+                metadata=[("authorization", f"Bearer {keys['t0']}")],
+            )
+        per_adapter = reply.training_runs[0].adapter_bytes / 2**20
+        print(
+            f"trainer memory per adapter (rank {args.rank}, weights + gradients + Adam "
+            f"state): {per_adapter:.1f} MiB",
+            flush=True,
+        )
+    finally:
+        stop_children([child])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,892 @@
+"""LoraTrainingService: many tenants' LoRA runs on one base model (the Tinker primitives).
+
+Every long call becomes an operation in a queue per tenant; one worker takes the queues in
+turn (round robin), so no tenant waits behind another's backlog, and runs each call on the
+engine. A run's calls execute in their ``sequence_number`` order. Requests are checked here,
+before anything is queued, so a malformed one is answered INVALID_ARGUMENT and changes
+nothing; a call that fails in the engine fails its own operation only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import hmac
+import itertools
+import logging
+import math
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from areal_servers.lora_training.engine import (
+    LOSS_CONFIG_DEFAULTS,
+    LOSS_FIELDS,
+    AdamParams,
+    AdapterSpec,
+    Datum,
+    LoraEngine,
+)
+from arealgrpc.v1 import common_pb2, rollout_pb2
+from arealgrpc.v1 import lora_training_pb2 as pb
+from arealgrpc.v1 import lora_training_pb2_grpc as pb_grpc
+from google.protobuf import timestamp_pb2
+
+from areal_grpc.config import TinkerConfig
+from areal_grpc.durations import seconds
+from areal_grpc.errors import (
+    FieldError,
+    abort_with,
+    invalid_argument,
+    resource_exhausted,
+    status,
+    status_proto_of,
+)
+from areal_grpc.paths import write_marker
+
+log = logging.getLogger(__name__)
+
+ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}")
+CHECKPOINT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+# The contract's losses by the engine's names (the engine says what each needs and takes).
+LOSSES = {
+    pb.LOSS_FUNCTION_CROSS_ENTROPY: "cross_entropy",
+    pb.LOSS_FUNCTION_IMPORTANCE_SAMPLING: "importance_sampling",
+    pb.LOSS_FUNCTION_PPO: "ppo",
+    pb.LOSS_FUNCTION_CISPO: "cispo",
+    pb.LOSS_FUNCTION_DRO: "dro",
+}
+MAX_RANK = 256
+MAX_SAMPLES = 64
+WAIT_DEFAULT_S = 30.0
+WAIT_MAX_S = 60.0
+# How long a finished operation stays readable.
+OPERATION_TTL_S = 3600.0
+# How long a call waits for the call numbered before it: a gap that never fills fails the
+# call (FAILED_PRECONDITION) instead of hanging it.
+SEQUENCE_WAIT_S = 120.0
+
+
+def _now() -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.GetCurrentTime()
+    return ts
+
+
+@dataclass
+class Run:
+    """A training run and what the service keeps about it."""
+
+    tenant: str
+    id: str
+    proto: pb.TrainingRun
+    directory: Path
+    enqueued: int = 0  # every sequence_number up to this one has arrived
+    arrived: set[int] = field(default_factory=set)  # numbers above it that have arrived
+    by_sequence: dict[int, str] = field(default_factory=dict)  # sequence_number -> operation
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    samplers: collections.deque[str] = field(default_factory=collections.deque)
+
+    @property
+    def name(self) -> str:
+        return f"training_runs/{self.id}"
+
+
+@dataclass
+class Operation:
+    """A queued or finished call."""
+
+    tenant: str
+    proto: pb.Operation
+    work: Callable[[], Any] | None = None
+    finish: Callable[[Any], None] | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    finished_at: float = 0.0  # time.monotonic() when done
+
+
+class FairQueue:
+    """Operations queued per tenant, taken one tenant at a time in turn."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, collections.deque[Operation]] = {}
+        self._turn: collections.deque[str] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def put(self, op: Operation) -> None:
+        """Queues ``op`` behind its tenant's earlier ones."""
+        queue = self._queues.setdefault(op.tenant, collections.deque())
+        if not queue and op.tenant not in self._turn:
+            self._turn.append(op.tenant)
+        queue.append(op)
+        self._ready.set()
+
+    def queued(self, tenant: str) -> int:
+        """How many of ``tenant``'s operations wait."""
+        return len(self._queues.get(tenant, ()))
+
+    def position(self, op: Operation) -> int:
+        """Operations of all tenants that run before ``op`` (round robin from now)."""
+        queue = self._queues.get(op.tenant, collections.deque())
+        try:
+            k = queue.index(op)
+        except ValueError:
+            return 0
+        ahead = k
+        for tenant in self._turn:
+            if tenant == op.tenant:
+                continue
+            # Tenants before op's in the turn order get k + 1 turns first, the others k.
+            before = list(self._turn).index(tenant) < list(self._turn).index(op.tenant)
+            ahead += min(len(self._queues[tenant]), k + 1 if before else k)
+        return ahead
+
+    async def get(self) -> Operation:
+        """The next operation: the first of the tenant whose turn it is."""
+        while not self._turn:
+            self._ready.clear()
+            await self._ready.wait()
+        tenant = self._turn.popleft()
+        queue = self._queues[tenant]
+        op = queue.popleft()
+        if queue:
+            self._turn.append(tenant)
+        return op
+
+
+class Tenants:
+    """API keys to tenant names (compared in constant time)."""
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        if not keys:
+            raise ValueError("at least one tenant is needed")
+        self._keys = [(k.encode(), name) for name, k in keys.items()]
+
+    def of(self, key: str) -> str | None:
+        """The tenant whose key is ``key``; None when none is."""
+        found = None
+        for k, name in self._keys:
+            if hmac.compare_digest(k, key.encode()):
+                found = name
+        return found
+
+
+class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
+    """The service over one engine; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: LoraEngine,
+        cfg: TinkerConfig,
+        tenants: Tenants,
+        root: Path,
+        base_model_names: Sequence[str],
+        tokenizer_id: str = "",
+    ) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.tenants = tenants
+        self.root = root
+        # The first name is how the model is listed; every name is accepted.
+        self.base_model_names = list(base_model_names)
+        self.tokenizer_id = tokenizer_id or self.base_model_names[0]
+        self.runs: dict[tuple[str, str], Run] = {}
+        self.ops: dict[str, Operation] = {}
+        self.queue = FairQueue()
+        self._ids = itertools.count(1)
+        self._worker: asyncio.Task[None] | None = None
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts the worker (on the server's event loop)."""
+        self._worker = asyncio.create_task(self._work(), name="lora-training-worker")
+
+    async def stop(self) -> None:
+        """Stops the worker; queued operations fail UNAVAILABLE."""
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        for op in self.ops.values():
+            if not op.proto.done:
+                self._fail(op, grpc.StatusCode.UNAVAILABLE, "the service stopped")
+
+    async def _work(self) -> None:
+        while True:
+            op = await self.queue.get()
+            assert op.work is not None and op.finish is not None
+            try:
+                result = await asyncio.to_thread(op.work)
+                op.finish(result)
+            except Exception as exc:
+                log.info("operation %s failed: %r", op.proto.name, exc)
+                op.proto.error.CopyFrom(status_proto_of(exc))
+            op.proto.done = True
+            op.work = op.finish = None
+            op.finished_at = time.monotonic()
+            op.done.set()
+
+    def _fail(self, op: Operation, code: grpc.StatusCode, message: str) -> None:
+        op.proto.error.code = code.value[0]
+        op.proto.error.message = message
+        op.proto.done = True
+        op.finished_at = time.monotonic()
+        op.done.set()
+
+    async def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str):
+                scheme, _, token = value.partition(" ")
+                tenant = self.tenants.of(token.strip()) if scheme.lower() == "bearer" else None
+                if tenant is not None:
+                    return tenant
+        await abort_with(
+            context,
+            status(grpc.StatusCode.UNAUTHENTICATED, "a tenant's API key is needed (Bearer)"),
+        )
+
+    async def _run(self, context: grpc.aio.ServicerContext, tenant: str, name: str) -> Run:
+        run_id = name.removeprefix("training_runs/")
+        run = self.runs.get((tenant, run_id))
+        if not name.startswith("training_runs/") or run is None:
+            # Another tenant's run reads exactly like a missing one.
+            await abort_with(
+                context, status(grpc.StatusCode.NOT_FOUND, f"no training run {name!r}")
+            )
+        return run
+
+    async def _bad(self, context: grpc.aio.ServicerContext, key: str, why: str) -> None:
+        await abort_with(context, invalid_argument(FieldError(key, why)))
+
+    async def _admit(self, context: grpc.aio.ServicerContext, tenant: str) -> None:
+        if self.queue.queued(tenant) >= self.cfg.max_queued_per_tenant:
+            await abort_with(
+                context,
+                resource_exhausted(
+                    f"tenant {tenant!r} has {self.cfg.max_queued_per_tenant} calls queued "
+                    "(tinker.max_queued_per_tenant); retry when some are done",
+                    self.cfg.retry_after_s,
+                ),
+            )
+
+    def _operation(
+        self, tenant: str, work: Callable[[], Any], finish: Callable[[Any], None]
+    ) -> Operation:
+        # Unguessable, though a guess would only reach the tenant's own operations anyway.
+        name = f"operations/{next(self._ids)}-{secrets.token_hex(6)}"
+        op = Operation(tenant, pb.Operation(name=name), work, finish)
+        self._forget_old()
+        self.ops[name] = op
+        return op
+
+    def _forget_old(self) -> None:
+        """Drops operations done more than OPERATION_TTL_S ago (a client awaits its result
+        well within that), with the sequence numbers that name them."""
+        horizon = time.monotonic() - OPERATION_TTL_S
+        old = {n for n, o in self.ops.items() if o.proto.done and o.finished_at < horizon}
+        if not old:
+            return
+        for name in old:
+            del self.ops[name]
+        for run in self.runs.values():
+            for number in [k for k, v in run.by_sequence.items() if v in old]:
+                del run.by_sequence[number]
+
+    async def _sequenced(
+        self,
+        context: grpc.aio.ServicerContext,
+        run: Run,
+        sequence_number: int,
+        work: Callable[[], Any],
+        finish: Callable[[Any], None],
+    ) -> pb.Operation:
+        """Queues a call on ``run`` in its sequence order (a repeated number returns the
+        operation already made for it)."""
+        if sequence_number < 0:
+            await self._bad(context, "sequence_number", f"must be >= 0, got {sequence_number}")
+        if sequence_number and sequence_number in run.by_sequence:
+            return self.ops[run.by_sequence[sequence_number]].proto
+        if 0 < sequence_number <= run.enqueued:
+            # Its operation was forgotten long ago: this is not a retry of a live call.
+            await abort_with(
+                context,
+                status(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"sequence_number {sequence_number} of {run.name} was used already "
+                    f"(the run is at {run.enqueued})",
+                ),
+            )
+        await self._admit(context, run.tenant)
+        async with run.changed:
+            if sequence_number:
+                try:
+                    await asyncio.wait_for(
+                        run.changed.wait_for(lambda: run.enqueued >= sequence_number - 1),
+                        SEQUENCE_WAIT_S,
+                    )
+                except TimeoutError:
+                    await abort_with(
+                        context,
+                        status(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"sequence_number {sequence_number}: call {sequence_number - 1} "
+                            f"of {run.name} did not arrive within {SEQUENCE_WAIT_S:.0f} s",
+                        ),
+                    )
+                if sequence_number in run.by_sequence:  # a retry raced the original
+                    return self.ops[run.by_sequence[sequence_number]].proto
+            op = self._operation(run.tenant, work, finish)
+            if sequence_number:
+                run.by_sequence[sequence_number] = op.proto.name
+                self._arrive(run, sequence_number)
+            self.queue.put(op)
+        return op.proto
+
+    @staticmethod
+    def _arrive(run: Run, sequence_number: int) -> None:
+        """Counts ``sequence_number`` as arrived (queued or refused); wakes the calls after it.
+        Call with ``run.changed`` held."""
+        run.arrived.add(sequence_number)
+        while run.enqueued + 1 in run.arrived:
+            run.enqueued += 1
+            run.arrived.discard(run.enqueued)
+        run.changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def _numbered(
+        self, context: grpc.aio.ServicerContext, run: Run, sequence_number: int
+    ) -> AsyncIterator[None]:
+        """Around a numbered call's checks: one refused for good still counts as arrived, so
+        the calls numbered after it do not wait for it (the SDK numbers a call before it is
+        answered). A quota refusal does not count: the same number comes again."""
+        try:
+            yield
+        except BaseException:
+            final = context.code() not in (None, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            if sequence_number > 0 and sequence_number not in run.by_sequence and final:
+                async with run.changed:
+                    self._arrive(run, sequence_number)
+            raise
+
+    def _touch(self, run: Run) -> None:
+        run.proto.last_request_time.CopyFrom(_now())
+        run.proto.last_sequence_number = run.enqueued
+
+    def _base_model(self, name: str) -> bool:
+        return name in self.base_model_names
+
+    # -- runs -----------------------------------------------------------------------------
+
+    async def ListBaseModels(
+        self, request: pb.ListBaseModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListBaseModelsResponse:
+        """The served base model."""
+        await self._tenant(context)
+        return pb.ListBaseModelsResponse(
+            base_models=[
+                pb.BaseModel(
+                    name=self.base_model_names[0],
+                    max_context_length=self.engine.max_context_length,
+                    trainable=True,
+                    sampleable=True,
+                    tokenizer_id=self.tokenizer_id,
+                )
+            ]
+        )
+
+    async def CreateTrainingRun(
+        self, request: pb.CreateTrainingRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateTrainingRunResponse:
+        """Checks the request and quotas, then queues the adapter's creation."""
+        tenant = await self._tenant(context)
+        if not self._base_model(request.base_model):
+            await self._bad(
+                context,
+                "base_model",
+                f"{request.base_model!r} is not served; served: {self.base_model_names}",
+            )
+        lora = request.lora
+        if not 1 <= lora.rank <= MAX_RANK:
+            await self._bad(context, "lora.rank", f"must be in 1-{MAX_RANK}, got {lora.rank}")
+        if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+            await self._bad(context, "lora", "train_attn, train_mlp or train_unembed must be set")
+        run_id = request.training_run_id or f"run-{next(self._ids)}"
+        if not ID_RE.fullmatch(run_id):
+            await self._bad(
+                context, "training_run_id", f"{run_id!r}: letters, digits, ._:- (at most 128)"
+            )
+        if (tenant, run_id) in self.runs:
+            await abort_with(
+                context,
+                status(grpc.StatusCode.ALREADY_EXISTS, f"training_runs/{run_id} exists"),
+            )
+        owned = [r for (t, _), r in self.runs.items() if t == tenant]
+        if len(owned) >= self.cfg.max_runs_per_tenant:
+            await abort_with(
+                context,
+                resource_exhausted(
+                    f"tenant {tenant!r} has {len(owned)} runs "
+                    "(tinker.max_runs_per_tenant); delete one or retry later",
+                    self.cfg.retry_after_s,
+                ),
+            )
+        used = sum(r.proto.adapter_bytes for r in owned)
+        if used >= self.cfg.max_adapter_mib_per_tenant * 2**20:
+            await abort_with(
+                context,
+                resource_exhausted(
+                    f"tenant {tenant!r}'s adapters take {used / 2**20:.1f} MiB "
+                    "(tinker.max_adapter_mib_per_tenant); delete a run or retry later",
+                    self.cfg.retry_after_s,
+                ),
+            )
+        await self._admit(context, tenant)
+        digest = hashlib.sha256(f"{tenant}\0{run_id}".encode()).hexdigest()[:24]
+        run = Run(
+            tenant,
+            run_id,
+            pb.TrainingRun(
+                name=f"training_runs/{run_id}",
+                base_model=self.base_model_names[0],
+                lora=lora,
+                last_request_time=_now(),
+            ),
+            self.root / digest,
+        )
+        self.runs[(tenant, run_id)] = run
+        spec = AdapterSpec(
+            rank=lora.rank,
+            train_attn=lora.train_attn,
+            train_mlp=lora.train_mlp,
+            train_unembed=lora.train_unembed,
+            seed=lora.seed if lora.HasField("seed") else None,
+        )
+        key = self._key(run)
+
+        def work() -> int:
+            self.engine.create(key, spec)
+            return self.engine.adapter_bytes(key)
+
+        def finish(nbytes: int) -> None:
+            run.proto.adapter_bytes = nbytes
+            op.proto.training_run.CopyFrom(run.proto)
+
+        op = self._operation(tenant, work, finish)
+        self.queue.put(op)
+        return pb.CreateTrainingRunResponse(operation=op.proto)
+
+    def _key(self, run: Run) -> str:
+        """The engine's name of a run's adapter: unique across tenants."""
+        return f"{run.tenant}/{run.id}"
+
+    async def GetTrainingRun(
+        self, request: pb.GetTrainingRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetTrainingRunResponse:
+        """One of the tenant's runs."""
+        tenant = await self._tenant(context)
+        run = await self._run(context, tenant, request.name)
+        return pb.GetTrainingRunResponse(training_run=run.proto)
+
+    async def ListTrainingRuns(
+        self, request: pb.ListTrainingRunsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListTrainingRunsResponse:
+        """The tenant's runs."""
+        tenant = await self._tenant(context)
+        return pb.ListTrainingRunsResponse(
+            training_runs=[r.proto for (t, _), r in self.runs.items() if t == tenant]
+        )
+
+    async def DeleteTrainingRun(
+        self, request: pb.DeleteTrainingRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteTrainingRunResponse:
+        """Forgets the run and frees its adapter (after any call of it running now)."""
+        tenant = await self._tenant(context)
+        run = await self._run(context, tenant, request.name)
+        del self.runs[(tenant, run.id)]
+        key = self._key(run)
+        # Through the queue: the worker may be running one of its calls now.
+        op = self._operation(tenant, lambda: self.engine.delete(key), lambda _: None)
+        self.queue.put(op)
+        await op.done.wait()
+        return pb.DeleteTrainingRunResponse()
+
+    # -- training -------------------------------------------------------------------------
+
+    def _check_data(self, data: Sequence[pb.Datum], needs: Sequence[str]) -> list[Datum]:
+        if not data:
+            raise FieldError("data", "must hold at least one datum")
+        vocab = self.engine.vocab_size
+        out = []
+        for i, d in enumerate(data):
+            n = len(d.input_tokens)
+            if n == 0:
+                raise FieldError(f"data[{i}].input_tokens", "must not be empty")
+            if n > self.engine.max_context_length:
+                raise FieldError(
+                    f"data[{i}].input_tokens",
+                    f"{n} tokens; the model takes at most {self.engine.max_context_length}",
+                )
+            for key in ("input_tokens", "target_tokens"):
+                values = getattr(d, key)
+                bad = next((t for t in values if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise FieldError(f"data[{i}].{key}", f"token {bad} is not in 0-{vocab - 1}")
+            for key in ("target_tokens", *needs):
+                got = len(getattr(d, key))
+                if got != n:
+                    raise FieldError(f"data[{i}].{key}", f"{got} values for {n} input tokens")
+            for key in needs:
+                if not all(math.isfinite(v) for v in getattr(d, key)):
+                    raise FieldError(f"data[{i}].{key}", "must be finite")
+            out.append(
+                Datum(
+                    input_tokens=list(d.input_tokens),
+                    target_tokens=list(d.target_tokens),
+                    weights=list(d.weights) if "weights" in needs else None,
+                    logprobs=list(d.logprobs) if "logprobs" in needs else None,
+                    advantages=list(d.advantages) if "advantages" in needs else None,
+                )
+            )
+        return out
+
+    async def ForwardBackward(
+        self, request: pb.ForwardBackwardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ForwardBackwardResponse:
+        """Checks the data, then queues the pass in the run's order."""
+        tenant = await self._tenant(context)
+        run = await self._run(context, tenant, request.training_run)
+        async with self._numbered(context, run, request.sequence_number):
+            if request.loss_function not in LOSSES:
+                await self._bad(
+                    context,
+                    "loss_function",
+                    f"must be one of {sorted(pb.LossFunction.Name(k) for k in LOSSES)}",
+                )
+            loss = LOSSES[request.loss_function]
+            needs = LOSS_FIELDS[loss]
+            config = {}
+            for key in ("clip_low_threshold", "clip_high_threshold", "beta"):
+                if request.loss_config.HasField(key):
+                    if key not in LOSS_CONFIG_DEFAULTS[loss]:
+                        await self._bad(context, f"loss_config.{key}", f"{loss} has no {key}")
+                    config[key] = getattr(request.loss_config, key)
+            try:
+                data = self._check_data(request.data, needs)
+            except FieldError as exc:
+                await abort_with(context, invalid_argument(exc))
+            key = self._key(run)
+            forward_only = request.forward_only
+
+            def work() -> tuple[list[list[float]], dict[str, float]]:
+                return self.engine.forward_backward(
+                    key, data, loss, config, forward_only=forward_only
+                )
+
+            def finish(result: tuple[list[list[float]], dict[str, float]]) -> None:
+                outputs, metrics = result
+                self._touch(run)
+                op.proto.forward_backward.CopyFrom(
+                    pb.ForwardBackwardResult(
+                        outputs=[pb.DatumOutput(logprobs=lp) for lp in outputs], metrics=metrics
+                    )
+                )
+
+            proto = await self._sequenced(context, run, request.sequence_number, work, finish)
+            op = self.ops[proto.name]
+        return pb.ForwardBackwardResponse(operation=proto)
+
+    async def OptimStep(
+        self, request: pb.OptimStepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OptimStepResponse:
+        """Checks the Adam settings, then queues the step in the run's order."""
+        tenant = await self._tenant(context)
+        run = await self._run(context, tenant, request.training_run)
+        async with self._numbered(context, run, request.sequence_number):
+            a = request.adam
+            checks = {
+                "adam.learning_rate": a.learning_rate >= 0,
+                "adam.beta1": 0 <= a.beta1 < 1,
+                "adam.beta2": 0 <= a.beta2 < 1,
+                "adam.eps": a.eps >= 0,
+                "adam.weight_decay": a.weight_decay >= 0,
+                "adam.grad_clip_norm": a.grad_clip_norm >= 0,
+            }
+            for key, ok in checks.items():
+                value = getattr(a, key.split(".")[1])
+                if not ok or not math.isfinite(value):
+                    await self._bad(context, key, f"out of range: {value}")
+            params = AdamParams(
+                learning_rate=a.learning_rate,
+                beta1=a.beta1,
+                beta2=a.beta2,
+                eps=a.eps,
+                weight_decay=a.weight_decay,
+                grad_clip_norm=a.grad_clip_norm,
+            )
+            key = self._key(run)
+
+            def work() -> tuple[dict[str, float], int]:
+                # The optimizer state exists from the first step on: the adapter's memory
+                # is counted again.
+                return self.engine.optim_step(key, params), self.engine.adapter_bytes(key)
+
+            def finish(result: tuple[dict[str, float], int]) -> None:
+                metrics, run.proto.adapter_bytes = result
+                run.proto.steps += 1
+                self._touch(run)
+                op.proto.optim_step.CopyFrom(pb.OptimStepResult(metrics=metrics))
+
+            proto = await self._sequenced(context, run, request.sequence_number, work, finish)
+            op = self.ops[proto.name]
+        return pb.OptimStepResponse(operation=proto)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    async def SaveWeights(
+        self, request: pb.SaveWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SaveWeightsResponse:
+        """Queues a save of the run's adapter (a sampler also stays in memory)."""
+        tenant = await self._tenant(context)
+        run = await self._run(context, tenant, request.training_run)
+        async with self._numbered(context, run, request.sequence_number):
+            if request.kind not in (pb.CHECKPOINT_KIND_STATE, pb.CHECKPOINT_KIND_SAMPLER):
+                await self._bad(context, "kind", "must be CHECKPOINT_KIND_STATE or _SAMPLER")
+            ckpt_id = request.checkpoint_id or f"ckpt-{next(self._ids)}"
+            if not CHECKPOINT_RE.fullmatch(ckpt_id):
+                await self._bad(
+                    context, "checkpoint_id", f"{ckpt_id!r}: letters, digits, ._- (at most 128)"
+                )
+            name = f"{run.name}/checkpoints/{ckpt_id}"
+            kind = request.kind
+            key = self._key(run)
+            directory = run.directory / ckpt_id
+
+            def work() -> int:
+                directory.mkdir(parents=True, exist_ok=True)
+                write_marker(directory, "lora-checkpoint")
+                nbytes = self.engine.save_state(
+                    key, directory, optimizer=kind == pb.CHECKPOINT_KIND_STATE
+                )
+                if kind == pb.CHECKPOINT_KIND_SAMPLER:
+                    self.engine.snapshot(key, name_key(tenant, name))
+                return nbytes
+
+            def finish(nbytes: int) -> None:
+                ckpt = pb.Checkpoint(
+                    name=name,
+                    kind=kind,
+                    size_bytes=nbytes,
+                    create_time=_now(),
+                    step=run.proto.steps,
+                )
+                kept = [c for c in run.proto.checkpoints if c.name != name]
+                del run.proto.checkpoints[:]
+                run.proto.checkpoints.extend([*kept, ckpt])
+                if kind == pb.CHECKPOINT_KIND_SAMPLER:
+                    run.samplers.append(name)
+                    # Older samplers leave memory (their files stay).
+                    while len(run.samplers) > self.cfg.samplers_per_run:
+                        self.engine.delete_snapshot(name_key(tenant, run.samplers.popleft()))
+                self._touch(run)
+                op.proto.checkpoint.CopyFrom(ckpt)
+
+            proto = await self._sequenced(context, run, request.sequence_number, work, finish)
+            op = self.ops[proto.name]
+        return pb.SaveWeightsResponse(operation=proto)
+
+    def _checkpoint(self, tenant: str, name: str) -> tuple[Run, pb.Checkpoint] | None:
+        run_part, sep, _ = name.partition("/checkpoints/")
+        run = self.runs.get((tenant, run_part.removeprefix("training_runs/")))
+        if not sep or run is None:
+            return None
+        found = next((c for c in run.proto.checkpoints if c.name == name), None)
+        return (run, found) if found is not None else None
+
+    async def LoadWeights(
+        self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadWeightsResponse:
+        """Queues loading one of the tenant's state checkpoints into the run."""
+        tenant = await self._tenant(context)
+        run = await self._run(context, tenant, request.training_run)
+        async with self._numbered(context, run, request.sequence_number):
+            found = self._checkpoint(tenant, request.checkpoint)
+            if found is None:
+                await abort_with(
+                    context,
+                    status(grpc.StatusCode.NOT_FOUND, f"no checkpoint {request.checkpoint!r}"),
+                )
+            source, ckpt = found
+            if ckpt.kind != pb.CHECKPOINT_KIND_STATE and request.with_optimizer:
+                await self._bad(context, "with_optimizer", "a sampler checkpoint has no optimizer")
+            if source.proto.lora.rank != run.proto.lora.rank:
+                await self._bad(
+                    context,
+                    "checkpoint",
+                    f"rank {source.proto.lora.rank} does not match the run's {run.proto.lora.rank}",
+                )
+            directory = source.directory / ckpt.name.rpartition("/")[2]
+            key = self._key(run)
+            with_optimizer = request.with_optimizer
+
+            def finish(_: object) -> None:
+                if with_optimizer:
+                    run.proto.steps = ckpt.step
+                self._touch(run)
+                op.proto.training_run.CopyFrom(run.proto)
+
+            proto = await self._sequenced(
+                context,
+                run,
+                request.sequence_number,
+                lambda: self.engine.load_state(key, directory, optimizer=with_optimizer),
+                finish,
+            )
+            op = self.ops[proto.name]
+        return pb.LoadWeightsResponse(operation=proto)
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    async def Sample(
+        self, request: pb.SampleRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SampleResponse:
+        """Checks the request, then queues the sampling."""
+        tenant = await self._tenant(context)
+        sampler: str | None = None
+        step = 0
+        if request.WhichOneof("model") == "checkpoint":
+            found = self._checkpoint(tenant, request.checkpoint)
+            if found is None or found[0].samplers.count(request.checkpoint) == 0:
+                # Another tenant's, unknown, or no longer in memory.
+                await abort_with(
+                    context,
+                    status(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"no sampler {request.checkpoint!r} (a sampler checkpoint of yours; "
+                        f"each run keeps its newest {self.cfg.samplers_per_run} in memory)",
+                    ),
+                )
+            sampler = name_key(tenant, request.checkpoint)
+            step = found[1].step
+        elif request.WhichOneof("model") == "base_model":
+            if not self._base_model(request.base_model):
+                await self._bad(
+                    context,
+                    "base_model",
+                    f"{request.base_model!r} is not served; served: {self.base_model_names}",
+                )
+        else:
+            await self._bad(context, "model", "name a checkpoint or a base_model")
+        s = request.sampling
+        prompt = list(request.prompt_tokens)
+        vocab = self.engine.vocab_size
+        problems = {
+            "prompt_tokens": "must not be empty" if not prompt else None,
+            "sampling.max_new_tokens": None
+            if s.max_new_tokens >= 1
+            else f"must be >= 1, got {s.max_new_tokens}",
+            "sampling.n_samples": None
+            if 0 <= s.n_samples <= MAX_SAMPLES
+            else f"must be in 1-{MAX_SAMPLES}, got {s.n_samples}",
+            "sampling.top_p": None
+            if not s.HasField("top_p") or 0 < s.top_p <= 1
+            else f"must be in (0, 1], got {s.top_p}",
+            "sampling.temperature": None
+            if not s.HasField("temperature") or s.temperature >= 0
+            else f"must be >= 0, got {s.temperature}",
+        }
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            problems["prompt_tokens"] = f"token {bad} is not in 0-{vocab - 1}"
+        if len(prompt) + s.max_new_tokens > self.engine.max_context_length:
+            problems["sampling.max_new_tokens"] = (
+                f"prompt ({len(prompt)}) + max_new_tokens ({s.max_new_tokens}) exceed the "
+                f"model's {self.engine.max_context_length} tokens"
+            )
+        for key, why in problems.items():
+            if why is not None:
+                await self._bad(context, key, why)
+        await self._admit(context, tenant)
+        eos_id = self.engine.eos_token_id
+        eos = [] if s.ignore_eos or eos_id is None else [eos_id]
+        kwargs: dict[str, Any] = {
+            "num_samples": s.n_samples or 1,
+            "max_tokens": s.max_new_tokens,
+            "temperature": s.temperature if s.HasField("temperature") else 1.0,
+            "top_p": s.top_p if s.HasField("top_p") else 1.0,
+            "top_k": s.top_k if s.top_k > 0 else -1,
+            "seed": s.seed if s.HasField("seed") else None,
+            "stop_token_ids": [*eos, *s.stop_token_ids],
+            "stop": list(request.stop),
+            "prompt_logprobs": request.prompt_logprobs,
+        }
+
+        def work() -> Any:
+            return self.engine.sample(sampler, prompt, **kwargs)
+
+        def finish(result: Any) -> None:
+            sequences, prompt_lps = result
+            op.proto.sample.CopyFrom(
+                pb.SampleResult(
+                    completions=[
+                        rollout_pb2.Completion(
+                            output_ids=seq.tokens,
+                            output_logprobs=seq.logprobs,
+                            output_versions=[step] * len(seq.tokens),
+                            finish_reason=common_pb2.FINISH_REASON_STOP
+                            if seq.stop_reason == "stop"
+                            else common_pb2.FINISH_REASON_LENGTH,
+                        )
+                        for seq in sequences
+                    ],
+                    prompt_logprobs=prompt_lps or [],
+                )
+            )
+
+        op = self._operation(tenant, work, finish)
+        self.queue.put(op)
+        return pb.SampleResponse(operation=op.proto)
+
+    # -- operations ----------------------------------------------------------------------------
+
+    async def _op(self, context: grpc.aio.ServicerContext, tenant: str, name: str) -> Operation:
+        op = self.ops.get(name)
+        if op is None or op.tenant != tenant:
+            await abort_with(context, status(grpc.StatusCode.NOT_FOUND, f"no operation {name!r}"))
+        return op
+
+    def _view(self, op: Operation) -> pb.Operation:
+        if not op.proto.done:
+            op.proto.queue_position = self.queue.position(op)
+        return op.proto
+
+    async def GetOperation(
+        self, request: pb.GetOperationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetOperationResponse:
+        """An operation of the tenant's, as it is now."""
+        tenant = await self._tenant(context)
+        op = await self._op(context, tenant, request.name)
+        return pb.GetOperationResponse(operation=self._view(op))
+
+    async def WaitOperation(
+        self, request: pb.WaitOperationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WaitOperationResponse:
+        """An operation of the tenant's, once done or when the timeout passed."""
+        tenant = await self._tenant(context)
+        op = await self._op(context, tenant, request.name)
+        timeout = seconds(request.timeout) if request.HasField("timeout") else 0.0
+        if not 0 <= timeout <= WAIT_MAX_S:
+            await self._bad(context, "timeout", f"must be in 0-{WAIT_MAX_S:.0f} s, got {timeout}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(op.done.wait(), timeout or WAIT_DEFAULT_S)
+        return pb.WaitOperationResponse(operation=self._view(op))
+
+
+def name_key(tenant: str, checkpoint: str) -> str:
+    """The engine's name of a sampler: unique across tenants."""
+    return f"{tenant}/{checkpoint}"

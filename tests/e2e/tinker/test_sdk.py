@@ -1,0 +1,239 @@
+"""``python -m areal_grpc.tinker`` driven by the official ``tinker`` SDK (0.38.0), unchanged:
+SFT, an RL loop, tenants kept apart, quotas, checkpoints that resume bit-exactly, and clear
+refusals of what is not served."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
+
+MODEL = "builtin:tiny"
+KEYS = {
+    "alice": "tml-alice-0123456789abcdef",
+    "bob": "tml-bob-0123456789abcdefgh",
+    "carol": "tml-carol-0123456789abcdef",
+}
+SEQ = [5, 6, 7, 8, 9, 10, 11, 12]
+MAX_RUNS = 4
+
+
+@dataclass
+class Service:
+    child: Child
+    url: str
+    root: Path
+
+    def client(self, tenant: str) -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.url, api_key=KEYS[tenant])
+
+    def rest(self, tenant: str) -> tinker.RestClient:
+        return tinker.RestClient(base_url=self.url, api_key=KEYS[tenant])
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    os.environ["TINKER_TELEMETRY"] = "0"
+    out = tmp_path_factory.mktemp("tinker")
+    tenants = out / "tenants.json"
+    tenants.write_text(json.dumps(KEYS))
+    child = start_child(
+        "tinker",
+        python_module_argv(
+            "areal_grpc.tinker",
+            f"model.source={MODEL}",
+            f"output.dir={out / 'run'}",
+            f"tinker.tenants_file={tenants}",
+            f"tinker.max_runs_per_tenant={MAX_RUNS}",
+            "tinker.retry_after_s=3",
+        ),
+        log_dir=out / "logs",
+    )
+    try:
+        yield Service(child, f"http://{child.address}", out / "run" / "tinker")
+    finally:
+        stop_children([child])
+
+
+def sft_datum(seq: list[int] = SEQ) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)},
+    )
+
+
+def sft_steps(tc: tinker.TrainingClient, n: int, lr: float = 3e-3) -> list[float]:
+    losses = []
+    for _ in range(n):
+        fb = tc.forward_backward([sft_datum()], "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=lr))
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    return losses
+
+
+def greedy(sampler: tinker.SamplingClient, prompt: list[int], n: int = 5) -> list[int]:
+    result = sampler.sample(
+        prompt=types.ModelInput.from_ints(prompt),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=n, temperature=0.0, stop=[]),
+    ).result()
+    assert len(result.sequences[0].logprobs) == n
+    return list(result.sequences[0].tokens)
+
+
+def test_sft_loss_falls_and_the_saved_sampler_samples_the_trained_adapter(svc: Service):
+    sc = svc.client("alice")
+    caps = svc.rest("alice").get_server_capabilities().result()
+    assert [m.model_name for m in caps.supported_models] == [MODEL]
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=1).result()
+    base = greedy(sc.create_sampling_client(base_model=MODEL).result(), SEQ[:3])
+    losses = sft_steps(tc, 20)
+    assert losses[-1] < 0.5 * losses[0]
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    assert greedy(sampler, SEQ[:3]) == SEQ[3:8] != base
+    info = tc.get_info()
+    assert info.model_data.model_name == MODEL and info.lora_rank == 8
+
+
+def test_compute_logprobs_and_a_custom_loss(svc: Service):
+    sc = svc.client("bob")
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
+    sft_steps(tc, 3)
+    # The learner's log-probs of a sequence (forward) are what its sampler scores.
+    learner = tc.forward([sft_datum()], "cross_entropy").result()
+    scored = (
+        tc.save_weights_and_get_sampling_client()
+        .result()
+        .compute_logprobs(types.ModelInput.from_ints(SEQ))
+    )
+    values = scored.result()
+    assert values[0] is None and len(values) == len(SEQ)
+    assert values[1:] == pytest.approx(learner.loss_fn_outputs[0]["logprobs"].tolist(), abs=1e-4)
+
+    # A loss the SDK computes client-side from the log-probs (two calls to the service).
+    def loss_fn(data, logprobs):
+        loss = -sum(lp.sum() for lp in logprobs)
+        return loss, {"custom:sum": float(loss)}
+
+    out = tc.forward_backward_custom([sft_datum()], loss_fn).result()
+    assert out.metrics["custom:sum"] > 0
+    tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    after = tc.forward([sft_datum()], "cross_entropy").result().metrics["loss:sum"]
+    assert after < out.metrics["custom:sum"]
+
+
+def test_an_rl_loop_raises_the_reward(svc: Service):
+    """sample -> reward -> importance_sampling forward_backward -> optim_step, as the
+    cookbook's RL loop does it; the reward is the share of sampled tokens below 64."""
+    tc = svc.client("alice").create_lora_training_client(base_model=MODEL, rank=8, seed=1).result()
+    prompt = [5, 6, 7]
+    rewards = []
+    for it in range(10):
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        result = sampler.sample(
+            prompt=types.ModelInput.from_ints(prompt),
+            num_samples=16,
+            sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=it, stop=[]),
+        ).result()
+        scores = [sum(t < 64 for t in s.tokens) / len(s.tokens) for s in result.sequences]
+        mean = statistics.mean(scores)
+        rewards.append(mean)
+        data = []
+        for seq, score in zip(result.sequences, scores, strict=True):
+            full = prompt + list(seq.tokens)
+            pad = [0.0] * (len(prompt) - 1)
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": full[1:],
+                        "logprobs": pad + list(seq.logprobs),
+                        "advantages": pad + [score - mean] * len(seq.tokens),
+                    },
+                )
+            )
+        tc.forward_backward(data, "importance_sampling").result()
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    assert statistics.mean(rewards[-3:]) > statistics.mean(rewards[:2]) + 0.3, rewards
+
+
+def test_tenants_are_kept_apart(svc: Service):
+    alice, bob = svc.client("alice"), svc.client("bob")
+    a = alice.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
+    b = bob.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
+    path = a.save_weights_for_sampler("mine").result().path
+    run_id = a.model_id
+    # Bob cannot see, sample or load Alice's run.
+    with pytest.raises(tinker.NotFoundError):
+        svc.rest("bob").get_training_run(run_id).result()
+    with pytest.raises(tinker.NotFoundError):
+        greedy(bob.create_sampling_client(model_path=path).result(), SEQ[:3])
+    with pytest.raises(tinker.NotFoundError):
+        b.load_state(path.replace("sampler_weights", "weights")).result()
+    # Alice's malformed datum is a 400 naming the field; Bob trains on.
+    bad = types.Datum(
+        model_input=types.ModelInput.from_ints(SEQ[:-1]),
+        loss_fn_inputs={"target_tokens": SEQ[1:], "weights": [1.0] * 3},
+    )
+    with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.weights"):
+        a.forward_backward([bad], "cross_entropy").result()
+    assert len(sft_steps(b, 2)) == 2
+    runs = svc.rest("bob").list_training_runs().result()
+    assert run_id not in [r.training_run_id for r in runs.training_runs]
+
+
+def test_a_full_quota_is_429_with_a_retry_delay(svc: Service):
+    headers = {"X-API-Key": KEYS["carol"]}
+    with httpx.Client(base_url=svc.url, headers=headers, timeout=60) as http:
+        session = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        statuses = []
+        for seq in range(MAX_RUNS + 1):
+            reply = http.post(
+                "/api/v1/create_model",
+                json={"session_id": session, "model_seq_id": seq, "base_model": MODEL},
+            )
+            statuses.append(reply.status_code)
+        assert statuses == [200] * MAX_RUNS + [429]
+        assert reply.headers["retry-after-ms"] == "3000"
+        assert "max_runs_per_tenant" in reply.json()["detail"]
+
+
+def test_state_checkpoints_resume_bit_exactly(svc: Service):
+    sc = svc.client("bob")
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=2).result()
+    sft_steps(tc, 2)
+    path = tc.save_state("after-2").result().path
+    assert path.startswith("tinker://") and "/weights/after-2" in path
+    first = sft_steps(tc, 3)
+    resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+    assert sft_steps(resumed, 3) == first
+
+
+def test_what_is_not_served_is_refused_at_once(svc: Service):
+    headers = {"X-API-Key": KEYS["alice"]}
+    with httpx.Client(base_url=svc.url, headers=headers, timeout=60) as http:
+        # Not 5xx: the SDK would retry those for minutes.
+        reply = http.post("/api/v1/create_custom_loss", json={})
+        assert reply.status_code == 404 and "not supported" in reply.json()["detail"]
+        assert http.get("/api/v1/billing/usage/checkpoints/current").status_code == 404
+    tc = svc.client("alice").create_lora_training_client(base_model=MODEL, rank=4).result()
+    with pytest.raises(tinker.APIStatusError) as err:
+        tc.optim_step(types.DimuonParams(learning_rate=1e-3)).result()
+    assert err.value.status_code == 400 and "Adam" in str(err.value)
+
+
+def test_files_are_written_only_under_the_service_root(svc: Service):
+    written = [p for p in (svc.root.parent).rglob("*") if p.is_file()]
+    assert any(p.is_relative_to(svc.root) for p in written)
+    assert all(p.is_relative_to(svc.root) for p in written)

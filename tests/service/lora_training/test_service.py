@@ -1,0 +1,465 @@
+"""LoraTrainingService on loopback, over a real engine (builtin:tiny): tenants kept apart,
+quotas, call order, operations, bad input, checkpoints inside the root."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from areal_servers.lora_training.engine import LoraEngine
+from areal_servers.lora_training.service import FairQueue, LoraTrainingServicer, Operation, Tenants
+from arealgrpc.v1 import common_pb2
+from arealgrpc.v1 import lora_training_pb2 as pb
+from arealgrpc.v1 import lora_training_pb2_grpc as pb_grpc
+
+from areal_grpc.config import TinkerConfig
+from areal_grpc.durations import duration
+from areal_grpc.errors import field_violations, retry_delay_s
+from areal_grpc.server import BackgroundServer, service
+
+torch.set_num_threads(1)
+
+KEYS = {"alice": "tml-alice-0123456789abcdef", "bob": "tml-bob-0123456789abcdefgh"}
+MODEL = "builtin:tiny"
+SEQ = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+@dataclass
+class Served:
+    servicer: LoraTrainingServicer
+    channel: grpc.Channel
+    root: Path
+    server: BackgroundServer
+
+    def block_worker(self) -> threading.Event:
+        """Occupies the worker with a call of a third tenant until the event is set."""
+        gate = threading.Event()
+        op = Operation("carol", pb.Operation(name="operations/blocker"), gate.wait, lambda _: None)
+
+        async def put() -> None:
+            self.servicer.queue.put(op)
+
+        self.server.call(put())
+        return gate
+
+    def stub(self) -> pb_grpc.LoraTrainingServiceStub:
+        return pb_grpc.LoraTrainingServiceStub(self.channel)
+
+
+@pytest.fixture
+def served(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Served]:
+    overrides = getattr(request, "param", {})
+    cfg = TinkerConfig(**{"max_runs_per_tenant": 3, "samplers_per_run": 2, **overrides})
+    servicer = LoraTrainingServicer(
+        LoraEngine(MODEL), cfg, Tenants(KEYS), tmp_path / "root", [MODEL]
+    )
+    bg = BackgroundServer(
+        [service(servicer, pb_grpc.add_LoraTrainingServiceServicer_to_server, pb)]
+    )
+    running = bg.start()
+    bg.call(servicer.start())
+    channel = grpc.insecure_channel(running.address)
+    try:
+        yield Served(servicer, channel, tmp_path / "root", bg)
+    finally:
+        channel.close()
+        bg.call(servicer.stop())
+        bg.stop()
+
+
+def auth(tenant: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {KEYS[tenant]}")]
+
+
+def wait(s: Served, tenant: str, op: pb.Operation) -> pb.Operation:
+    while not op.done:
+        op = (
+            s.stub()
+            .WaitOperation(
+                pb.WaitOperationRequest(name=op.name, timeout=duration(30)),
+                metadata=auth(tenant),
+            )
+            .operation
+        )
+    return op
+
+
+def ok(s: Served, tenant: str, op: pb.Operation) -> pb.Operation:
+    op = wait(s, tenant, op)
+    assert op.WhichOneof("result") != "error", op.error
+    return op
+
+
+def create(s: Served, tenant: str, run_id: str = "", rank: int = 4) -> str:
+    reply = s.stub().CreateTrainingRun(
+        pb.CreateTrainingRunRequest(
+            base_model=MODEL,
+            lora=pb.LoraSpec(rank=rank, train_attn=True, train_mlp=True, seed=1),
+            training_run_id=run_id,
+        ),
+        metadata=auth(tenant),
+    )
+    return ok(s, tenant, reply.operation).training_run.name
+
+
+def sft_datum(seq: list[int] = SEQ) -> pb.Datum:
+    n = len(seq) - 1
+    return pb.Datum(input_tokens=seq[:-1], target_tokens=seq[1:], weights=[1.0] * n)
+
+
+def step(s: Served, tenant: str, run: str, seq: int = 0, data: list[pb.Datum] | None = None):
+    fb = s.stub().ForwardBackward(
+        pb.ForwardBackwardRequest(
+            training_run=run,
+            data=data or [sft_datum()],
+            loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY,
+            sequence_number=seq,
+        ),
+        metadata=auth(tenant),
+    )
+    opt = s.stub().OptimStep(
+        pb.OptimStepRequest(
+            training_run=run,
+            adam=pb.AdamParams(learning_rate=3e-3, beta1=0.9, beta2=0.95, eps=1e-12),
+            sequence_number=seq + 1 if seq else 0,
+        ),
+        metadata=auth(tenant),
+    )
+    loss = ok(s, tenant, fb.operation).forward_backward.metrics["loss:sum"]
+    ok(s, tenant, opt.operation)
+    return loss
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def test_two_tenants_train_at_once_and_each_sees_only_its_own(served: Served):
+    a = create(served, "alice", "shared-name")
+    b = create(served, "bob", "shared-name")  # the same id in another tenant is another run
+    losses: dict[str, list[float]] = {"alice": [], "bob": []}
+
+    async def both() -> None:
+        async def train(tenant: str, run: str) -> None:
+            for _ in range(4):
+                losses[tenant].append(await asyncio.to_thread(step, served, tenant, run))
+
+        await asyncio.gather(train("alice", a), train("bob", b))
+
+    asyncio.run(both())
+    assert losses["alice"][-1] < losses["alice"][0] and losses["bob"][-1] < losses["bob"][0]
+    stub = served.stub()
+    mine = stub.ListTrainingRuns(pb.ListTrainingRunsRequest(), metadata=auth("bob"))
+    assert [r.name for r in mine.training_runs] == ["training_runs/shared-name"]
+    assert mine.training_runs[0].steps == 4
+
+    saved = stub.SaveWeights(
+        pb.SaveWeightsRequest(training_run=a, kind=pb.CHECKPOINT_KIND_SAMPLER, checkpoint_id="s"),
+        metadata=auth("alice"),
+    )
+    checkpoint = ok(served, "alice", saved.operation).checkpoint.name
+    alone = create(served, "alice", "only-alice")
+    # Bob cannot read, sample, load or await what is Alice's: it reads as missing.
+    for call in (
+        lambda: stub.GetTrainingRun(
+            pb.GetTrainingRunRequest(name="training_runs/only-alice"), metadata=auth("bob")
+        ),
+        lambda: stub.Sample(
+            pb.SampleRequest(
+                checkpoint=checkpoint,
+                prompt_tokens=SEQ[:3],
+                sampling=common_pb2.SamplingParams(max_new_tokens=2),
+            ),
+            metadata=auth("bob"),
+        ),
+        lambda: stub.LoadWeights(
+            pb.LoadWeightsRequest(training_run=b, checkpoint=checkpoint), metadata=auth("bob")
+        ),
+        lambda: stub.GetOperation(
+            pb.GetOperationRequest(name=saved.operation.name), metadata=auth("bob")
+        ),
+    ):
+        assert code_of(call) == grpc.StatusCode.NOT_FOUND
+    assert alone == "training_runs/only-alice"
+
+
+def test_keys_are_checked(served: Served):
+    stub = served.stub()
+    assert (
+        code_of(lambda: stub.ListTrainingRuns(pb.ListTrainingRunsRequest()))
+        == grpc.StatusCode.UNAUTHENTICATED
+    )
+    wrong = [("authorization", "Bearer tml-not-a-tenant-key-000000")]
+    assert (
+        code_of(lambda: stub.ListTrainingRuns(pb.ListTrainingRunsRequest(), metadata=wrong))
+        == grpc.StatusCode.UNAUTHENTICATED
+    )
+
+
+def test_a_malformed_datum_names_the_field_and_changes_nothing(served: Served):
+    a = create(served, "alice")
+    b = create(served, "bob")
+    before = {
+        n: p.detach().clone()
+        for n, p in served.servicer.engine.parameters("alice/" + a.split("/")[1]).items()
+    }
+    bad = sft_datum()
+    del bad.weights[-1]
+    with pytest.raises(grpc.RpcError) as err:
+        served.stub().ForwardBackward(
+            pb.ForwardBackwardRequest(
+                training_run=a,
+                data=[sft_datum(), bad],
+                loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY,
+            ),
+            metadata=auth("alice"),
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in field_violations(err.value)] == ["data[1].weights"]
+    out_of_vocab = sft_datum([5, 6, 10**7])
+    with pytest.raises(grpc.RpcError) as err:
+        served.stub().ForwardBackward(
+            pb.ForwardBackwardRequest(
+                training_run=a, data=[out_of_vocab], loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY
+            ),
+            metadata=auth("alice"),
+        )
+    assert [f for f, _ in field_violations(err.value)] == ["data[0].target_tokens"]
+    # Bob's step goes on; Alice's adapter is as it was.
+    step(served, "bob", b)
+    after = served.servicer.engine.parameters("alice/" + a.split("/")[1])
+    assert all(torch.equal(before[n], p) for n, p in after.items())
+    run = served.stub().GetTrainingRun(pb.GetTrainingRunRequest(name=a), metadata=auth("alice"))
+    assert run.training_run.steps == 0
+
+
+@pytest.mark.parametrize(
+    "served", [{"max_runs_per_tenant": 1, "retry_after_s": 2.5}], indirect=True
+)
+def test_a_full_run_quota_is_resource_exhausted_with_a_retry_delay(served: Served):
+    create(served, "alice")
+    with pytest.raises(grpc.RpcError) as err:
+        create(served, "alice")
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert retry_delay_s(err.value) == pytest.approx(2.5)
+    assert "max_runs_per_tenant" in err.value.details()
+    create(served, "bob")  # another tenant's quota is its own
+
+
+@pytest.mark.parametrize("served", [{"max_queued_per_tenant": 2}], indirect=True)
+def test_a_full_queue_is_resource_exhausted_and_other_tenants_still_queue(served: Served):
+    a = create(served, "alice")
+    b = create(served, "bob")
+    gate = served.block_worker()
+    stub = served.stub()
+    ops, codes = [], []
+    for _ in range(5):
+        try:
+            ops.append(
+                stub.ForwardBackward(
+                    pb.ForwardBackwardRequest(
+                        training_run=a,
+                        data=[sft_datum()],
+                        loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY,
+                        forward_only=True,
+                    ),
+                    metadata=auth("alice"),
+                ).operation
+            )
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+    assert len(ops) == 2 and codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+    # Bob queues behind the blocker but ahead of Alice's second call (turns alternate).
+    bob = stub.ForwardBackward(
+        pb.ForwardBackwardRequest(
+            training_run=b, data=[sft_datum()], loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY
+        ),
+        metadata=auth("bob"),
+    ).operation
+    view = stub.GetOperation(pb.GetOperationRequest(name=ops[1].name), metadata=auth("alice"))
+    assert not view.operation.done and view.operation.queue_position == 2
+    gate.set()
+    ok(served, "bob", bob)
+    for op in ops:
+        ok(served, "alice", op)
+
+
+def test_calls_of_a_run_execute_in_sequence_order_and_a_repeat_is_the_same_call(served: Served):
+    a = create(served, "alice")
+    stub = served.stub()
+    # The optimizer step (2) arrives before the gradients (1) it must follow.
+    opt = stub.OptimStep.future(
+        pb.OptimStepRequest(
+            training_run=a, adam=pb.AdamParams(learning_rate=1e-2), sequence_number=2
+        ),
+        metadata=auth("alice"),
+    )
+    fb = stub.ForwardBackward(
+        pb.ForwardBackwardRequest(
+            training_run=a,
+            data=[sft_datum()],
+            loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY,
+            sequence_number=1,
+        ),
+        metadata=auth("alice"),
+    )
+    optimized = ok(served, "alice", opt.result().operation)
+    assert optimized.optim_step.metrics["grad_norm:mean"] > 0  # it saw the gradients
+    again = stub.ForwardBackward(
+        pb.ForwardBackwardRequest(
+            training_run=a,
+            data=[sft_datum()],
+            loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY,
+            sequence_number=1,
+        ),
+        metadata=auth("alice"),
+    )
+    assert again.operation.name == fb.operation.name
+
+
+def test_a_refused_numbered_call_does_not_hold_up_the_next(served: Served):
+    # The SDK numbers a call before it is answered: a refusal leaves no gap to wait for.
+    a = create(served, "alice")
+    bad = sft_datum()
+    del bad.target_tokens[-1]
+    with pytest.raises(grpc.RpcError) as err:
+        step(served, "alice", a, seq=1, data=[bad])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert step(served, "alice", a, seq=2) > 0  # calls 2 and 3 run
+
+
+def test_state_checkpoints_resume_bit_exactly(served: Served):
+    a = create(served, "alice")
+    for _ in range(2):
+        step(served, "alice", a)
+    stub = served.stub()
+    saved = stub.SaveWeights(
+        pb.SaveWeightsRequest(training_run=a, kind=pb.CHECKPOINT_KIND_STATE, checkpoint_id="k2"),
+        metadata=auth("alice"),
+    )
+    checkpoint = ok(served, "alice", saved.operation).checkpoint
+    assert checkpoint.step == 2 and checkpoint.size_bytes > 0
+    first = [step(served, "alice", a) for _ in range(3)]
+    resumed = create(served, "alice")
+    loaded = stub.LoadWeights(
+        pb.LoadWeightsRequest(
+            training_run=resumed, checkpoint=checkpoint.name, with_optimizer=True
+        ),
+        metadata=auth("alice"),
+    )
+    assert ok(served, "alice", loaded.operation).training_run.steps == 2
+    assert [step(served, "alice", resumed) for _ in range(3)] == first
+
+
+def test_samplers_are_snapshots_and_sample_returns_logprobs(served: Served):
+    a = create(served, "alice")
+    stub = served.stub()
+
+    def sample(**model) -> list[list[int]]:
+        reply = stub.Sample(
+            pb.SampleRequest(
+                prompt_tokens=SEQ[:3],
+                sampling=common_pb2.SamplingParams(
+                    max_new_tokens=5, temperature=0.0, n_samples=2, ignore_eos=True
+                ),
+                **model,
+            ),
+            metadata=auth("alice"),
+        )
+        result = ok(served, "alice", reply.operation).sample
+        assert all(len(c.output_logprobs) == len(c.output_ids) == 5 for c in result.completions)
+        return [list(c.output_ids) for c in result.completions]
+
+    def save(name: str) -> str:
+        reply = stub.SaveWeights(
+            pb.SaveWeightsRequest(
+                training_run=a, kind=pb.CHECKPOINT_KIND_SAMPLER, checkpoint_id=name
+            ),
+            metadata=auth("alice"),
+        )
+        return ok(served, "alice", reply.operation).checkpoint.name
+
+    base = sample(base_model=MODEL)
+    fresh = save("fresh")
+    assert sample(checkpoint=fresh) == base  # an untrained adapter is the base model
+    for _ in range(20):
+        step(served, "alice", a)
+    trained = save("trained")
+    after = sample(checkpoint=trained)
+    assert after[0] == SEQ[3:8]  # it learned the sequence
+    assert sample(checkpoint=fresh) == base  # the earlier snapshot did not move
+    save("third")  # samplers_per_run=2: "fresh" leaves memory
+    assert (
+        code_of(
+            lambda: stub.Sample(
+                pb.SampleRequest(
+                    checkpoint=fresh,
+                    prompt_tokens=SEQ[:3],
+                    sampling=common_pb2.SamplingParams(max_new_tokens=2),
+                ),
+                metadata=auth("alice"),
+            )
+        )
+        == grpc.StatusCode.NOT_FOUND
+    )
+
+
+def test_checkpoints_are_written_only_inside_the_root(served: Served):
+    a = create(served, "alice")
+    stub = served.stub()
+    for bad in ("../escape", "/abs", "a/b", ".hidden"):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SaveWeights(
+                pb.SaveWeightsRequest(
+                    training_run=a, kind=pb.CHECKPOINT_KIND_STATE, checkpoint_id=bad
+                ),
+                metadata=auth("alice"),
+            )
+        assert [f for f, _ in field_violations(err.value)] == ["checkpoint_id"], bad
+    ok(
+        served,
+        "alice",
+        stub.SaveWeights(
+            pb.SaveWeightsRequest(training_run=a, kind=pb.CHECKPOINT_KIND_STATE, checkpoint_id="c"),
+            metadata=auth("alice"),
+        ).operation,
+    )
+    written = [p for p in served.root.parent.rglob("*") if p.is_file()]
+    assert written and all(p.is_relative_to(served.root) for p in written)
+
+
+def test_the_queue_takes_tenants_in_turn():
+    async def order() -> list[str]:
+        queue = FairQueue()
+        ops = [Operation("alice", pb.Operation(name=f"a{i}")) for i in range(4)]
+        ops += [Operation("bob", pb.Operation(name="b0"))]
+        for op in ops:
+            queue.put(op)
+        assert queue.position(ops[-1]) == 1  # behind alice's first only
+        return [(await queue.get()).proto.name for _ in ops]
+
+    assert asyncio.run(order()) == ["a0", "b0", "a1", "a2", "a3"]
+
+
+def test_tenants_file_is_checked(tmp_path: Path):
+    from areal_grpc.config import read_tenants
+    from areal_grpc.errors import FieldError
+
+    good = tmp_path / "tenants.json"
+    good.write_text(json.dumps(KEYS))
+    assert read_tenants(str(good)) == KEYS
+    for body in ('{"a": "no-prefix-0123456789"}', "[]", '{"a": "tml-x"}', "{"):
+        bad = tmp_path / "bad.json"
+        bad.write_text(body)
+        with pytest.raises(FieldError) as err:
+            read_tenants(str(bad))
+        assert err.value.field == "tinker.tenants_file"
