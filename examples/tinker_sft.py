@@ -34,7 +34,7 @@ def main() -> None:
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
     )
     prompt = tokenizer.encode(text, add_special_tokens=False)
-    answer = tokenizer.encode(ANSWER, add_special_tokens=False) + [tokenizer.eos_token_id]
+    answer = [*tokenizer.encode(ANSWER, add_special_tokens=False), tokenizer.eos_token_id]
     tokens = prompt + answer
     # Position i predicts token i + 1; only the answer's tokens are trained on.
     datum = types.Datum(

@@ -33,6 +33,7 @@ from areal_grpc.errors import FieldError
 from areal_grpc.launch import LISTENING
 from areal_grpc.model import resolve_source
 from areal_grpc.paths import write_marker
+from areal_grpc.security import is_loopback
 from areal_grpc.server import ServerOptions, service, start_server
 from areal_grpc.server_config import add_run_config_args
 
@@ -41,7 +42,7 @@ log = logging.getLogger("areal_grpc.tinker")
 DEFAULT_SOURCE = "smollm2-135m-instruct"
 # The names users give a source's model (the first is how it is listed).
 MODEL_NAMES = {"smollm2-135m-instruct": ["HuggingFaceTB/SmolLM2-135M-Instruct"]}
-SECTIONS = ("model", "output", "tinker")
+SECTIONS = ("model", "output", "security", "tinker")
 
 
 def model_names(source: str) -> list[str]:
@@ -58,6 +59,14 @@ def config_from_args(argv: Sequence[str] | None) -> RunConfig:
     defaults = json.dumps({"model": {"source": DEFAULT_SOURCE}})
     cfg = load_config([defaults, *(args.config or [])], args.overrides, sections=SECTIONS)
     preflight(cfg, SECTIONS)
+    if not is_loopback(cfg.tinker.host) and not cfg.security.allow_plaintext:
+        # API keys travel in every request: not in the clear beyond this machine by accident.
+        raise FieldError(
+            "tinker.host",
+            f"{cfg.tinker.host} is not loopback and the service speaks plaintext HTTP and gRPC "
+            "(no TLS yet): bind 127.0.0.1, or set security.allow_plaintext=true behind a "
+            "TLS-terminating proxy",
+        )
     return cfg
 
 
@@ -88,7 +97,7 @@ async def serve(cfg: RunConfig) -> None:
                 lora_training_pb2,
             )
         ],
-        ServerOptions(host=t.host, port=t.grpc_port),
+        ServerOptions(host=t.host, port=t.grpc_port, allow_plaintext=cfg.security.allow_plaintext),
     )
     await servicer.start()
     sock = socket.socket(socket.AF_INET6 if ":" in t.host else socket.AF_INET)

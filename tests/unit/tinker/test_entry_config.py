@@ -1,0 +1,34 @@
+"""``python -m areal_grpc.tinker``'s config: its own default model under the user's keys, and
+no plaintext beyond loopback by accident."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from areal_grpc.errors import FieldError
+from areal_grpc.tinker.__main__ import DEFAULT_SOURCE, config_from_args, model_names
+
+
+def test_the_service_defaults_to_smollm2_and_the_users_model_wins(tmp_path: Path):
+    assert config_from_args([]).model.source == DEFAULT_SOURCE
+    assert config_from_args(["model.source=builtin:micro"]).model.source == "builtin:micro"
+    run = tmp_path / "run.yaml"
+    run.write_text("model:\n  source: builtin:tiny\n")
+    assert config_from_args(["--config", str(run)]).model.source == "builtin:tiny"
+    assert model_names(DEFAULT_SOURCE)[0] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_plaintext_beyond_loopback_is_refused_unless_allowed():
+    with pytest.raises(FieldError) as err:
+        config_from_args(["tinker.host=0.0.0.0"])
+    assert err.value.field == "tinker.host"
+    allowed = config_from_args(["tinker.host=0.0.0.0", "security.allow_plaintext=true"])
+    assert allowed.tinker.host == "0.0.0.0"
+
+
+def test_a_missing_tenants_file_is_named_at_launch(tmp_path: Path):
+    with pytest.raises(FieldError) as err:
+        config_from_args([f"tinker.tenants_file={tmp_path / 'none.json'}"])
+    assert err.value.field == "tinker.tenants_file"
