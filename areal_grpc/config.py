@@ -17,14 +17,17 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
 import textwrap
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -62,6 +65,7 @@ __all__ = [
     "TrainerSupervision",
     "VllmSettings",
     "WeightSyncConfig",
+    "choices_of",
     "describe",
     "load_config",
     "preflight",
@@ -71,31 +75,42 @@ __all__ = [
     "validate_config",
 ]
 
-ENGINES = ("hf", "vllm", "sglang")
+Engine = Literal["hf", "vllm", "sglang"]
+ENGINES: tuple[str, ...] = get_args(Engine)
 # Model dtypes the vllm engine loads.
-VLLM_DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("auto", "gloo", "nccl")
-DEVICES = ("auto", "cpu", "cuda")
+VllmDtype = Literal["float32", "bfloat16", "float16"]
+VLLM_DTYPES: tuple[str, ...] = get_args(VllmDtype)
+Backend = Literal["auto", "gloo", "nccl"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+Device = Literal["auto", "cpu", "cuda"]
+DEVICES: tuple[str, ...] = get_args(Device)
 # Where a normalisation's mean or std is taken: per trajectory group, over the global batch,
 # or not at all.
-NORM_LEVELS = ("group", "batch", "none")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+NormLevel = Literal["group", "batch", "none"]
+NORM_LEVELS: tuple[str, ...] = get_args(NormLevel)
+KlEstimator = Literal["k1", "k2", "k3"]
+KL_ESTIMATORS: tuple[str, ...] = get_args(KlEstimator)
 # How far the proximal policy may be from the behaviour one (trainer.ppo.rejection.metric);
 # "none" applies no behaviour weight at all.
-REJECTION_METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3", "binary_kl", "none")
-REJECTION_AGGS = ("mean", "sum", "max")
+RejectionMetric = Literal["ratio", "kl_k1", "kl_k2", "kl_k3", "binary_kl", "none"]
+REJECTION_METRICS: tuple[str, ...] = get_args(RejectionMetric)
+RejectionAgg = Literal["mean", "sum", "max"]
+REJECTION_AGGS: tuple[str, ...] = get_args(RejectionAgg)
 # data.task of a run that trains only on what producers submit.
 EXTERNAL_TASK = "external"
-PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "constant")
+ProxLogpMethod = Literal["recompute", "loglinear", "metrics"]
+PROX_LOGP_METHODS: tuple[str, ...] = get_args(ProxLogpMethod)
+ImportanceSamplingLevel = Literal["token", "sequence"]
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = get_args(ImportanceSamplingLevel)
+LossAggregation = Literal["token_mean", "seq_mean", "constant"]
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 # Named algorithms as settings of the same objective: ``algorithm: <name>`` applies the YAML
 # file configs/algorithms/<name>.yaml of this repository below whatever the files and the
 # overrides set (so each of its keys can still be changed; the files are also ``--config``
 # files of their own). Meanings as in AReaL's
 # https://github.com/inclusionAI/AReaL/blob/main/docs/en/algorithms/grpo_series.md
-ALGORITHMS = (
+Algorithm = Literal[
     "grpo",
     "dr_grpo",
     "rloo",
@@ -106,7 +121,8 @@ ALGORITHMS = (
     "icepop",
     "kpop",
     "gspo",
-)
+]
+ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 ALGORITHMS_DIR = Path(__file__).resolve().parent.parent / "configs" / "algorithms"
 
 
@@ -117,31 +133,55 @@ def algorithm_settings(name: str) -> dict[str, Any]:
     return yaml.safe_load((ALGORITHMS_DIR / f"{name}.yaml").read_text()) or {}
 
 
-DTYPES = ("float32", "float64")
-MIXED_PRECISION = ("auto", "on", "off")
-REJECTION_ACTIONS = ("mask", "clamp")
-LR_SCHEDULES = ("constant", "linear", "cosine")
-WEIGHT_SYNC_METHODS = ("distributed", "shared_memory", "socket", "stream", "disk")
-LAUNCH_MODES = ("local", "attach", "ray", "slurm")
-RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+Dtype = Literal["float32", "float64"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+MixedPrecision = Literal["auto", "on", "off"]
+MIXED_PRECISION: tuple[str, ...] = get_args(MixedPrecision)
+RejectionAction = Literal["mask", "clamp"]
+REJECTION_ACTIONS: tuple[str, ...] = get_args(RejectionAction)
+LrSchedule = Literal["constant", "linear", "cosine"]
+LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
+WeightSyncMethod = Literal["distributed", "shared_memory", "socket", "stream", "disk"]
+WEIGHT_SYNC_METHODS: tuple[str, ...] = get_args(WeightSyncMethod)
+LaunchMode = Literal["local", "attach", "ray", "slurm"]
+LAUNCH_MODES: tuple[str, ...] = get_args(LaunchMode)
+RayStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+RAY_STRATEGIES: tuple[str, ...] = get_args(RayStrategy)
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+ChatTemplateMode = Literal["auto", "on", "off"]
+CHAT_TEMPLATE_MODES: tuple[str, ...] = get_args(ChatTemplateMode)
+
+
+@functools.cache
+def _hints(owner: type) -> dict[str, Any]:
+    return typing.get_type_hints(owner)
+
+
+def choices_of(owner: type, name: str) -> tuple[str, ...]:
+    """The strings setting ``name`` of config class ``owner`` may hold (a list: each element):
+    its ``Literal`` type's values; () for a free one."""
+    hint = _hints(owner)[name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is list:
+        hint = typing.get_args(hint)[0]
+    return tuple(typing.get_args(hint)) if typing.get_origin(hint) is Literal else ()
 
 
 def setting(
     default: Any = MISSING,
     *,
     help: str,
-    choices: Sequence[str] = (),
     ge: float | None = None,
     gt: float | None = None,
     factory: Callable[[], Any] | None = None,
 ) -> Any:
-    """A config field with its help text and the rules a value must keep, which
-    :func:`validate_config` enforces naming the key: for one of a fixed set of strings (or a
-    list of them), that set; for a number, its lower bound (``ge``: at least, ``gt``: above;
-    None, where a field allows it, is not checked)."""
-    meta = {"help": help, "choices": tuple(choices), "ge": ge, "gt": gt}
+    """A config field with its help text and the bounds a number must keep (``ge``: at least,
+    ``gt``: above; None, where a field allows it, is not checked), which
+    :func:`validate_config` enforces naming the key. A field of a fixed set of strings says so
+    in its type, a ``Literal`` (see :func:`choices_of`)."""
+    meta = {"help": help, "ge": ge, "gt": gt}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -261,10 +301,9 @@ class VllmSettings:
         " hold one sequence of this length).",
         ge=0,
     )
-    dtype: str = setting(
+    dtype: VllmDtype = setting(
         "float32",
         help="The dtype vLLM loads the model in (fp32 on CPUs without fast bf16).",
-        choices=VLLM_DTYPES,
     )
     reserved_cpus: int | None = setting(
         None,
@@ -308,16 +347,14 @@ class RolloutConfig:
         help="Rollout servers the launcher starts (attach mode: the addresses given).",
         ge=1,
     )
-    engine: str = setting(
+    engine: Engine = setting(
         "hf",
         help="The rollout servers' inference engine: the in-process transformers engine (hf), "
         "vLLM, or an SGLang server per rollout server.",
-        choices=ENGINES,
     )
-    device: str = setting(
+    device: Device = setting(
         "auto",
         help="Where the rollout servers generate; auto: a GPU when one is visible, else the CPU.",
-        choices=DEVICES,
     )
     sglang_urls: list[str] = setting(
         factory=list,
@@ -332,11 +369,10 @@ class RolloutConfig:
         help='A reward in areal_grpc.rewards.REWARD_FNS ("task": the task\'s own) or an import '
         "path.",
     )
-    chat_template: str = setting(
+    chat_template: ChatTemplateMode = setting(
         "auto",
         help='Prompts through the model\'s chat template: "auto" when the tokenizer has one, '
         '"on" (an error without one), "off" (raw text).',
-        choices=CHAT_TEMPLATE_MODES,
     )
     system_prompt: str | None = setting(
         None,
@@ -380,17 +416,15 @@ class NormSettings:
     REINFORCE++ batch/batch; none/none leaves the values as they are.
     """
 
-    mean_level: str = setting(
+    mean_level: NormLevel = setting(
         "group",
         help="Where the mean is taken: per trajectory group, over the global batch, or none (no "
         "centring).",
-        choices=NORM_LEVELS,
     )
-    std_level: str = setting(
+    std_level: NormLevel = setting(
         "group",
         help="Where the std is taken: per trajectory group, over the global batch, or none "
         "(divide by 1 and drop eps).",
-        choices=NORM_LEVELS,
     )
     mean_leave1out: bool = setting(
         False,
@@ -410,28 +444,24 @@ class RejectionSettings:
     IcePop adds lower 0.5; metric "none": no weight.
     """
 
-    metric: str = setting(
+    metric: RejectionMetric = setting(
         "ratio",
         help="What is measured per token: the ratio exp(prox - behaviour), a KL estimator of it "
         "(kl_k1..kl_k3), KPop's binary_kl; none: no behaviour weight at all.",
-        choices=REJECTION_METRICS,
     )
-    level: str = setting(
+    level: ImportanceSamplingLevel = setting(
         "token",
         help="Judge each token, or a whole sequence by agg of its tokens' values.",
-        choices=IMPORTANCE_SAMPLING_LEVELS,
     )
-    action: str = setting(
+    action: RejectionAction = setting(
         "mask",
         help="What happens to what falls outside [lower, upper]: dropped from the loss (mask), "
         "or, for metric ratio, its weight clamped into the bounds (clamp).",
-        choices=REJECTION_ACTIONS,
     )
-    agg: str = setting(
+    agg: RejectionAgg = setting(
         "mean",
         help="How a sequence's token values are combined at level sequence (for ratio, of the "
         "log-ratios: mean is the geometric mean ratio).",
-        choices=REJECTION_AGGS,
     )
     lower: float | None = setting(
         None,
@@ -483,10 +513,9 @@ class PPOSettings:
         "on (0: none; else the reference model is loaded on every rank).",
         ge=0.0,
     )
-    kl_estimator: str = setting(
+    kl_estimator: KlEstimator = setting(
         "k1",
         help="KL estimator of the penalty (Schulman's k1, k2, k3).",
-        choices=KL_ESTIMATORS,
     )
     kl_loss_coef: float = setting(
         0.0,
@@ -495,10 +524,9 @@ class PPOSettings:
         "model.",
         ge=0.0,
     )
-    kl_loss_estimator: str = setting(
+    kl_loss_estimator: KlEstimator = setting(
         "k3",
         help="KL estimator of the loss term kl_loss_coef (k3 is unbiased and never negative).",
-        choices=KL_ESTIMATORS,
     )
     n_minibatches: int = setting(
         1,
@@ -509,26 +537,23 @@ class PPOSettings:
         ge=1,
     )
     epochs: int = setting(1, help="Passes over the batch's mini-batches (see n_minibatches).", ge=1)
-    prox_logp_method: str = setting(
+    prox_logp_method: ProxLogpMethod = setting(
         "recompute",
         help="The proximal log-probs when several updates (or dropout) make them cost a forward "
         'pass: "recompute" (that pass), "loglinear" (interpolated by version, no pass),'
         ' "metrics" (recompute, and report loglinear\'s error as prox_approx_* step '
         "stats).",
-        choices=PROX_LOGP_METHODS,
     )
-    importance_sampling_level: str = setting(
+    importance_sampling_level: ImportanceSamplingLevel = setting(
         "token",
         help='"token" ratios, or "sequence": GSPO\'s one ratio per sequence (exp of its mean '
         "token log-ratio) with the sequence's mean advantage.",
-        choices=IMPORTANCE_SAMPLING_LEVELS,
     )
-    loss_agg: str = setting(
+    loss_agg: LossAggregation = setting(
         "token_mean",
         help='Token losses to the step\'s loss: "token_mean" over the batch, "seq_mean" (each'
         ' sequence\'s token mean, averaged), "constant" (token sum over loss_constant_len '
         "x sequences, Dr.GRPO; loss_constant_len 0: rollout.sampling.max_new_tokens).",
-        choices=LOSS_AGGREGATIONS,
     )
     loss_constant_len: int = setting(
         0,
@@ -568,11 +593,10 @@ class OptimizerSettings:
         help="Linear warm-up of the learning rate over this many steps (0: none).",
         ge=0,
     )
-    lr_schedule: str = setting(
+    lr_schedule: LrSchedule = setting(
         "constant",
         help="After warm-up: constant, or a linear or cosine decay to lr x min_lr_ratio at "
         "total_steps.",
-        choices=LR_SCHEDULES,
     )
     min_lr_ratio: float = setting(
         0.0,
@@ -589,15 +613,13 @@ class TrainerConfig:
         2, help="Trainer ranks: one SPMD group sharding the model with FSDP2.", ge=1
     )
     torch_threads: int = setting(1, help="Torch CPU threads of each rank.", ge=1)
-    backend: str = setting(
+    backend: Backend = setting(
         "auto",
         help="The ranks' process-group backend; auto: gloo on CPU, nccl on GPU.",
-        choices=BACKENDS,
     )
-    device: str = setting(
+    device: Device = setting(
         "auto",
         help="Where the ranks train; auto: a GPU per rank when there are any, else the CPU.",
-        choices=DEVICES,
     )
     optimizer: OptimizerSettings = setting(
         factory=OptimizerSettings, help="AdamW, its learning-rate schedule and gradient clipping."
@@ -608,16 +630,14 @@ class TrainerConfig:
         "row gets one alone).",
         ge=1,
     )
-    dtype: str = setting(
+    dtype: Dtype = setting(
         "float32",
         help="Parameter (and optimizer state) dtype; float64 for exactness checks.",
-        choices=DTYPES,
     )
-    mixed_precision: str = setting(
+    mixed_precision: MixedPrecision = setting(
         "auto",
         help="bf16 compute with fp32 gradient reduction; auto: on GPUs that support it, off on "
         "CPUs.",
-        choices=MIXED_PRECISION,
     )
     fsdp: bool = setting(
         True,
@@ -755,12 +775,11 @@ class WeightSyncConfig:
         "(only for debugging the loop: the run cannot learn, and versions advance on the "
         "trainers alone).",
     )
-    methods: list[str] = setting(
+    methods: list[WeightSyncMethod] = setting(
         factory=list,
         help="The methods offered, in this order; each server accepts the first it supports. "
         'Empty: the trainer\'s order for its device (README "Which method wins where"): '
         "shared_memory, distributed, socket, stream, disk on CPU; distributed first on GPU.",
-        choices=WEIGHT_SYNC_METHODS,
     )
     timeout_s: float = setting(
         600.0,
@@ -784,10 +803,9 @@ class WeightSyncConfig:
         help="Address rollout servers use to reach trainer rank 0's weight group (None: its gRPC"
         " host).",
     )
-    backend: str = setting(
+    backend: Backend = setting(
         "auto",
         help='Backend of the distributed method\'s group: "auto" is nccl on GPU, gloo on CPU.',
-        choices=BACKENDS,
     )
 
     def accepted_methods(self) -> tuple[str, ...]:
@@ -904,10 +922,9 @@ class OutputConfig:
         help="Metrics (metrics.jsonl), logs, plots, checkpoints and exports go under this "
         "directory.",
     )
-    log_level: str = setting(
+    log_level: LogLevel = setting(
         "INFO",
         help="The log level of every process of the run.",
-        choices=LOG_LEVELS,
     )
     tensorboard: bool = setting(
         False,
@@ -946,7 +963,7 @@ class RaySettings:
         "rollout servers) are dealt to the bundles in contiguous blocks.",
         ge=1,
     )
-    strategy: str = setting("PACK", help="The placement group's strategy.", choices=RAY_STRATEGIES)
+    strategy: RayStrategy = setting("PACK", help="The placement group's strategy.")
     start_timeout_s: float = setting(
         300.0,
         help="How long placement and the servers' start may take before the run fails.",
@@ -981,11 +998,10 @@ class LauncherConfig:
     """Start the mesh here (local), on a Ray cluster (ray), as job steps of the Slurm
     allocation the coordinator runs in (slurm), or use running servers (attach)."""
 
-    mode: str = setting(
+    mode: LaunchMode = setting(
         "local",
         help="Where the servers run: started here (local), on a Ray cluster (ray), as steps of "
         "the Slurm allocation (slurm), or already running (attach).",
-        choices=LAUNCH_MODES,
     )
     host: str = setting(
         "127.0.0.1",
@@ -1061,11 +1077,10 @@ class RunConfig:
     """A whole run."""
 
     name: str = setting("builtin", help="The run's name (in its logs, metrics and traces).")
-    algorithm: str = setting(
+    algorithm: Algorithm = setting(
         "grpo",
         help="A named algorithm: its preset, configs/algorithms/<name>.yaml, is applied "
         "first, then the files and the overrides; --print-config shows the result.",
-        choices=ALGORITHMS,
     )
     total_steps: int = setting(400, help="Training steps (policy versions) of the run.", ge=1)
     model: ModelConfig = setting(factory=ModelConfig, help="The policy.")
@@ -1130,6 +1145,11 @@ REPLACED_KEYS = {
 def _omegaconf_error(exc: OmegaConfBaseException, fallback: str) -> FieldError:
     key = getattr(exc, "full_key", None) or fallback
     first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    choice = re.fullmatch(r"Invalid value (.*), expected one of \[(.*)\]", first_line)
+    if choice:
+        # A Literal setting's value outside its choices: said as every other rule says it.
+        allowed = ", ".join(c.strip().strip("'") for c in choice.group(2).split(","))
+        return FieldError(key, f"must be one of {allowed}; got {choice.group(1)}")
     if isinstance(exc, ConfigKeyError):
         if key in REPLACED_KEYS:
             return FieldError(key, f"no longer read: use {REPLACED_KEYS[key]}")
@@ -1276,8 +1296,8 @@ def describe(prefix: str = "") -> str:
                 continue
             if inside:
                 line = f"{key} = {json.dumps(value)}"
-                if f.metadata["choices"]:
-                    line += f"  (one of: {', '.join(f.metadata['choices'])})"
+                if choices := choices_of(type(section), f.name):
+                    line += f"  (one of: {', '.join(choices)})"
                 line += "".join(f"  ({b})" for b in _bounds(f))
                 help_text = textwrap.fill(
                     f.metadata["help"], 96, initial_indent="    ", subsequent_indent="    "
@@ -1295,10 +1315,10 @@ def reference_markdown() -> str:
     rules and help text (docs/reference/config.md is this, regenerated by
     ``scripts/gen-docs``)."""
 
-    def rules(f: Any) -> str:
+    def rules(owner: type, f: Any) -> str:
         out = []
-        if f.metadata["choices"]:
-            out.append("one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"]))
+        if choices := choices_of(owner, f.name):
+            out.append("one of " + ", ".join(f"`{c}`" for c in choices))
         return "; ".join([*out, *_bounds(f)])
 
     def cell(text: str) -> str:
@@ -1324,7 +1344,8 @@ def reference_markdown() -> str:
                 nested.append((value, f"{key}.", f"`{key}`", f.metadata["help"]))
                 continue
             default = cell(json.dumps(value))
-            lines.append(f"| `{key}` | `{default}` | {rules(f)} | {cell(f.metadata['help'])} |")
+            rule = rules(type(obj), f)
+            lines.append(f"| `{key}` | `{default}` | {rule} | {cell(f.metadata['help'])} |")
         for args in nested:
             section(*args)
 
@@ -1333,7 +1354,8 @@ def reference_markdown() -> str:
     lines.extend(["", "## The run", "", "| key | default | rule | meaning |", "|---|---|---|---|"])
     for f in top:
         default = cell(json.dumps(getattr(run, f.name)))
-        lines.append(f"| `{f.name}` | `{default}` | {rules(f)} | {cell(f.metadata['help'])} |")
+        rule = rules(RunConfig, f)
+        lines.append(f"| `{f.name}` | `{default}` | {rule} | {cell(f.metadata['help'])} |")
     for f in fields(run):
         value = getattr(run, f.name)
         if is_dataclass(value):
@@ -1353,7 +1375,7 @@ def _check_fields(section: Any, prefix: str, *, nested: bool = True) -> None:
             if nested:
                 _check_fields(value, f"{key}.")
             continue
-        choices = f.metadata.get("choices", ())
+        choices = choices_of(type(section), f.name)
         for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
             if choices and item not in choices:
                 where = key if i is None else f"{key}[{i}]"

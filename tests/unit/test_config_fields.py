@@ -1,5 +1,5 @@
-"""Every run setting explains itself: help text on the field, and a declared choice set for
-every string that takes one of a fixed set of values, which validation enforces by name."""
+"""Every run setting explains itself: help text on the field, and a ``Literal`` type for every
+string that takes one of a fixed set of values, which validation enforces by name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from areal_grpc.config import RunConfig, load_config, reference_markdown
+from areal_grpc.config import RunConfig, choices_of, load_config, reference_markdown
 from areal_grpc.errors import FieldError
 from tests.support.paths import ROOT
 
@@ -62,8 +62,21 @@ def settings(section: Any = None, prefix: str = "") -> Iterator[tuple[str, Field
             yield from settings(value, f"{prefix}{f.name}.")
 
 
+def owners(section: Any = None, prefix: str = "") -> Iterator[tuple[str, type]]:
+    """(dotted key, the config class declaring it) of every leaf setting."""
+    section = RunConfig() if section is None else section
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            yield from owners(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, type(section)
+
+
+OWNER = dict(owners())
 LEAVES = [(k, f, v) for k, f, v in settings() if not is_dataclass(v)]
-WITH_CHOICES = [(k, f, v) for k, f, v in LEAVES if f.metadata.get("choices")]
+CHOICES = {k: choices_of(OWNER[k], f.name) for k, f, _ in LEAVES}
+WITH_CHOICES = [(k, f, v) for k, f, v in LEAVES if CHOICES[k]]
 
 
 def test_every_setting_and_section_has_help_text():
@@ -75,7 +88,7 @@ def test_every_string_setting_declares_its_choices_or_is_free_text():
     undeclared = [
         key
         for key, f, _ in LEAVES
-        if "str" in str(f.type) and not f.metadata.get("choices") and key not in FREE_TEXT
+        if "str" in str(f.type) and not CHOICES[key] and key not in FREE_TEXT
     ]
     assert not undeclared, f"string settings with no choices and no FREE_TEXT entry: {undeclared}"
     # And nothing listed as free text has since been given a choice set (or gone away).
@@ -85,7 +98,7 @@ def test_every_string_setting_declares_its_choices_or_is_free_text():
 
 @pytest.mark.parametrize("key, f, default", WITH_CHOICES, ids=[k for k, _, _ in WITH_CHOICES])
 def test_a_value_outside_the_choices_is_refused_by_name(key: str, f: Field, default: Any):
-    choices = f.metadata["choices"]
+    choices = CHOICES[key]
     if isinstance(default, list):
         assert all(item in choices for item in default)
         override, named = f"{key}=[bogus]", f"{key}[0]"
