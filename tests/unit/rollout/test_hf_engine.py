@@ -354,13 +354,13 @@ async def test_bad_requests_name_the_field(engine, ids, cfg, field):
 def _hook_prefill(eng, before):
     """Runs ``before(admitted)`` in the decode thread when requests leave the queue for their
     prefill, i.e. after admission and before their first token is sampled."""
-    orig = eng._prefill
+    orig = eng._scheduler.prefill
 
     def prefill(admitted, version):
         before(admitted)
         return orig(admitted, version)
 
-    eng._prefill = prefill
+    eng._scheduler.prefill = prefill
 
 
 async def test_request_cancelled_during_its_prefill_does_not_break_the_decode_loop():
@@ -380,7 +380,7 @@ async def test_request_cancelled_during_its_prefill_does_not_break_the_decode_lo
             for req in admitted:
                 if len(req.prompt) == 4:
                     # What the stream's ``finally`` does when its consumer goes away.
-                    eng._cancel(req)
+                    eng._scheduler.cancel(req)
                     loop.call_soon_threadsafe(victim.cancel)
 
         _hook_prefill(eng, cancel_victim)
@@ -605,10 +605,10 @@ async def test_sampling_stays_in_the_vocabulary_with_non_finite_or_oversized_log
     # The sampler only ever sees the ids the embedding has, whatever width the logits have.
     wide = torch.zeros(2, engine.vocab_size + 50)
     wide[:, engine.vocab_size :] = 100.0  # all the mass on rows past the embedding
-    from areal_servers.rollout.hf_engine import _Request
+    from areal_servers.rollout.scheduler import Request
 
     reqs = [
-        _Request(
+        Request(
             rid=-1 - i,
             prompt=[1],
             params=cfgs[i],
@@ -618,7 +618,7 @@ async def test_sampling_stays_in_the_vocabulary_with_non_finite_or_oversized_log
         )
         for i in (0, 2)
     ]
-    engine._sample_and_emit(reqs, wide, version=2)
+    engine._scheduler.sample_and_emit(reqs, wide, version=2)
     for r in reqs:
         assert 0 <= r.pending_token < engine.vocab_size
 
