@@ -4,8 +4,11 @@ endpoints the official ``tinker`` SDK calls.
 
 It reads the run's config tree: ``model.source`` is the base model (the run's tiny default
 becomes SmolLM2-135M-Instruct here, the model this service is for), ``tinker.*`` the service.
-Once both serve it prints ``TINKER http://host:port`` (point ``TINKER_BASE_URL`` there) and
-``GRPC host:port``; with no ``tinker.tenants_file`` it serves one tenant and prints its key.
+The training service runs as a child process (``python -m areal_servers.lora_training``)
+that this one supervises: if it dies, calls in flight fail with a clear error, it is started
+again, and calls on runs it held say they were lost. Once both serve it prints ``TINKER
+http://host:port`` (point ``TINKER_BASE_URL`` there) and ``GRPC host:port`` (again after a
+restart); with no ``tinker.tenants_file`` it serves one tenant and prints its key.
 """
 
 from __future__ import annotations
@@ -19,35 +22,33 @@ import secrets
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
-from areal_clients.tinker.app import create_app
-from areal_servers.lora_training.engine import LoraEngine
-from areal_servers.lora_training.service import LoraTrainingServicer, Tenants
-from arealgrpc.v1 import lora_training_pb2, lora_training_pb2_grpc
+from areal_clients.tinker.app import Face, create_app
+from areal_servers.lora_training.__main__ import SECTIONS, tinker_root
 
-from areal_grpc.config import RunConfig, load_config, preflight, read_tenants
+from areal_grpc.config import RunConfig, load_config, preflight
 from areal_grpc.errors import FieldError
-from areal_grpc.launch import LISTENING
-from areal_grpc.model import resolve_source
-from areal_grpc.paths import write_marker
+from areal_grpc.launch import (
+    LISTENING,
+    Child,
+    LaunchError,
+    python_module_argv,
+    start_child,
+    stop_children,
+)
 from areal_grpc.security import is_loopback
-from areal_grpc.server import ServerOptions, service, start_server
-from areal_grpc.server_config import add_run_config_args
+from areal_grpc.server_config import add_run_config_args, config_argv
 
 log = logging.getLogger("areal_grpc.tinker")
 
 DEFAULT_SOURCE = "smollm2-135m-instruct"
-# The names users give a source's model (the first is how it is listed).
-MODEL_NAMES = {"smollm2-135m-instruct": ["HuggingFaceTB/SmolLM2-135M-Instruct"]}
-SECTIONS = ("model", "output", "security", "tinker")
-
-
-def model_names(source: str) -> list[str]:
-    """Every name the service accepts for ``source``'s model, the listed one first."""
-    return [*MODEL_NAMES.get(source, []), source]
+# Loading SmolLM2 (and converting it, the first time on a machine) before the service serves.
+START_TIMEOUT_S = 600.0
 
 
 def config_from_args(argv: Sequence[str] | None) -> RunConfig:
@@ -70,45 +71,72 @@ def config_from_args(argv: Sequence[str] | None) -> RunConfig:
     return cfg
 
 
+@dataclass
+class Supervised:
+    """The training service child and how to start it again."""
+
+    argv: list[str]
+    log_dir: Path
+    child: Child | None = None
+
+    def start(self) -> Child:
+        self.child = start_child(
+            "lora-training", self.argv, log_dir=self.log_dir, ready_timeout_s=START_TIMEOUT_S
+        )
+        return self.child
+
+
+async def supervise(service: Supervised, face: Face, server: uvicorn.Server) -> None:
+    """Restarts the training service when it exits; a start that fails ends the face too."""
+    while True:
+        await asyncio.sleep(1.0)
+        child = service.child
+        if child is None or child.alive():
+            continue
+        code = child.process.returncode
+        await asyncio.to_thread(stop_children, [child], 1.0)  # what it left behind goes too
+        when = time.strftime("%H:%M:%S")
+        reason = (
+            f"the training service exited (code {code}) at {when} and was restarted: runs "
+            "made before then are lost"
+        )
+        print(f"training service exited (code {code}): restarting", flush=True)
+        face.service_lost(reason)
+        try:
+            restarted = await asyncio.to_thread(service.start)
+        except LaunchError as exc:
+            print(f"training service did not restart: {exc}", file=sys.stderr, flush=True)
+            server.should_exit = True
+            return
+        await face.repoint(restarted.address)
+        print(f"GRPC {restarted.address}", flush=True)
+
+
 async def serve(cfg: RunConfig) -> None:
-    """Loads the model, starts the gRPC service and the HTTP face, serves until a signal."""
+    """Starts the training service (a supervised child) and the HTTP face in front of it;
+    serves until a signal."""
     t = cfg.tinker
-    if t.tenants_file is not None:
-        keys = read_tenants(t.tenants_file)
-    else:
-        keys = {"default": f"tml-{secrets.token_urlsafe(24)}"}
-        print(f"TENANT default key {keys['default']}", flush=True)
-    root = Path(t.root or Path(cfg.output.dir) / "tinker").resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    write_marker(root, "tinker")
-    # A named model becomes a checkpoint directory (converted once into the cache): the
-    # engine loads it, and SDK clients on this machine load its tokenizer from it.
-    source = await asyncio.to_thread(resolve_source, cfg.model.source)
-    engine = await asyncio.to_thread(LoraEngine, source, seed=cfg.model.seed)
-    tokenizer_id = source if Path(source).is_dir() else ""
-    servicer = LoraTrainingServicer(
-        engine, t, Tenants(keys), root, model_names(cfg.model.source), tokenizer_id
+    root = tinker_root(cfg)
+    if t.tenants_file is None:
+        key = f"tml-{secrets.token_urlsafe(24)}"
+        tenants = root / "tenants.json"
+        tenants.touch(mode=0o600)
+        tenants.write_text(json.dumps({"default": key}))
+        cfg.tinker.tenants_file = str(tenants)
+        print(f"TENANT default key {key}", flush=True)
+    service = Supervised(
+        python_module_argv("areal_servers.lora_training", *config_argv(cfg)),
+        Path(cfg.output.dir).resolve() / "logs",
     )
-    running = await start_server(
-        [
-            service(
-                servicer,
-                lora_training_pb2_grpc.add_LoraTrainingServiceServicer_to_server,
-                lora_training_pb2,
-            )
-        ],
-        ServerOptions(host=t.host, port=t.grpc_port, allow_plaintext=cfg.security.allow_plaintext),
-    )
-    await servicer.start()
+    child = await asyncio.to_thread(service.start)
+    app = create_app(child.address)
     sock = socket.socket(socket.AF_INET6 if ":" in t.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((t.host, t.port))
     sock.listen(128)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(running.address), log_level="warning", lifespan="on")
-    )
-    # uvicorn's own handlers would end serve() before the gRPC side drains.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    # Stopped here, so that the training service is stopped after the face.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -116,13 +144,16 @@ async def serve(cfg: RunConfig) -> None:
     shown = f"[{host}]" if ":" in host else host
     # LISTENING first: launchers (areal_grpc.launch.start_child) wait for it.
     print(f"{LISTENING}{shown}:{port}", flush=True)
-    print(f"GRPC {running.address}", flush=True)
+    print(f"GRPC {child.address}", flush=True)
     print(f"TINKER http://{shown}:{port}", flush=True)
+    supervisor = asyncio.create_task(supervise(service, app.state.face, server))
     try:
         await server.serve(sockets=[sock])
     finally:
-        await servicer.stop()
-        await running.stop(1.0)
+        supervisor.cancel()
+        await asyncio.gather(supervisor, return_exceptions=True)
+        if service.child is not None:
+            await asyncio.to_thread(stop_children, [service.child])
     print("tinker service stopped", flush=True)
 
 

@@ -18,7 +18,7 @@ import logging
 import math
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,6 +215,39 @@ class Face:
         self.futures: dict[str, Future] = {}
         self.samplers: dict[str, tuple[str, dict[str, str]]] = {}
         self._ids = itertools.count(1)
+        # Runs made through this face since the service last started, and those a restart
+        # lost (with why), so that a call naming a lost run says what happened to it.
+        self.runs_made: set[str] = set()
+        self.lost_runs: set[str] = set()
+        self.lost_reason = ""
+
+    def service_lost(self, reason: str) -> None:
+        """The service exited: its runs are gone, and calls on them say why."""
+        self.lost_reason = reason
+        self.lost_runs |= self.runs_made
+        self.runs_made.clear()
+
+    async def repoint(self, address: str) -> None:
+        """Talks to the service at ``address`` from now on (a restarted one)."""
+        old, self._channel, self.address = self._channel, None, address
+        if old is not None:
+            await old.close()
+
+    async def call(self, rpc: str, request: Any, metadata: list[tuple[str, str]]) -> Any:
+        """The service's method ``rpc`` (HttpError for a failure, saying why for lost runs)."""
+        try:
+            return await getattr(self.stub, rpc)(request, metadata=metadata, timeout=120)
+        except grpc.aio.AioRpcError as exc:
+            error, code = _from_rpc(exc), exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            error.message = f"the training service is unavailable ({error.message})"
+            if self.lost_reason:
+                error.message += f"; {self.lost_reason}"
+        elif code == grpc.StatusCode.NOT_FOUND and any(
+            run in error.message for run in self.lost_runs
+        ):
+            error.message += f": {self.lost_reason}"
+        raise error
 
     @property
     def stub(self) -> pb_grpc.LoraTrainingServiceStub:
@@ -251,20 +284,19 @@ def _owner(request: Request) -> tuple[str, list[tuple[str, str]]]:
     return owner, [("authorization", f"Bearer {key}")]
 
 
-async def _call(rpc: Callable[..., Any], request: Any, metadata: list[tuple[str, str]]) -> Any:
-    try:
-        return await rpc(request, metadata=metadata, timeout=120)
-    except grpc.aio.AioRpcError as exc:
-        raise _from_rpc(exc) from None
-
-
 async def _await_op(face: Face, op: pb.Operation, metadata: list[tuple[str, str]]) -> pb.Operation:
     while not op.done:
-        reply = await _call(
-            face.stub.WaitOperation,
-            pb.WaitOperationRequest(name=op.name, timeout=duration(30)),
-            metadata,
-        )
+        try:
+            reply = await face.call(
+                "WaitOperation",
+                pb.WaitOperationRequest(name=op.name, timeout=duration(30)),
+                metadata,
+            )
+        except HttpError as exc:
+            if exc.status != 503:
+                raise
+            # The service died under the call: its result is lost with it.
+            raise OpFailed({"error": exc.message, "category": "server"}) from None
         op = reply.operation
     return op
 
@@ -366,7 +398,7 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
     async def create_session(request: Request) -> dict[str, str]:
         owner, metadata = _owner(request)
         # The key must be a tenant's: a session of an unknown key would fail later.
-        await _call(face.stub.ListTrainingRuns, pb.ListTrainingRunsRequest(), metadata)
+        await face.call("ListTrainingRuns", pb.ListTrainingRunsRequest(), metadata)
         session_id = face.new_id("session")
         face.sessions[session_id] = Session(owner)
         return {"session_id": session_id}
@@ -393,7 +425,7 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities(request: Request) -> dict[str, Any]:
         _, metadata = _owner(request)
-        reply = await _call(face.stub.ListBaseModels, pb.ListBaseModelsRequest(), metadata)
+        reply = await face.call("ListBaseModels", pb.ListBaseModelsRequest(), metadata)
         return {
             "supported_models": [
                 {
@@ -410,7 +442,7 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
 
     async def run_info(run: pb.TrainingRun, metadata: list[tuple[str, str]]) -> dict[str, Any]:
         run_id = run.name.removeprefix("training_runs/")
-        models = await _call(face.stub.ListBaseModels, pb.ListBaseModelsRequest(), metadata)
+        models = await face.call("ListBaseModels", pb.ListBaseModelsRequest(), metadata)
         tokenizer = next(
             (m.tokenizer_id for m in models.base_models if m.name == run.base_model),
             run.base_model,
@@ -444,8 +476,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         )
         if lora.get("seed") is not None:
             spec.seed = int(lora["seed"])
-        reply = await _call(
-            face.stub.CreateTrainingRun,
+        reply = await face.call(
+            "CreateTrainingRun",
             pb.CreateTrainingRunRequest(
                 base_model=_need(body, "base_model", str),
                 lora=spec,
@@ -456,7 +488,9 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
 
         async def work() -> dict[str, Any]:
             op = await _result(face, reply.operation, metadata)
-            return {"model_id": op.training_run.name.removeprefix("training_runs/")}
+            run_id = op.training_run.name.removeprefix("training_runs/")
+            face.runs_made.add(run_id)
+            return {"model_id": run_id}
 
         return face.future(owner, work())
 
@@ -465,8 +499,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         _, metadata = _owner(request)
         body = await _body(request)
         model_id = _need(body, "model_id", str)
-        reply = await _call(
-            face.stub.GetTrainingRun,
+        reply = await face.call(
+            "GetTrainingRun",
             pb.GetTrainingRunRequest(name=f"training_runs/{model_id}"),
             metadata,
         )
@@ -509,8 +543,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
             for d in data:
                 if not d.weights:
                     d.weights.extend([1.0] * len(d.input_tokens))
-        reply = await _call(
-            face.stub.ForwardBackward,
+        reply = await face.call(
+            "ForwardBackward",
             pb.ForwardBackwardRequest(
                 training_run=f"training_runs/{msg.model_id}",
                 data=data,
@@ -555,8 +589,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
             weight_decay=float(a.get("weight_decay", 0.0)),
             grad_clip_norm=float(a.get("grad_clip_norm", 0.0)),
         )
-        reply = await _call(
-            face.stub.OptimStep,
+        reply = await face.call(
+            "OptimStep",
             pb.OptimStepRequest(
                 training_run=f"training_runs/{_need(body, 'model_id', str)}",
                 adam=adam,
@@ -579,8 +613,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         name: str,
     ) -> pb.SaveWeightsResponse:
         prefix = "state" if kind == pb.CHECKPOINT_KIND_STATE else "sampler"
-        return await _call(
-            face.stub.SaveWeights,
+        return await face.call(
+            "SaveWeights",
             pb.SaveWeightsRequest(
                 training_run=f"training_runs/{_need(body, 'model_id', str)}",
                 checkpoint_id=f"{prefix}.{name}",
@@ -617,8 +651,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
             path = tinker_path(op.checkpoint.name)
             if named:
                 return {"path": path}
-            run = await _call(
-                face.stub.GetTrainingRun,
+            run = await face.call(
+                "GetTrainingRun",
                 pb.GetTrainingRunRequest(name=op.checkpoint.name.partition("/checkpoints/")[0]),
                 metadata,
             )
@@ -638,8 +672,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         checkpoint = checkpoint_name(_need(body, "path", str))
         with_optimizer = bool(body.get("optimizer", False))
         if body.get("model_id"):
-            reply = await _call(
-                face.stub.LoadWeights,
+            reply = await face.call(
+                "LoadWeights",
                 pb.LoadWeightsRequest(
                     training_run=f"training_runs/{body['model_id']}",
                     checkpoint=checkpoint,
@@ -658,13 +692,13 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         session = _need(body, "session_id", str)
         session_of(owner, session)
         seq = _need(body, "model_seq_id", int)
-        source = await _call(
-            face.stub.GetTrainingRun,
+        source = await face.call(
+            "GetTrainingRun",
             pb.GetTrainingRunRequest(name=checkpoint.partition("/checkpoints/")[0]),
             metadata,
         )
-        created = await _call(
-            face.stub.CreateTrainingRun,
+        created = await face.call(
+            "CreateTrainingRun",
             pb.CreateTrainingRunRequest(
                 base_model=source.training_run.base_model,
                 lora=source.training_run.lora,
@@ -675,8 +709,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
 
         async def create_and_load() -> dict[str, Any]:
             op = await _result(face, created.operation, metadata)
-            reply = await _call(
-                face.stub.LoadWeights,
+            reply = await face.call(
+                "LoadWeights",
                 pb.LoadWeightsRequest(
                     training_run=op.training_run.name,
                     checkpoint=checkpoint,
@@ -685,7 +719,9 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
                 metadata,
             )
             await _result(face, reply.operation, metadata)
-            return {"path": body["path"], "model_id": op.training_run.name.split("/", 1)[1]}
+            run_id = op.training_run.name.removeprefix("training_runs/")
+            face.runs_made.add(run_id)
+            return {"path": body["path"], "model_id": run_id}
 
         return face.future(owner, create_and_load())
 
@@ -699,8 +735,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         sampler_id = face.new_id("sampler")
         if body.get("model_path"):
             checkpoint = checkpoint_name(str(body["model_path"]), "model_path")
-            run = await _call(
-                face.stub.GetTrainingRun,
+            run = await face.call(
+                "GetTrainingRun",
                 pb.GetTrainingRunRequest(name=checkpoint.partition("/checkpoints/")[0]),
                 metadata,
             )
@@ -761,7 +797,7 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
             req.checkpoint = target["checkpoint"]
         else:
             req.base_model = target["base_model"]
-        reply = await _call(face.stub.Sample, req, metadata)
+        reply = await face.call("Sample", req, metadata)
         tp = _tinker_pb()
         last_n = body.get("prompt_logprobs_last_n")
 
@@ -840,7 +876,7 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
     @app.get("/api/v1/training_runs")
     async def training_runs(request: Request) -> dict[str, Any]:
         _, metadata = _owner(request)
-        reply = await _call(face.stub.ListTrainingRuns, pb.ListTrainingRunsRequest(), metadata)
+        reply = await face.call("ListTrainingRuns", pb.ListTrainingRunsRequest(), metadata)
         runs = [run_json(r) for r in reply.training_runs]
         return {
             "training_runs": runs,
@@ -850,8 +886,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
     @app.get("/api/v1/training_runs/{run_id}")
     async def training_run(run_id: str, request: Request) -> dict[str, Any]:
         _, metadata = _owner(request)
-        reply = await _call(
-            face.stub.GetTrainingRun,
+        reply = await face.call(
+            "GetTrainingRun",
             pb.GetTrainingRunRequest(name=f"training_runs/{run_id}"),
             metadata,
         )
@@ -860,8 +896,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
     @app.get("/api/v1/training_runs/{run_id}/checkpoints")
     async def run_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
         _, metadata = _owner(request)
-        reply = await _call(
-            face.stub.GetTrainingRun,
+        reply = await face.call(
+            "GetTrainingRun",
             pb.GetTrainingRunRequest(name=f"training_runs/{run_id}"),
             metadata,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -234,6 +235,47 @@ def test_what_is_not_served_is_refused_at_once(svc: Service):
 
 
 def test_files_are_written_only_under_the_service_root(svc: Service):
+    # Checkpoints under tinker.root; the training service's log under output.dir/logs.
+    logs = svc.root.parent / "logs"
     written = [p for p in (svc.root.parent).rglob("*") if p.is_file()]
     assert any(p.is_relative_to(svc.root) for p in written)
-    assert all(p.is_relative_to(svc.root) for p in written)
+    assert all(p.is_relative_to(svc.root) or p.is_relative_to(logs) for p in written)
+
+
+def service_pids(log: Path) -> list[int]:
+    return [int(line.split()[2]) for line in log.read_text().splitlines() if "SERVICE pid" in line]
+
+
+def test_a_killed_training_service_fails_its_calls_clearly_and_is_restarted(
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """kill -9 of the process holding the model: the tenant gets an error saying what
+    happened (not minutes of retries), and a new run works on the restarted service."""
+    out = tmp_path_factory.mktemp("tinker-kill")
+    tenants = out / "tenants.json"
+    tenants.write_text(json.dumps(KEYS))
+    child = start_child(
+        "tinker",
+        python_module_argv(
+            "areal_grpc.tinker",
+            f"model.source={MODEL}",
+            f"output.dir={out / 'run'}",
+            f"tinker.tenants_file={tenants}",
+        ),
+        log_dir=out / "logs",
+    )
+    try:
+        svc = Service(child, f"http://{child.address}", out / "run" / "tinker")
+        sc = svc.client("alice")
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
+        sft_steps(tc, 1)
+        log = out / "run" / "logs" / "lora-training.log"
+        [pid] = service_pids(log)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(tinker.NotFoundError, match=r"exited .* restarted: runs made before"):
+            sft_steps(tc, 1)
+        assert len(service_pids(log)) == 2  # it was started again
+        fresh = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
+        assert len(sft_steps(fresh, 2)) == 2
+    finally:
+        stop_children([child])

@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from areal_servers.lora_training.__main__ import model_names
 
 from areal_grpc.errors import FieldError
-from areal_grpc.tinker.__main__ import DEFAULT_SOURCE, config_from_args, model_names
+from areal_grpc.tinker.__main__ import DEFAULT_SOURCE, config_from_args
 
 
 def test_the_service_defaults_to_smollm2_and_the_users_model_wins(tmp_path: Path):
