@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import math
+import secrets
 import struct
 import time
 from collections.abc import Awaitable
@@ -399,7 +400,8 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         owner, metadata = _owner(request)
         # The key must be a tenant's: a session of an unknown key would fail later.
         await face.call("ListTrainingRuns", pb.ListTrainingRunsRequest(), metadata)
-        session_id = face.new_id("session")
+        # Unique across restarts of the face: run ids (and so tinker paths) derive from it.
+        session_id = f"session-{secrets.token_hex(6)}"
         face.sessions[session_id] = Session(owner)
         return {"session_id": session_id}
 
@@ -651,15 +653,10 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
             path = tinker_path(op.checkpoint.name)
             if named:
                 return {"path": path}
-            run = await face.call(
-                "GetTrainingRun",
-                pb.GetTrainingRunRequest(name=op.checkpoint.name.partition("/checkpoints/")[0]),
-                metadata,
-            )
             sampler_id = face.new_id("sampler")
             face.samplers[sampler_id] = (
                 owner,
-                {"checkpoint": op.checkpoint.name, "base_model": run.training_run.base_model},
+                {"checkpoint": op.checkpoint.name, "base_model": op.checkpoint.base_model},
             )
             return {"sampling_session_id": sampler_id, "path": path}
 
@@ -692,16 +689,15 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         session = _need(body, "session_id", str)
         session_of(owner, session)
         seq = _need(body, "model_seq_id", int)
+        # The checkpoint, not its run: the run may be gone (a restart) while its state stays.
         source = await face.call(
-            "GetTrainingRun",
-            pb.GetTrainingRunRequest(name=checkpoint.partition("/checkpoints/")[0]),
-            metadata,
+            "GetCheckpoint", pb.GetCheckpointRequest(name=checkpoint), metadata
         )
         created = await face.call(
             "CreateTrainingRun",
             pb.CreateTrainingRunRequest(
-                base_model=source.training_run.base_model,
-                lora=source.training_run.lora,
+                base_model=source.checkpoint.base_model,
+                lora=source.checkpoint.lora,
                 training_run_id=f"{session}:train:{seq}",
             ),
             metadata,
@@ -735,16 +731,12 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         sampler_id = face.new_id("sampler")
         if body.get("model_path"):
             checkpoint = checkpoint_name(str(body["model_path"]), "model_path")
-            run = await face.call(
-                "GetTrainingRun",
-                pb.GetTrainingRunRequest(name=checkpoint.partition("/checkpoints/")[0]),
-                metadata,
+            found = await face.call(
+                "GetCheckpoint", pb.GetCheckpointRequest(name=checkpoint), metadata
             )
-            if not any(c.name == checkpoint for c in run.training_run.checkpoints):
-                raise HttpError(404, f"model_path: no checkpoint {body['model_path']!r}")
             target = {
                 "checkpoint": checkpoint,
-                "base_model": run.training_run.base_model,
+                "base_model": found.checkpoint.base_model,
                 "model_path": str(body["model_path"]),
             }
         elif body.get("base_model"):
@@ -902,6 +894,26 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
             metadata,
         )
         return {"checkpoints": [checkpoint_json(c) for c in reply.training_run.checkpoints]}
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request) -> dict[str, Any]:
+        _, metadata = _owner(request)
+        body = await _body(request)
+        path = _need(body, "tinker_path", str)
+        found = await face.call(
+            "GetCheckpoint",
+            pb.GetCheckpointRequest(name=checkpoint_name(path, "tinker_path")),
+            metadata,
+        )
+        c = found.checkpoint
+        return {
+            "base_model": c.base_model,
+            "is_lora": True,
+            "lora_rank": c.lora.rank,
+            "train_unembed": c.lora.train_unembed,
+            "train_mlp": c.lora.train_mlp,
+            "train_attn": c.lora.train_attn,
+        }
 
     @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unsupported(rest: str) -> None:

@@ -15,12 +15,14 @@ import contextlib
 import hashlib
 import hmac
 import itertools
+import json
 import logging
 import math
+import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ from areal_servers.lora_training.engine import (
 from arealgrpc.v1 import common_pb2, rollout_pb2
 from arealgrpc.v1 import lora_training_pb2 as pb
 from arealgrpc.v1 import lora_training_pb2_grpc as pb_grpc
-from google.protobuf import timestamp_pb2
+from google.protobuf import json_format, timestamp_pb2
 
 from areal_grpc.config import TinkerConfig
 from areal_grpc.durations import seconds
@@ -67,6 +69,8 @@ MAX_RANK = 256
 MAX_SAMPLES = 64
 WAIT_DEFAULT_S = 30.0
 WAIT_MAX_S = 60.0
+# The index of saved checkpoints, in the service's root.
+INDEX_FILE = "checkpoints.json"
 # How long a finished operation stays readable.
 OPERATION_TTL_S = 3600.0
 # How long a call waits for the call numbered before it: a gap that never fills fails the
@@ -109,6 +113,50 @@ class Operation:
     finish: Callable[[Any], None] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     finished_at: float = 0.0  # time.monotonic() when done
+
+
+@dataclass
+class Saved:
+    """A saved checkpoint: whose, what, where."""
+
+    tenant: str
+    proto: pb.Checkpoint
+    directory: Path
+
+
+def load_index(root: Path) -> dict[tuple[str, str], Saved]:
+    """The checkpoints saved under ``root`` by earlier runs of the service (their files
+    still there); an unreadable index is logged and ignored."""
+    path = root / INDEX_FILE
+    if not path.is_file():
+        return {}
+    out = {}
+    try:
+        for entry in json.loads(path.read_text()):
+            proto = json_format.ParseDict(entry["checkpoint"], pb.Checkpoint())
+            directory = (root / entry["directory"]).resolve()
+            # Nothing in the index may point outside the root.
+            if directory.is_relative_to(root.resolve()) and directory.is_dir():
+                out[(entry["tenant"], proto.name)] = Saved(entry["tenant"], proto, directory)
+    except (ValueError, KeyError, TypeError, json_format.ParseError) as exc:
+        log.warning("ignoring the checkpoint index %s: %s", path, exc)
+        return {}
+    return out
+
+
+def save_index(root: Path, saved: Iterable[Saved]) -> None:
+    """Writes the checkpoint index (atomically: a crash leaves the old one or the new)."""
+    entries = [
+        {
+            "tenant": s.tenant,
+            "checkpoint": json_format.MessageToDict(s.proto),
+            "directory": str(s.directory.relative_to(root)),
+        }
+        for s in saved
+    ]
+    tmp = root / f".{INDEX_FILE}.tmp"
+    tmp.write_text(json.dumps(entries))
+    os.replace(tmp, root / INDEX_FILE)
 
 
 class FairQueue:
@@ -197,6 +245,9 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         self.base_model_names = list(base_model_names)
         self.tokenizer_id = tokenizer_id or self.base_model_names[0]
         self.runs: dict[tuple[str, str], Run] = {}
+        # Every saved checkpoint by (tenant, name), kept on disk too (INDEX_FILE), so that a
+        # state saved before a restart can still be loaded after it.
+        self.saved: dict[tuple[str, str], Saved] = load_index(root)
         self.ops: dict[str, Operation] = {}
         self.queue = FairQueue()
         self._ids = itertools.count(1)
@@ -416,7 +467,8 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
             await self._bad(context, "lora.rank", f"must be in 1-{MAX_RANK}, got {lora.rank}")
         if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
             await self._bad(context, "lora", "train_attn, train_mlp or train_unembed must be set")
-        run_id = request.training_run_id or f"run-{next(self._ids)}"
+        # Unique across restarts too: checkpoint names (kept on disk) derive from it.
+        run_id = request.training_run_id or f"run-{secrets.token_hex(6)}"
         if not ID_RE.fullmatch(run_id):
             await self._bad(
                 context, "training_run_id", f"{run_id!r}: letters, digits, ._:- (at most 128)"
@@ -684,7 +736,11 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
                     size_bytes=nbytes,
                     create_time=_now(),
                     step=run.proto.steps,
+                    lora=run.proto.lora,
+                    base_model=run.proto.base_model,
                 )
+                self.saved[(tenant, name)] = Saved(tenant, ckpt, directory)
+                save_index(self.root, self.saved.values())
                 kept = [c for c in run.proto.checkpoints if c.name != name]
                 del run.proto.checkpoints[:]
                 run.proto.checkpoints.extend([*kept, ckpt])
@@ -700,13 +756,17 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
             op = self.ops[proto.name]
         return pb.SaveWeightsResponse(operation=proto)
 
-    def _checkpoint(self, tenant: str, name: str) -> tuple[Run, pb.Checkpoint] | None:
-        run_part, sep, _ = name.partition("/checkpoints/")
-        run = self.runs.get((tenant, run_part.removeprefix("training_runs/")))
-        if not sep or run is None:
-            return None
-        found = next((c for c in run.proto.checkpoints if c.name == name), None)
-        return (run, found) if found is not None else None
+    async def GetCheckpoint(
+        self, request: pb.GetCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetCheckpointResponse:
+        """One of the tenant's saved checkpoints (its run may be gone)."""
+        tenant = await self._tenant(context)
+        found = self.saved.get((tenant, request.name))
+        if found is None:
+            await abort_with(
+                context, status(grpc.StatusCode.NOT_FOUND, f"no checkpoint {request.name!r}")
+            )
+        return pb.GetCheckpointResponse(checkpoint=found.proto)
 
     async def LoadWeights(
         self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
@@ -715,22 +775,21 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         tenant = await self._tenant(context)
         run = await self._run(context, tenant, request.training_run)
         async with self._numbered(context, run, request.sequence_number):
-            found = self._checkpoint(tenant, request.checkpoint)
+            found = self.saved.get((tenant, request.checkpoint))
             if found is None:
                 await abort_with(
                     context,
                     status(grpc.StatusCode.NOT_FOUND, f"no checkpoint {request.checkpoint!r}"),
                 )
-            source, ckpt = found
+            ckpt, directory = found.proto, found.directory
             if ckpt.kind != pb.CHECKPOINT_KIND_STATE and request.with_optimizer:
                 await self._bad(context, "with_optimizer", "a sampler checkpoint has no optimizer")
-            if source.proto.lora.rank != run.proto.lora.rank:
+            if ckpt.lora.rank != run.proto.lora.rank:
                 await self._bad(
                     context,
                     "checkpoint",
-                    f"rank {source.proto.lora.rank} does not match the run's {run.proto.lora.rank}",
+                    f"rank {ckpt.lora.rank} does not match the run's {run.proto.lora.rank}",
                 )
-            directory = source.directory / ckpt.name.rpartition("/")[2]
             key = self._key(run)
             with_optimizer = request.with_optimizer
 
@@ -760,8 +819,10 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         sampler: str | None = None
         step = 0
         if request.WhichOneof("model") == "checkpoint":
-            found = self._checkpoint(tenant, request.checkpoint)
-            if found is None or found[0].samplers.count(request.checkpoint) == 0:
+            found = self.saved.get((tenant, request.checkpoint))
+            run_id = request.checkpoint.partition("/checkpoints/")[0].removeprefix("training_runs/")
+            owner = self.runs.get((tenant, run_id))
+            if found is None or owner is None or request.checkpoint not in owner.samplers:
                 # Another tenant's, unknown, or no longer in memory.
                 await abort_with(
                     context,
@@ -772,7 +833,7 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
                     ),
                 )
             sampler = name_key(tenant, request.checkpoint)
-            step = found[1].step
+            step = found.proto.step
         elif request.WhichOneof("model") == "base_model":
             if not self._base_model(request.base_model):
                 await self._bad(

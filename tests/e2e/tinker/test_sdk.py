@@ -216,6 +216,8 @@ def test_state_checkpoints_resume_bit_exactly(svc: Service):
     sft_steps(tc, 2)
     path = tc.save_state("after-2").result().path
     assert path.startswith("tinker://") and "/weights/after-2" in path
+    info = svc.rest("bob").get_weights_info_by_tinker_path(path).result()
+    assert info.base_model == MODEL and info.lora_rank == 4
     first = sft_steps(tc, 3)
     resumed = sc.create_training_client_from_state_with_optimizer(path).result()
     assert sft_steps(resumed, 3) == first
@@ -250,7 +252,8 @@ def test_a_killed_training_service_fails_its_calls_clearly_and_is_restarted(
     tmp_path_factory: pytest.TempPathFactory,
 ):
     """kill -9 of the process holding the model: the tenant gets an error saying what
-    happened (not minutes of retries), and a new run works on the restarted service."""
+    happened (not minutes of retries), a new run works on the restarted service, and a state
+    saved before the kill loads into it."""
     out = tmp_path_factory.mktemp("tinker-kill")
     tenants = out / "tenants.json"
     tenants.write_text(json.dumps(KEYS))
@@ -268,7 +271,9 @@ def test_a_killed_training_service_fails_its_calls_clearly_and_is_restarted(
         svc = Service(child, f"http://{child.address}", out / "run" / "tinker")
         sc = svc.client("alice")
         tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
-        sft_steps(tc, 1)
+        sft_steps(tc, 2)
+        path = tc.save_state("before-kill").result().path
+        [next_loss] = sft_steps(tc, 1)
         log = out / "run" / "logs" / "lora-training.log"
         [pid] = service_pids(log)
         os.kill(pid, signal.SIGKILL)
@@ -277,5 +282,8 @@ def test_a_killed_training_service_fails_its_calls_clearly_and_is_restarted(
         assert len(service_pids(log)) == 2  # it was started again
         fresh = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
         assert len(sft_steps(fresh, 2)) == 2
+        # A state saved before the kill resumes exactly where it was.
+        resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+        assert sft_steps(resumed, 1) == [next_loss]
     finally:
         stop_children([child])

@@ -360,6 +360,35 @@ def test_state_checkpoints_resume_bit_exactly(served: Served):
     assert [step(served, "alice", resumed) for _ in range(3)] == first
 
 
+def test_a_restarted_service_still_loads_the_states_saved_before(served: Served, tmp_path: Path):
+    a = create(served, "alice")
+    step(served, "alice", a)
+    saved = served.stub().SaveWeights(
+        pb.SaveWeightsRequest(training_run=a, kind=pb.CHECKPOINT_KIND_STATE, checkpoint_id="k1"),
+        metadata=auth("alice"),
+    )
+    name = ok(served, "alice", saved.operation).checkpoint.name
+    # A second service over the same root: the run is gone, its saved state is not.
+    again = LoraTrainingServicer(
+        served.servicer.engine, TinkerConfig(), Tenants(KEYS), served.root, [MODEL]
+    )
+    found = again.saved[("alice", name)]
+    assert found.proto.lora.rank == 4 and found.proto.base_model == MODEL
+    assert found.proto.step == 1 and found.directory.is_relative_to(served.root)
+    assert ("bob", name) not in again.saved
+    # An index entry pointing outside the root is ignored.
+    index = served.root / "checkpoints.json"
+    entries = json.loads(index.read_text())
+    entries[0]["directory"] = "../../outside"
+    index.write_text(json.dumps(entries))
+    assert (
+        LoraTrainingServicer(
+            served.servicer.engine, TinkerConfig(), Tenants(KEYS), served.root, [MODEL]
+        ).saved
+        == {}
+    )
+
+
 def test_samplers_are_snapshots_and_sample_returns_logprobs(served: Served):
     a = create(served, "alice")
     stub = served.stub()

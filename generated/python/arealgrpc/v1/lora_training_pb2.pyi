@@ -97,18 +97,22 @@ class TrainingRun(_message.Message):
     def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ..., steps: _Optional[int] = ..., last_sequence_number: _Optional[int] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., last_request_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., adapter_bytes: _Optional[int] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("name", "kind", "size_bytes", "create_time", "step")
+    __slots__ = ("name", "kind", "size_bytes", "create_time", "step", "lora", "base_model")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: CheckpointKind
     size_bytes: int
     create_time: _timestamp_pb2.Timestamp
     step: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., size_bytes: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+    lora: LoraSpec
+    base_model: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., size_bytes: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., step: _Optional[int] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ..., base_model: _Optional[str] = ...) -> None: ...
 
 class CreateTrainingRunRequest(_message.Message):
     __slots__ = ("base_model", "lora", "training_run_id")
@@ -287,6 +291,18 @@ class SaveWeightsResponse(_message.Message):
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ...) -> None: ...
+
+class GetCheckpointRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetCheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: Checkpoint
+    def __init__(self, checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("training_run", "checkpoint", "with_optimizer", "sequence_number")

@@ -87,6 +87,11 @@ class LoraTrainingServiceStub:
                 request_serializer=arealgrpc_dot_v1_dot_lora__training__pb2.LoadWeightsRequest.SerializeToString,
                 response_deserializer=arealgrpc_dot_v1_dot_lora__training__pb2.LoadWeightsResponse.FromString,
                 _registered_method=True)
+        self.GetCheckpoint = channel.unary_unary(
+                '/arealgrpc.v1.LoraTrainingService/GetCheckpoint',
+                request_serializer=arealgrpc_dot_v1_dot_lora__training__pb2.GetCheckpointRequest.SerializeToString,
+                response_deserializer=arealgrpc_dot_v1_dot_lora__training__pb2.GetCheckpointResponse.FromString,
+                _registered_method=True)
         self.Sample = channel.unary_unary(
                 '/arealgrpc.v1.LoraTrainingService/Sample',
                 request_serializer=arealgrpc_dot_v1_dot_lora__training__pb2.SampleRequest.SerializeToString,
@@ -185,6 +190,14 @@ class LoraTrainingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCheckpoint(self, request, context):
+        """Returns one of the tenant's checkpoints, of a run that still exists or not (the service
+        keeps its index of checkpoints across restarts). NOT_FOUND when it is not the tenant's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Sample(self, request, context):
         """Samples completions of a prompt from a sampler checkpoint or a base model.
         """
@@ -253,6 +266,11 @@ def add_LoraTrainingServiceServicer_to_server(servicer, server):
                     servicer.LoadWeights,
                     request_deserializer=arealgrpc_dot_v1_dot_lora__training__pb2.LoadWeightsRequest.FromString,
                     response_serializer=arealgrpc_dot_v1_dot_lora__training__pb2.LoadWeightsResponse.SerializeToString,
+            ),
+            'GetCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCheckpoint,
+                    request_deserializer=arealgrpc_dot_v1_dot_lora__training__pb2.GetCheckpointRequest.FromString,
+                    response_serializer=arealgrpc_dot_v1_dot_lora__training__pb2.GetCheckpointResponse.SerializeToString,
             ),
             'Sample': grpc.unary_unary_rpc_method_handler(
                     servicer.Sample,
@@ -521,6 +539,33 @@ class LoraTrainingService:
             '/arealgrpc.v1.LoraTrainingService/LoadWeights',
             arealgrpc_dot_v1_dot_lora__training__pb2.LoadWeightsRequest.SerializeToString,
             arealgrpc_dot_v1_dot_lora__training__pb2.LoadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/arealgrpc.v1.LoraTrainingService/GetCheckpoint',
+            arealgrpc_dot_v1_dot_lora__training__pb2.GetCheckpointRequest.SerializeToString,
+            arealgrpc_dot_v1_dot_lora__training__pb2.GetCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

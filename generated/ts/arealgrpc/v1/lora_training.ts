@@ -218,6 +218,12 @@ export interface Checkpoint {
     | undefined;
   /** The run's optimizer steps when it was saved. */
   step: number;
+  /** The adapter it holds. */
+  lora:
+    | LoraSpec
+    | undefined;
+  /** The base model's name (see BaseModel.name). */
+  baseModel: string;
 }
 
 /** Request of CreateTrainingRun. */
@@ -415,6 +421,18 @@ export interface SaveWeightsRequest {
 export interface SaveWeightsResponse {
   /** Its result is checkpoint. */
   operation: Operation | undefined;
+}
+
+/** Request of GetCheckpoint. */
+export interface GetCheckpointRequest {
+  /** "training_runs/{run}/checkpoints/{id}". */
+  name: string;
+}
+
+/** Response of GetCheckpoint. */
+export interface GetCheckpointResponse {
+  /** The checkpoint. */
+  checkpoint: Checkpoint | undefined;
 }
 
 /** Request of LoadWeights. */
@@ -1154,7 +1172,7 @@ export const TrainingRun: MessageFns<TrainingRun> = {
 };
 
 function createBaseCheckpoint(): Checkpoint {
-  return { name: "", kind: 0, sizeBytes: 0, createTime: undefined, step: 0 };
+  return { name: "", kind: 0, sizeBytes: 0, createTime: undefined, step: 0, lora: undefined, baseModel: "" };
 }
 
 export const Checkpoint: MessageFns<Checkpoint> = {
@@ -1173,6 +1191,12 @@ export const Checkpoint: MessageFns<Checkpoint> = {
     }
     if (message.step !== 0) {
       writer.uint32(40).int64(message.step);
+    }
+    if (message.lora !== undefined) {
+      LoraSpec.encode(message.lora, writer.uint32(50).fork()).join();
+    }
+    if (message.baseModel !== "") {
+      writer.uint32(58).string(message.baseModel);
     }
     return writer;
   },
@@ -1230,6 +1254,22 @@ export const Checkpoint: MessageFns<Checkpoint> = {
             message.step = longToNumber(reader.int64());
             continue;
           }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.lora = LoraSpec.decode(reader, reader.uint32());
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.baseModel = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1257,6 +1297,12 @@ export const Checkpoint: MessageFns<Checkpoint> = {
         ? fromJsonTimestamp(object.create_time)
         : undefined,
       step: isSet(object.step) ? globalThis.Number(object.step) : 0,
+      lora: isSet(object.lora) ? LoraSpec.fromJSON(object.lora) : undefined,
+      baseModel: isSet(object.baseModel)
+        ? globalThis.String(object.baseModel)
+        : isSet(object.base_model)
+        ? globalThis.String(object.base_model)
+        : "",
     };
   },
 
@@ -1277,6 +1323,12 @@ export const Checkpoint: MessageFns<Checkpoint> = {
     if (message.step !== 0) {
       obj.step = Math.round(message.step);
     }
+    if (message.lora !== undefined) {
+      obj.lora = LoraSpec.toJSON(message.lora);
+    }
+    if (message.baseModel !== "") {
+      obj.baseModel = message.baseModel;
+    }
     return obj;
   },
 
@@ -1290,6 +1342,8 @@ export const Checkpoint: MessageFns<Checkpoint> = {
     message.sizeBytes = object.sizeBytes ?? 0;
     message.createTime = object.createTime ?? undefined;
     message.step = object.step ?? 0;
+    message.lora = (object.lora !== undefined && object.lora !== null) ? LoraSpec.fromPartial(object.lora) : undefined;
+    message.baseModel = object.baseModel ?? "";
     return message;
   },
 };
@@ -3430,6 +3484,142 @@ export const SaveWeightsResponse: MessageFns<SaveWeightsResponse> = {
   },
 };
 
+function createBaseGetCheckpointRequest(): GetCheckpointRequest {
+  return { name: "" };
+}
+
+export const GetCheckpointRequest: MessageFns<GetCheckpointRequest> = {
+  encode(message: GetCheckpointRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.name !== "") {
+      writer.uint32(10).string(message.name);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GetCheckpointRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGetCheckpointRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): GetCheckpointRequest {
+    return { name: isSet(object.name) ? globalThis.String(object.name) : "" };
+  },
+
+  toJSON(message: GetCheckpointRequest): unknown {
+    const obj: any = {};
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<GetCheckpointRequest>, I>>(base?: I): GetCheckpointRequest {
+    return GetCheckpointRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<GetCheckpointRequest>, I>>(object: I): GetCheckpointRequest {
+    const message = createBaseGetCheckpointRequest();
+    message.name = object.name ?? "";
+    return message;
+  },
+};
+
+function createBaseGetCheckpointResponse(): GetCheckpointResponse {
+  return { checkpoint: undefined };
+}
+
+export const GetCheckpointResponse: MessageFns<GetCheckpointResponse> = {
+  encode(message: GetCheckpointResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.checkpoint !== undefined) {
+      Checkpoint.encode(message.checkpoint, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GetCheckpointResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGetCheckpointResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.checkpoint = Checkpoint.decode(reader, reader.uint32());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): GetCheckpointResponse {
+    return { checkpoint: isSet(object.checkpoint) ? Checkpoint.fromJSON(object.checkpoint) : undefined };
+  },
+
+  toJSON(message: GetCheckpointResponse): unknown {
+    const obj: any = {};
+    if (message.checkpoint !== undefined) {
+      obj.checkpoint = Checkpoint.toJSON(message.checkpoint);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<GetCheckpointResponse>, I>>(base?: I): GetCheckpointResponse {
+    return GetCheckpointResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<GetCheckpointResponse>, I>>(object: I): GetCheckpointResponse {
+    const message = createBaseGetCheckpointResponse();
+    message.checkpoint = (object.checkpoint !== undefined && object.checkpoint !== null)
+      ? Checkpoint.fromPartial(object.checkpoint)
+      : undefined;
+    return message;
+  },
+};
+
 function createBaseLoadWeightsRequest(): LoadWeightsRequest {
   return { trainingRun: "", checkpoint: "", withOptimizer: false, sequenceNumber: 0 };
 }
@@ -4644,6 +4834,20 @@ export const LoraTrainingServiceService = {
     responseSerialize: (value: LoadWeightsResponse): Buffer => Buffer.from(LoadWeightsResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): LoadWeightsResponse => LoadWeightsResponse.decode(value),
   },
+  /**
+   * Returns one of the tenant's checkpoints, of a run that still exists or not (the service
+   * keeps its index of checkpoints across restarts). NOT_FOUND when it is not the tenant's.
+   */
+  getCheckpoint: {
+    path: "/arealgrpc.v1.LoraTrainingService/GetCheckpoint" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: GetCheckpointRequest): Buffer => Buffer.from(GetCheckpointRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): GetCheckpointRequest => GetCheckpointRequest.decode(value),
+    responseSerialize: (value: GetCheckpointResponse): Buffer =>
+      Buffer.from(GetCheckpointResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): GetCheckpointResponse => GetCheckpointResponse.decode(value),
+  },
   /** Samples completions of a prompt from a sampler checkpoint or a base model. */
   sample: {
     path: "/arealgrpc.v1.LoraTrainingService/Sample" as const,
@@ -4714,6 +4918,11 @@ export interface LoraTrainingServiceServer extends UntypedServiceImplementation 
    * when the checkpoint is not the tenant's.
    */
   loadWeights: handleUnaryCall<LoadWeightsRequest, LoadWeightsResponse>;
+  /**
+   * Returns one of the tenant's checkpoints, of a run that still exists or not (the service
+   * keeps its index of checkpoints across restarts). NOT_FOUND when it is not the tenant's.
+   */
+  getCheckpoint: handleUnaryCall<GetCheckpointRequest, GetCheckpointResponse>;
   /** Samples completions of a prompt from a sampler checkpoint or a base model. */
   sample: handleUnaryCall<SampleRequest, SampleResponse>;
   /** Returns an operation's state now. */
@@ -4883,6 +5092,25 @@ export interface LoraTrainingServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: LoadWeightsResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Returns one of the tenant's checkpoints, of a run that still exists or not (the service
+   * keeps its index of checkpoints across restarts). NOT_FOUND when it is not the tenant's.
+   */
+  getCheckpoint(
+    request: GetCheckpointRequest,
+    callback: (error: ServiceError | null, response: GetCheckpointResponse) => void,
+  ): ClientUnaryCall;
+  getCheckpoint(
+    request: GetCheckpointRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: GetCheckpointResponse) => void,
+  ): ClientUnaryCall;
+  getCheckpoint(
+    request: GetCheckpointRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: GetCheckpointResponse) => void,
   ): ClientUnaryCall;
   /** Samples completions of a prompt from a sampler checkpoint or a base model. */
   sample(
