@@ -175,6 +175,10 @@ def _datum(i: int, d: Any) -> pb.Datum:
                 400, f"data[{i}].loss_fn_inputs.{key}: not an input of the supported losses"
             )
         values = _tensor(tensor, f"data[{i}].loss_fn_inputs.{key}")
+        if key == "target_tokens" and (
+            values.size and not 0 <= values.min() <= values.max() < 2**31
+        ):
+            raise HttpError(400, f"data[{i}].loss_fn_inputs.target_tokens: ids out of range")
         getattr(out, key).extend(values.tolist())
     return out
 
@@ -334,15 +338,65 @@ def _need(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     return value
 
 
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int(
+    obj: dict[str, Any], key: str, default: int, where: str = "", bounds: tuple[int, int] = INT32
+) -> int:
+    """``obj[key]`` as an integer within ``bounds`` (HttpError 400 naming it otherwise)."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not (bounds[0] <= value <= bounds[1])
+    ):
+        raise HttpError(400, f"{where}{key}: must be an integer in {bounds[0]}..{bounds[1]}")
+    return value
+
+
+def _float(obj: dict[str, Any], key: str, default: float, where: str = "") -> float:
+    """``obj[key]`` as a finite number (HttpError 400 naming it otherwise)."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise HttpError(400, f"{where}{key}: must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _bool(obj: dict[str, Any], key: str, default: bool, where: str = "") -> bool:
+    value = obj.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise HttpError(400, f"{where}{key}: must be true or false, got {value!r}")
+    return value
+
+
+def _object(obj: dict[str, Any], key: str) -> dict[str, Any]:
+    """``obj[key]``, a JSON object ({} when absent)."""
+    value = obj.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise HttpError(400, f"{key}: must be an object")
+    return value
+
+
 def _sampling(params: dict[str, Any]) -> tuple[common_pb2.SamplingParams, list[str]]:
+    at = "sampling_params."
     s = common_pb2.SamplingParams(
-        max_new_tokens=int(params.get("max_tokens") or 16),
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        top_k=max(0, int(params.get("top_k", -1))),
+        max_new_tokens=_int(params, "max_tokens", 16, at) or 16,
+        temperature=_float(params, "temperature", 1.0, at),
+        top_p=_float(params, "top_p", 1.0, at),
+        top_k=max(0, _int(params, "top_k", -1, at)),
     )
     if params.get("seed") is not None:
-        s.seed = int(params["seed"]) % 2**64
+        s.seed = _int(params, "seed", 0, at, INT64) % 2**64
     stop = params.get("stop")
     strings: list[str] = []
     if stop is not None:
@@ -465,19 +519,22 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         body = await _body(request)
         session = _need(body, "session_id", str)
         session_of(owner, session)
-        seq = _need(body, "model_seq_id", int)
-        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        seq = _int(body, "model_seq_id", -1, bounds=(0, INT64[1]))
+        if seq < 0:
+            raise HttpError(400, "model_seq_id: required (a non-negative integer)")
+        optimizer = _object(body, "optimizer_config").get("type", "adamw")
         if optimizer != "adamw":
             raise _not_supported(f"optimizer_config.type {optimizer!r} (adamw only)")
-        lora = body.get("lora_config") or {}
+        lora = _object(body, "lora_config")
+        at = "lora_config."
         spec = pb.LoraSpec(
-            rank=int(lora.get("rank", 32)),
-            train_attn=bool(lora.get("train_attn", True)),
-            train_mlp=bool(lora.get("train_mlp", True)),
-            train_unembed=bool(lora.get("train_unembed", False)),
+            rank=_int(lora, "rank", 32, at),
+            train_attn=_bool(lora, "train_attn", True, at),
+            train_mlp=_bool(lora, "train_mlp", True, at),
+            train_unembed=_bool(lora, "train_unembed", False, at),
         )
         if lora.get("seed") is not None:
-            spec.seed = int(lora["seed"])
+            spec.seed = _int(lora, "seed", 0, at, INT64)
         reply = await face.call(
             "CreateTrainingRun",
             pb.CreateTrainingRunRequest(
@@ -582,21 +639,21 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         body = await _body(request)
         if "adam_params" not in body:
             raise _not_supported("optimizers other than Adam")
-        a = body["adam_params"] or {}
+        a, at = _object(body, "adam_params"), "adam_params."
         adam = pb.AdamParams(
-            learning_rate=float(a.get("learning_rate", 1e-4)),
-            beta1=float(a.get("beta1", 0.9)),
-            beta2=float(a.get("beta2", 0.95)),
-            eps=float(a.get("eps", 1e-12)),
-            weight_decay=float(a.get("weight_decay", 0.0)),
-            grad_clip_norm=float(a.get("grad_clip_norm", 0.0)),
+            learning_rate=_float(a, "learning_rate", 1e-4, at),
+            beta1=_float(a, "beta1", 0.9, at),
+            beta2=_float(a, "beta2", 0.95, at),
+            eps=_float(a, "eps", 1e-12, at),
+            weight_decay=_float(a, "weight_decay", 0.0, at),
+            grad_clip_norm=_float(a, "grad_clip_norm", 0.0, at),
         )
         reply = await face.call(
             "OptimStep",
             pb.OptimStepRequest(
                 training_run=f"training_runs/{_need(body, 'model_id', str)}",
                 adam=adam,
-                sequence_number=int(body.get("seq_id") or 0),
+                sequence_number=_int(body, "seq_id", 0, bounds=(0, INT64[1])),
             ),
             metadata,
         )
@@ -621,7 +678,7 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
                 training_run=f"training_runs/{_need(body, 'model_id', str)}",
                 checkpoint_id=f"{prefix}.{name}",
                 kind=kind,  # type: ignore[arg-type]
-                sequence_number=int(body.get("seq_id") or 0),
+                sequence_number=_int(body, "seq_id", 0, bounds=(0, INT64[1])),
             ),
             metadata,
         )
@@ -667,7 +724,7 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         owner, metadata = _owner(request)
         body = await _body(request)
         checkpoint = checkpoint_name(_need(body, "path", str))
-        with_optimizer = bool(body.get("optimizer", False))
+        with_optimizer = _bool(body, "optimizer", False)
         if body.get("model_id"):
             reply = await face.call(
                 "LoadWeights",
@@ -675,7 +732,7 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
                     training_run=f"training_runs/{body['model_id']}",
                     checkpoint=checkpoint,
                     with_optimizer=with_optimizer,
-                    sequence_number=int(body.get("seq_id") or 0),
+                    sequence_number=_int(body, "seq_id", 0, bounds=(0, INT64[1])),
                 ),
                 metadata,
             )
@@ -767,23 +824,33 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
         body = await _body(request)
         target = sampler_of(owner, _need(body, "sampling_session_id", str))
         tokens: list[int] = []
-        for j, chunk in enumerate((body.get("prompt") or {}).get("chunks") or []):
+        chunks = _object(body, "prompt").get("chunks") or []
+        if not isinstance(chunks, list):
+            raise HttpError(400, "prompt.chunks: must be a list")
+        for j, chunk in enumerate(chunks):
+            if not isinstance(chunk, dict):
+                raise HttpError(400, f"prompt.chunks[{j}]: must be an object")
             if chunk.get("type", "encoded_text") != "encoded_text":
                 raise _not_supported(f"prompt.chunks[{j}]: {chunk.get('type')} chunks")
-            tokens.extend(int(t) for t in chunk.get("tokens") or [])
+            ids = chunk.get("tokens") or []
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids
+            ):
+                raise HttpError(400, f"prompt.chunks[{j}].tokens: must be token ids (integers)")
+            tokens.extend(ids)
         for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
             if body.get(key):
                 raise _not_supported(key)
         if body.get("target_prompt_logprobs") is not None:
             raise _not_supported("target_prompt_logprobs")
-        sampling, stop = _sampling(body.get("sampling_params") or {})
-        n = int(body.get("num_samples") or 1)
+        sampling, stop = _sampling(_object(body, "sampling_params"))
+        n = _int(body, "num_samples", 1, bounds=(1, 64))
         sampling.n_samples = n
         req = pb.SampleRequest(
             prompt_tokens=tokens,
             sampling=sampling,
             stop=stop,
-            prompt_logprobs=bool(body.get("prompt_logprobs")),
+            prompt_logprobs=_bool(body, "prompt_logprobs", False),
         )
         if "checkpoint" in target:
             req.checkpoint = target["checkpoint"]
@@ -791,7 +858,7 @@ def create_app(address: str, channel: grpc.aio.Channel | None = None) -> FastAPI
             req.base_model = target["base_model"]
         reply = await face.call("Sample", req, metadata)
         tp = _tinker_pb()
-        last_n = body.get("prompt_logprobs_last_n")
+        last_n = _int(body, "prompt_logprobs_last_n", 0, bounds=(1, INT32[1])) or None
 
         async def work() -> bytes:
             op = await _result(face, reply.operation, metadata)

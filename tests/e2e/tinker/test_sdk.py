@@ -210,6 +210,44 @@ def test_a_full_quota_is_429_with_a_retry_delay(svc: Service):
         assert "max_runs_per_tenant" in reply.json()["detail"]
 
 
+def test_malformed_requests_are_400s_naming_the_field_and_the_service_stays_up(svc: Service):
+    headers = {"X-API-Key": KEYS["carol"]}
+    with httpx.Client(base_url=svc.url, headers=headers, timeout=60) as http:
+        session = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        cases = [
+            ("/api/v1/create_model", {"session_id": session, "model_seq_id": "x"}, "model_seq_id"),
+            (
+                "/api/v1/create_model",
+                {
+                    "session_id": session,
+                    "model_seq_id": 0,
+                    "base_model": MODEL,
+                    "lora_config": {"rank": 2**40},
+                },
+                "lora_config.rank",
+            ),
+            ("/api/v1/optim_step", {"model_id": "m", "adam_params": {"beta1": "x"}}, "beta1"),
+            ("/api/v1/optim_step", {"model_id": "m", "seq_id": -3, "adam_params": {}}, "seq_id"),
+            ("/api/v1/asample", {"sampling_session_id": "nope"}, "sampling_session_id"),
+            ("/api/v1/retrieve_future", {"request_id": 7}, "request_id"),
+            ("/api/v1/load_weights", {"model_id": "m", "path": "tinker://a/b"}, "path"),
+            ("/api/v1/session_heartbeat", [1, 2], "JSON object"),
+        ]
+        for path, body, named in cases:
+            reply = http.post(path, json=body)
+            assert 400 <= reply.status_code < 500, (path, body, reply.text)
+            assert named in reply.json()["detail"], (path, reply.text)
+        garbage = http.post(
+            "/api/v1/forward_backward",
+            content=b"\xff\x00not a protobuf",
+            headers={"Content-Type": "application/x-protobuf"},
+        )
+        assert garbage.status_code == 400
+        as_json = http.post("/api/v1/forward_backward", json={"model_id": "m"})
+        assert as_json.status_code == 400 and "x-protobuf" in as_json.json()["detail"]
+        assert http.get("/api/v1/healthz").json() == {"status": "ok"}
+
+
 def test_state_checkpoints_resume_bit_exactly(svc: Service):
     sc = svc.client("bob")
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=2).result()
