@@ -137,7 +137,10 @@ def test_a_run_survives_killed_and_frozen_servers_and_ranks(tmp_path, coordinato
     assert len({g["task_id"] for g in groups}) == len(groups)
     for b in batches:
         assert all(g["min_version"] >= b["version"] - ETA for g in b["groups"]), b
-    assert train[-1]["trainer_restarts"] >= 3  # killed, frozen, and both-at-once ranks
+    # The two kills restart the group; a frozen rank may not: frozen while the run waits on
+    # something else (a rollout server being replaced), it thaws before any call to it times
+    # out and the group goes on (seen with AREAL_CHAOS_SEED=828118067: 2 restarts, all steps).
+    assert train[-1]["trainer_restarts"] >= 2
     assert train[-1]["rollout_restarts"] >= 2  # killed twice (a frozen one may rejoin)
     # No child left: neither the ones started first nor any replacement.
     seen.update(c["pid"] for c in mesh_children(out))
