@@ -20,7 +20,6 @@ import json
 import logging
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -41,10 +40,9 @@ from areal_grpc.launch import (
     start_child,
     stop_children,
 )
+from areal_grpc.ports import http_listener
 from areal_grpc.security import is_loopback
 from areal_grpc.server_config import add_run_config_args, config_argv
-
-log = logging.getLogger("areal_grpc.tinker")
 
 DEFAULT_SOURCE = "smollm2-135m-instruct"
 # Loading SmolLM2 (and converting it, the first time on a machine) before the service serves.
@@ -130,22 +128,17 @@ async def serve(cfg: RunConfig) -> None:
     )
     child = await asyncio.to_thread(service.start)
     app = create_app(child.address)
-    sock = socket.socket(socket.AF_INET6 if ":" in t.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((t.host, t.port))
-    sock.listen(128)
-    host, port = sock.getsockname()[:2]
+    sock, address = http_listener(t.host, t.port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     # Stopped here, so that the training service is stopped after the face.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    shown = f"[{host}]" if ":" in host else host
     # LISTENING first: launchers (areal_grpc.launch.start_child) wait for it.
-    print(f"{LISTENING}{shown}:{port}", flush=True)
+    print(f"{LISTENING}{address}", flush=True)
     print(f"GRPC {child.address}", flush=True)
-    print(f"TINKER http://{shown}:{port}", flush=True)
+    print(f"TINKER http://{address}", flush=True)
     supervisor = asyncio.create_task(supervise(service, app.state.face, server))
     try:
         await server.serve(sockets=[sock])

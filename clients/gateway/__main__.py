@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +24,7 @@ from areal_grpc.cli import run_channel_options
 from areal_grpc.config import RunConfig
 from areal_grpc.errors import FieldError
 from areal_grpc.launch import LISTENING
+from areal_grpc.ports import http_listener
 from areal_grpc.security import is_loopback, load_auth_token
 from areal_grpc.server import set_default_channel_options
 from areal_grpc.server_config import add_run_config_args, run_config_from_args
@@ -59,16 +59,7 @@ async def serve(run: RunConfig, coordinator: str, allow_plaintext: bool) -> None
             "security.tls_cert/tls_key, bind to loopback, or pass --allow-plaintext"
         )
     set_default_channel_options(run_channel_options(sec))
-    sock = socket.socket(socket.AF_INET6 if ":" in g.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # Inherited by the accepted connections: without it a small response waits on Nagle and
-    # the client's delayed ACK (measured: 44 ms for GET /v1/models).
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((g.host, g.port))
-    # Listening before the address is printed: a client that connects at once waits in the
-    # backlog until uvicorn takes it, instead of being refused.
-    sock.listen(128)
-    host, port = sock.getsockname()[:2]
+    sock, address = http_listener(g.host, g.port)
     config = uvicorn.Config(
         create_app(run, coordinator, api_key(run)),
         log_level="warning",
@@ -76,9 +67,8 @@ async def serve(run: RunConfig, coordinator: str, allow_plaintext: bool) -> None
         ssl_keyfile=sec.tls_key if tls else None,
     )
     server = uvicorn.Server(config)
-    shown = f"[{host}]" if ":" in host else host
-    print(f"{LISTENING}{shown}:{port}", flush=True)
-    print(f"GATEWAY {'https' if tls else 'http'}://{shown}:{port}/v1", flush=True)
+    print(f"{LISTENING}{address}", flush=True)
+    print(f"GATEWAY {'https' if tls else 'http'}://{address}/v1", flush=True)
     await server.serve(sockets=[sock])
 
 
