@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from areal_grpc.errors import FieldError
 from areal_grpc.model import load_model, load_tokenizer
 
 if TYPE_CHECKING:
@@ -211,10 +212,10 @@ def _is_int(value: object) -> bool:
 
 def _finite(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a number, got {value!r}")
+        raise FieldError(name, f"expected a number, got {value!r}")
     number = float(value)
     if not math.isfinite(number):
-        raise ValueError(f"{name}: must be finite, got {number}")
+        raise FieldError(name, f"must be finite, got {number}")
     return number
 
 
@@ -470,79 +471,109 @@ class LoraEngine:
 
     # ------------------------------------------------------------------ training
 
-    def _validate(
-        self, data: Sequence[Datum], loss_fn: str, config: Mapping[str, float]
-    ) -> tuple[list[_Prepared], dict[str, float]]:
+    def check_data(
+        self, data: Sequence[Datum], loss_fn: str, config: Mapping[str, float] | None
+    ) -> dict[str, float]:
+        """Checks a forward_backward's arguments; returns the loss config with its defaults.
+
+        The one check of training data: the service calls it before queuing a call (so a bad
+        datum is refused at once), and :meth:`forward_backward` calls it again before any
+        gradient changes. It reads no adapter state, so any thread may call it. A problem
+        raises :class:`FieldError` (a ValueError) naming the field, e.g.
+        ``data[1].weights`` or ``config.beta``.
+        """
         if loss_fn not in LOSS_CONFIG_DEFAULTS:
             known = ", ".join(sorted(LOSS_CONFIG_DEFAULTS))
-            raise ValueError(f"loss_fn: unknown loss {loss_fn!r}; known: {known}")
+            raise FieldError("loss_fn", f"unknown loss {loss_fn!r}; known: {known}")
+        cfg = self._check_config(loss_fn, config or {})
+        if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or not data:
+            raise FieldError("data", "need at least one Datum")
+        for index, datum in enumerate(data):
+            self._check_datum(f"data[{index}]", datum, loss_fn)
+        return cfg
+
+    @staticmethod
+    def _check_config(loss_fn: str, config: Mapping[str, float]) -> dict[str, float]:
         defaults = LOSS_CONFIG_DEFAULTS[loss_fn]
         cfg = dict(defaults)
-        for key, value in (config or {}).items():
+        for key, value in config.items():
             if key not in defaults:
                 allowed = ", ".join(sorted(defaults)) or "none"
-                raise ValueError(
-                    f"config: unknown key {key!r} for loss {loss_fn!r} (accepted: {allowed})"
-                )
-            cfg[key] = _finite(f"config[{key!r}]", value)
+                why = f"unknown key {key!r} for loss {loss_fn!r} (accepted: {allowed})"
+                raise FieldError(f"config.{key}", why)
+            cfg[key] = _finite(f"config.{key}", value)
         if "clip_low_threshold" in cfg:
             low, high = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
             if not 0.0 <= low <= high:
-                raise ValueError(
-                    f"config: need 0 <= clip_low_threshold <= clip_high_threshold, "
-                    f"got {low} and {high}"
+                raise FieldError(
+                    "config.clip_low_threshold",
+                    f"need 0 <= clip_low_threshold <= clip_high_threshold, got {low} and {high}",
                 )
         if cfg.get("beta", 0.0) < 0.0:
-            raise ValueError(f"config['beta']: must be >= 0, got {cfg['beta']}")
-        if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or not data:
-            raise ValueError("data: need at least one Datum")
+            raise FieldError("config.beta", f"must be >= 0, got {cfg['beta']}")
+        return cfg
+
+    def _check_datum(self, where: str, datum: Datum, loss_fn: str) -> None:
+        if not isinstance(datum, Datum):
+            raise FieldError(where, f"expected a Datum, got {type(datum).__name__}")
+        self._check_tokens(f"{where}.input_tokens", datum.input_tokens)
+        length = len(datum.input_tokens)
+        if length == 0:
+            raise FieldError(f"{where}.input_tokens", "empty")
+        if length > self.max_context_length:
+            raise FieldError(
+                f"{where}.input_tokens",
+                f"{length} tokens; the model takes at most {self.max_context_length}",
+            )
+        self._check_tokens(f"{where}.target_tokens", datum.target_tokens)
+        if len(datum.target_tokens) != length:
+            raise FieldError(
+                f"{where}.target_tokens", f"{len(datum.target_tokens)} values for {length} tokens"
+            )
         needed = LOSS_FIELDS[loss_fn]
-        prepared = []
-        for index, datum in enumerate(data):
-            where = f"data[{index}]"
-            if not isinstance(datum, Datum):
-                raise ValueError(f"{where}: expected a Datum, got {type(datum).__name__}")
-            inputs = self._token_tensor(f"{where}.input_tokens", datum.input_tokens)
-            length = inputs.numel()
-            if length == 0:
-                raise ValueError(f"{where}.input_tokens: empty")
-            targets = self._token_tensor(f"{where}.target_tokens", datum.target_tokens)
-            if targets.numel() != length:
-                raise ValueError(
-                    f"{where}.target_tokens: {targets.numel()} values for {length} tokens"
-                )
-            fields: dict[str, torch.Tensor] = {}
-            for name in _PER_TOKEN_FLOATS:
-                values = getattr(datum, name)
-                if values is None:
-                    if name in needed:
-                        raise ValueError(f"{where}.{name}: required by loss {loss_fn!r}")
-                    continue
-                if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-                    raise ValueError(f"{where}.{name}: expected a list of numbers")
-                if len(values) != length:
-                    raise ValueError(f"{where}.{name}: {len(values)} values for {length} tokens")
-                if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
-                    raise ValueError(f"{where}.{name}: expected a list of numbers")
-                tensor = torch.tensor(values, dtype=torch.float32)
-                if not bool(torch.isfinite(tensor).all()):
-                    raise ValueError(f"{where}.{name}: values must be finite")
+        for name in _PER_TOKEN_FLOATS:
+            values = getattr(datum, name)
+            key = f"{where}.{name}"
+            if values is None:
                 if name in needed:
-                    fields[name] = tensor.to(self.device)
-            prepared.append(_Prepared(inputs.to(self.device), targets.to(self.device), fields))
-        return prepared, cfg
+                    raise FieldError(key, f"required by loss {loss_fn!r}")
+                continue
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+                raise FieldError(key, "expected a list of numbers")
+            if len(values) != length:
+                raise FieldError(key, f"{len(values)} values for {length} tokens")
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+                raise FieldError(key, "expected a list of numbers")
+            if not all(math.isfinite(v) for v in values):
+                raise FieldError(key, "values must be finite")
+
+    def _prepare(self, data: Sequence[Datum], loss_fn: str) -> list[_Prepared]:
+        """Checked data (:meth:`check_data`) as tensors on the engine's device."""
+        needed = LOSS_FIELDS[loss_fn]
+        return [
+            _Prepared(
+                torch.tensor(list(d.input_tokens), dtype=torch.long, device=self.device),
+                torch.tensor(list(d.target_tokens), dtype=torch.long, device=self.device),
+                {
+                    name: torch.tensor(getattr(d, name), dtype=torch.float32, device=self.device)
+                    for name in needed
+                },
+            )
+            for d in data
+        ]
+
+    def _check_tokens(self, where: str, tokens: object) -> None:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+            raise FieldError(where, "expected a list of token ids")
+        if not all(_is_int(t) for t in tokens):
+            raise FieldError(where, "token ids must be integers")
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise FieldError(where, f"token id {bad} out of the vocabulary [0, {self.vocab_size})")
 
     def _token_tensor(self, where: str, tokens: object) -> torch.Tensor:
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-            raise ValueError(f"{where}: expected a list of token ids")
-        if not all(_is_int(t) for t in tokens):
-            raise ValueError(f"{where}: token ids must be integers")
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"{where}: token id {bad[0]} out of the vocabulary [0, {self.vocab_size})"
-            )
-        return torch.tensor(list(tokens), dtype=torch.long)
+        self._check_tokens(where, tokens)
+        return torch.tensor(list(tokens), dtype=torch.long)  # type: ignore[call-overload]
 
     def _micro_batches(self, prepared: list[_Prepared]) -> Iterator[list[_Prepared]]:
         batch: list[_Prepared] = []
@@ -615,7 +646,8 @@ class LoraEngine:
         ``forward_only`` leaves gradients untouched.
         """
         run = self._run(run_id)
-        prepared, cfg = self._validate(data, loss_fn, config)
+        cfg = self.check_data(data, loss_fn, config)
+        prepared = self._prepare(data, loss_fn)
         total = 0.0
         tokens = 0
         logprobs: list[list[float]] = []

@@ -570,42 +570,20 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
 
     # -- training -------------------------------------------------------------------------
 
-    def _check_data(self, data: Sequence[pb.Datum], needs: Sequence[str]) -> list[Datum]:
-        if not data:
-            raise FieldError("data", "must hold at least one datum")
-        vocab = self.engine.vocab_size
-        out = []
-        for i, d in enumerate(data):
-            n = len(d.input_tokens)
-            if n == 0:
-                raise FieldError(f"data[{i}].input_tokens", "must not be empty")
-            if n > self.engine.max_context_length:
-                raise FieldError(
-                    f"data[{i}].input_tokens",
-                    f"{n} tokens; the model takes at most {self.engine.max_context_length}",
-                )
-            for key in ("input_tokens", "target_tokens"):
-                values = getattr(d, key)
-                bad = next((t for t in values if not 0 <= t < vocab), None)
-                if bad is not None:
-                    raise FieldError(f"data[{i}].{key}", f"token {bad} is not in 0-{vocab - 1}")
-            for key in ("target_tokens", *needs):
-                got = len(getattr(d, key))
-                if got != n:
-                    raise FieldError(f"data[{i}].{key}", f"{got} values for {n} input tokens")
-            for key in needs:
-                if not all(math.isfinite(v) for v in getattr(d, key)):
-                    raise FieldError(f"data[{i}].{key}", "must be finite")
-            out.append(
-                Datum(
-                    input_tokens=list(d.input_tokens),
-                    target_tokens=list(d.target_tokens),
-                    weights=list(d.weights) if "weights" in needs else None,
-                    logprobs=list(d.logprobs) if "logprobs" in needs else None,
-                    advantages=list(d.advantages) if "advantages" in needs else None,
-                )
+    @staticmethod
+    def _data(data: Sequence[pb.Datum], needs: Sequence[str]) -> list[Datum]:
+        """The request's data as the engine's datums, with the per-token fields the loss
+        reads (the engine checks them: :meth:`LoraEngine.check_data`)."""
+        return [
+            Datum(
+                input_tokens=list(d.input_tokens),
+                target_tokens=list(d.target_tokens),
+                weights=list(d.weights) if "weights" in needs else None,
+                logprobs=list(d.logprobs) if "logprobs" in needs else None,
+                advantages=list(d.advantages) if "advantages" in needs else None,
             )
-        return out
+            for d in data
+        ]
 
     async def ForwardBackward(
         self, request: pb.ForwardBackwardRequest, context: grpc.aio.ServicerContext
@@ -628,10 +606,14 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
                     if key not in LOSS_CONFIG_DEFAULTS[loss]:
                         await self._bad(context, f"loss_config.{key}", f"{loss} has no {key}")
                     config[key] = getattr(request.loss_config, key)
+            data = self._data(request.data, needs)
             try:
-                data = self._check_data(request.data, needs)
+                # The engine's own check, before queuing: a bad datum is refused now.
+                self.engine.check_data(data, loss, config)
             except FieldError as exc:
-                await abort_with(context, invalid_argument(exc))
+                # The engine's "config" is this request's "loss_config".
+                field = re.sub(r"^config\b", "loss_config", exc.field)
+                await abort_with(context, invalid_argument(FieldError(field, exc.description)))
             key = self._key(run)
             forward_only = request.forward_only
 
