@@ -80,6 +80,8 @@ ENGINES: tuple[str, ...] = get_args(Engine)
 # Model dtypes the vllm engine loads.
 VllmDtype = Literal["float32", "bfloat16", "float16"]
 VLLM_DTYPES: tuple[str, ...] = get_args(VllmDtype)
+# What a pause for a weight update does to vLLM's requests in flight (rollout.vllm.pause_mode).
+VllmPauseMode = Literal["abort", "keep"]
 Backend = Literal["auto", "gloo", "nccl"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 Device = Literal["auto", "cpu", "cuda"]
@@ -327,6 +329,13 @@ class VllmSettings:
         60.0,
         help="Seconds a liveness check of vLLM's engine process may take (see health_interval_s).",
         gt=0,
+    )
+    pause_mode: VllmPauseMode = setting(
+        "abort",
+        help="What an update does to requests in flight. abort: they end INTERRUPTED with their"
+        " partial output and are sent again after it (as on the hf engine). keep: vLLM holds "
+        "them, recomputes their KV cache under the new weights and goes on; each token still "
+        "carries the version that generated it.",
     )
     idle_spin_s: float = setting(
         0.05,

@@ -13,12 +13,20 @@ The engine contract, and how vLLM is made to keep it:
   them after temperature with ``logprobs_mode="processed_logprobs"``, but after top-p/top-k
   truncation too, so those two are refused (FieldError naming the field) unless off. Greedy
   requests get ``log_softmax(logits)``, as ours do.
-* Pause for a weight update (abort mode): requests in flight end with their partial output
-  as INTERRUPTED and ``generate_resumable`` sends them again after resume. A request that
-  raced the pause (it reached vLLM after the abort) is caught by the swap counter: any output
-  that arrives after a swap began, for a request that started before it, ends that request
-  INTERRUPTED without those tokens. So every token carries the version it was generated
-  under.
+* Pause for a weight update, ``rollout.vllm.pause_mode``:
+
+  - ``abort`` (the default): requests in flight end with their partial output as INTERRUPTED
+    and ``generate_resumable`` sends them again after resume. A request that raced the pause
+    (it reached vLLM after the abort) is caught by the swap counter: any output that arrives
+    after a swap began, for a request that started before it, ends that request INTERRUPTED
+    without those tokens.
+  - ``keep``: vLLM holds the requests, drops their KV cache and recomputes it under the new
+    weights on resume, then goes on. vLLM labels each step with the served version
+    (``update_weight_version``) and reports the spans on a request's final output; a request
+    that lived through a swap holds back what arrives after the swap began until those spans
+    say which version made each token (a request without spans ends INTERRUPTED instead).
+
+  Either way every token carries the version it was generated under.
 * Weight updates: socket, stream and distributed hand :meth:`load_weights` a state dict; it
   is checked against the checkpoint's names and shapes (nothing changes on a mismatch),
   written once as a safetensors file in shared memory, and loaded by our worker extension
@@ -176,6 +184,8 @@ class VLLMEngine(InferenceEngine):
         self.pad_token_id = tokenizer.pad_token_id
         self.end_token_ids = frozenset(_end_token_ids(Path(served), self.eos_token_id))
         self._llm = self._build(served)
+        # vLLM labels every step with this; a kept request's spans are read back in it.
+        await self._llm.update_weight_version(str(self._version))
         changed = await self._llm.collective_rpc(
             "areal_idle_spin", args=(self.settings.idle_spin_s,)
         )
@@ -379,6 +389,11 @@ class VLLMEngine(InferenceEngine):
         # (an update interrupts it first); with LoRA the adapter pins them.
         version = adapter_version if self.adapters_only else self._version
         swaps = self._swaps
+        keep = self.settings.pause_mode == "keep" and not self.adapters_only
+        # keep mode: what arrived after a swap began, held until the final output's version
+        # spans say which weights made each token (ids, log-probs, top log-probs).
+        held: list[TokenEvent] = []
+        emitted = 0
         rid = uuid.uuid4().hex
         self._inflight.add(rid)
         outputs = self._llm.generate(
@@ -389,17 +404,34 @@ class VLLMEngine(InferenceEngine):
         )
         try:
             async for out in outputs:
-                if self._swaps != swaps and not self.adapters_only:
+                swapped = self._swaps != swaps and not self.adapters_only
+                if swapped and not keep:
                     # The weights changed under this request (it raced a pause): what it
                     # produced from here on may come from either version.
                     yield TokenEvent(finish=FinishReason.INTERRUPTED)
                     return
                 c = out.outputs[0]
                 ids = [int(t) for t in c.token_ids]
+                event = None
                 if ids:
                     lps, top = _logprobs(c.logprobs, ids, params.top_logprobs)
                     self._generated_tokens += len(ids)
-                    yield TokenEvent(ids, lps, [version] * len(ids), top=top)
+                    event = TokenEvent(ids, lps, [version] * len(ids), top=top)
+                if swapped:
+                    if event is not None:
+                        held.append(event)
+                    if not out.finished:
+                        continue
+                    labelled = _labelled(held, emitted, c.weight_versions)
+                    if labelled is None:
+                        # vLLM did not say which weights made the held tokens.
+                        yield TokenEvent(finish=FinishReason.INTERRUPTED)
+                        return
+                    for e in labelled:
+                        yield e
+                elif event is not None:
+                    emitted += len(event.token_ids)
+                    yield event
                 if out.finished:
                     yield TokenEvent(finish=self._finish_reason(c.finish_reason))
                     return
@@ -429,10 +461,14 @@ class VLLMEngine(InferenceEngine):
     # ------------------------------------------------------------------ pause and weights
 
     async def pause(self, wait: bool = True) -> int:
-        """Aborts every request in flight (they end INTERRUPTED with their partial output);
-        new ones wait for :meth:`resume`. Always waits for vLLM to have aborted them."""
+        """Stops generation; new requests wait for :meth:`resume`. In abort mode every
+        request in flight ends INTERRUPTED with its partial output (the count is returned;
+        this waits for vLLM to have aborted them); in keep mode vLLM holds them (0)."""
         self._check_alive()
         self._gate.close()
+        if self.settings.pause_mode == "keep":
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            return 0
         running = len(self._inflight)
         await self._llm.pause_generation(mode="abort", clear_cache=True)
         if self._inflight:
@@ -490,6 +526,8 @@ class VLLMEngine(InferenceEngine):
             # The worker may hold part of the update: nothing trustworthy is served.
             self._fail(f"loading version {version} failed: {exc!r}")
             raise
+        # Before resume: the first step under the new weights carries their label.
+        await self._llm.update_weight_version(str(version))
         self._version = version
         if paused_here:
             await self.resume()
@@ -659,6 +697,29 @@ def _logprobs(
 
 # Floating-point dtypes as safetensors headers name them.
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+
+
+def _labelled(held: Sequence[TokenEvent], first: int, spans: Any) -> list[TokenEvent] | None:
+    """``held`` (output tokens ``first`` on) with each token's version from vLLM's final
+    weight-version spans, or None when the spans do not cover them with our integer labels."""
+    if not spans:
+        return None if held else []
+    try:
+        bounds = [(int(s.version), int(s.start), int(s.end)) for s in spans]
+    except ValueError:
+        return None
+    out: list[TokenEvent] = []
+    index = first
+    for e in held:
+        versions = []
+        for _ in e.token_ids:
+            label = next((v for v, lo, hi in bounds if lo <= index < hi), None)
+            if label is None:
+                return None
+            versions.append(label)
+            index += 1
+        out.append(TokenEvent(e.token_ids, e.logprobs, versions, top=e.top))
+    return out
 
 
 def _file_specs(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], bool, str]]:

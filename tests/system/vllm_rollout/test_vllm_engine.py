@@ -8,10 +8,12 @@ seed is the reference for tokens and log-probs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -26,10 +28,12 @@ from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_model
 from areal_grpc.weight_disk import write_version
-from tests.support.vllm import RPC_TIMEOUT, TINY, VllmServer
+from tests.support.vllm import RPC_TIMEOUT, SETTINGS, TINY, VllmServer
 from tests.support.weightsync import push_messages
 
 PROMPT = [5, 17, 42, 99, 7, 64, 128, 3, 250, 11]
+# Tokens of the episode that lives through an update.
+LONG = 150
 # Log-probs of vLLM's CPU kernels against transformers' eager fp32 forward.
 LOGPROB_TOL = 2e-4
 
@@ -256,15 +260,11 @@ def test_a_corrupted_or_mismatched_update_is_refused_and_the_old_weights_keep_se
     )
 
 
-def test_a_request_in_flight_during_an_update_is_interrupted_and_completes_after_it(
-    vllm_server: VllmServer,
-):
-    """RunEpisodes keeps a long episode going across Pause, an update and Resume: the
-    tokens before the update carry the old version and those after it the new one, and the
-    log-probs after it are the new weights'."""
-    v = vllm_server.version()
-    new = {k: t * 1.05 if "mlp" in k else t for k, t in initial_weights().items()}
-    n_new = 150
+def long_episode_across_an_update(
+    server: VllmServer, new: dict[str, torch.Tensor]
+) -> tuple[rollout_pb2.PauseGenerationResponse, common_pb2.Trajectory]:
+    """Runs one long sampled episode through RunEpisodes and, once some of its tokens are
+    out, Pause, an update to ``new`` and Resume; the pause's answer and the trajectory."""
     results: list[rollout_pb2.RunEpisodesResponse] = []
 
     def run() -> None:
@@ -275,7 +275,7 @@ def test_a_request_in_flight_during_an_update_is_interrupted_and_completes_after
             workflow_params=item_struct({"reward_fn": "exact_match"}),
             group_size=1,
             sampling=common_pb2.SamplingParams(
-                temperature=1.0, max_new_tokens=n_new, ignore_eos=True, seed=5
+                temperature=1.0, max_new_tokens=LONG, ignore_eos=True, seed=5
             ),
         )
 
@@ -284,37 +284,43 @@ def test_a_request_in_flight_during_an_update_is_interrupted_and_completes_after
             while not results:
                 time.sleep(0.05)
 
-        for res in vllm_server.rollout.RunEpisodes(requests(), timeout=RPC_TIMEOUT):
+        for res in server.rollout.RunEpisodes(requests(), timeout=RPC_TIMEOUT):
             results.append(res)
             break
 
-    start = vllm_server.engine.status().generated_tokens
+    v = server.version()
+    start = server.engine.status().generated_tokens
     worker = threading.Thread(target=run)
     worker.start()
     # Let some tokens come out under the old weights.
     deadline = time.monotonic() + 60
-    while vllm_server.engine.status().generated_tokens < start + 20 and time.monotonic() < deadline:
+    while server.engine.status().generated_tokens < start + 20 and time.monotonic() < deadline:
         time.sleep(0.02)
-    paused = vllm_server.rollout.PauseGeneration(
+    paused = server.rollout.PauseGeneration(
         rollout_pb2.PauseGenerationRequest(), timeout=RPC_TIMEOUT
     )
-    assert vllm_server.push(new, v + 1).policy_version == v + 1
-    vllm_server.rollout.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), timeout=RPC_TIMEOUT)
+    assert server.push(new, v + 1).policy_version == v + 1
+    server.rollout.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), timeout=RPC_TIMEOUT)
     worker.join(timeout=120)
     assert not worker.is_alive()
     [res] = results
     assert res.outcome == rollout_pb2.EPISODE_OUTCOME_ACCEPTED, res.reason
     [traj] = res.group.trajectories
+    return paused, traj
+
+
+def check_versions_and_logprobs_across(
+    traj: common_pb2.Trajectory, v: int, new: dict[str, torch.Tensor]
+) -> None:
+    """The tokens before the update carry version ``v`` and those after it ``v + 1``, and
+    the log-probs after it are the new weights' (as the trainer recomputes them)."""
     gen = [i for i, m in enumerate(traj.loss_mask) if m]
     versions = [traj.versions[i] for i in gen]
-    assert len(gen) == n_new
-    assert paused.interrupted_requests >= 1
+    assert len(gen) == LONG
     # Old version first, then the new one: the episode went on after the update.
     assert versions[0] == v and versions[-1] == v + 1
     switch = versions.index(v + 1)
-    assert versions == [v] * switch + [v + 1] * (n_new - switch)
-    # The tokens after the update were scored by the new weights: the log-probs the trainer
-    # recomputes with them (at temperature 1).
+    assert versions == [v] * switch + [v + 1] * (LONG - switch)
     model = load_model(TINY, seed=0)
     model.load_state_dict(new, strict=False)  # the tied head is the embedding
     with torch.no_grad():
@@ -322,6 +328,34 @@ def test_a_request_in_flight_during_an_update_is_interrupted_and_completes_after
     want = [logp[i - 1, traj.token_ids[i]].item() for i in gen[switch:]]
     got = [traj.logprobs[i] for i in gen[switch:]]
     assert got == pytest.approx(want, abs=LOGPROB_TOL)
+
+
+def test_a_request_in_flight_during_an_update_is_interrupted_and_completes_after_it(
+    vllm_server: VllmServer,
+):
+    """Abort mode (the default): RunEpisodes keeps a long episode going across Pause, an
+    update and Resume, the request interrupted and sent again; each token carries its
+    version and the log-probs after the update are the new weights'."""
+    v = vllm_server.version()
+    new = {k: t * 1.05 if "mlp" in k else t for k, t in initial_weights().items()}
+    paused, traj = long_episode_across_an_update(vllm_server, new)
+    assert paused.interrupted_requests >= 1
+    check_versions_and_logprobs_across(traj, v, new)
+
+
+def test_keep_mode_holds_a_request_across_an_update_with_each_tokens_version(
+    make_vllm_server: Callable[..., VllmServer],
+):
+    """Keep mode: vLLM holds the request through the update instead of ending it; its KV
+    cache is recomputed under the new weights, so the log-probs after the update are the
+    new weights' on the whole sequence, and vLLM's version spans give each token's version."""
+    server = make_vllm_server(settings=dataclasses.replace(SETTINGS, pause_mode="keep"))
+    v = server.version()
+    new = {k: t * 1.05 if "mlp" in k else t for k, t in initial_weights().items()}
+    paused, traj = long_episode_across_an_update(server, new)
+    assert paused.interrupted_requests == 0
+    check_versions_and_logprobs_across(traj, v, new)
+    assert not server.fatal
 
 
 def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
