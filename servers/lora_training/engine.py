@@ -20,6 +20,12 @@ The engine is not thread-safe: one worker thread calls it (the gRPC servicer's).
 Data are token-native and aligned as in Tinker: position ``i`` of ``input_tokens`` predicts
 ``target_tokens[i]``, and every per-token list (weights, logprobs, advantages) has one value
 per input position. Losses are summed over all tokens of all datums, never averaged.
+
+Calls that compute no gradient (sampling, forward-only passes) can run together, one batch
+with a different adapter per row (peft's ``adapter_names``): :meth:`LoraEngine.sample_batch`
+and :meth:`LoraEngine.forward_batch`. Each call's rows are computed as when it runs alone,
+up to float rounding of a padded, wider batch: sampling keeps one generator per sequence
+(seeded ``seed + i``, as alone), and temperature, top-p and top-k apply per call.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import contextlib
 import inspect
 import itertools
 import json
+import logging
 import math
 import secrets
 import warnings
@@ -53,11 +60,17 @@ __all__ = [
     "AdamParams",
     "AdapterSpec",
     "Datum",
+    "ForwardJob",
+    "ForwardOutput",
     "LoraEngine",
+    "SampleJob",
+    "SampleOutput",
     "SampledSequence",
     "UnknownIdError",
     "read_saved_spec",
 ]
+
+log = logging.getLogger(__name__)
 
 # LoRA's alpha is fixed (the update is scaled by LORA_ALPHA / rank), as in Tinker, so a
 # learning rate does not need retuning when the rank changes.
@@ -151,6 +164,41 @@ class SampledSequence:
     stop_reason: str
 
 
+@dataclass
+class SampleJob:
+    """One sampling call (the arguments of :meth:`LoraEngine.sample`), for a batch of them."""
+
+    sampler_id: str | None
+    prompt: Sequence[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: Sequence[int] | None = None
+    stop: Sequence[str] = ()
+    prompt_logprobs: bool = False
+
+
+# The completions and, when asked for, the prompt's log-probs.
+SampleOutput = tuple[list[SampledSequence], list[float] | None]
+
+
+@dataclass
+class ForwardJob:
+    """One forward-only call (:meth:`LoraEngine.forward_backward` with ``forward_only``)."""
+
+    run_id: str
+    data: Sequence[Datum]
+    loss_fn: str
+    config: Mapping[str, float] = field(default_factory=dict)
+
+
+# Each datum's log-probs per position, and the metrics.
+ForwardOutput = tuple[list[list[float]], dict[str, float]]
+
+
 @dataclass(eq=False)
 class _Adapter:
     """A peft adapter the engine manages: its internal peft name and its live parameters."""
@@ -171,6 +219,36 @@ class _Run(_Adapter):
 @dataclass(eq=False)
 class _Snapshot(_Adapter):
     run_id: str = ""
+
+
+@dataclass(eq=False)
+class _SamplePlan:
+    """A checked sampling call and its sequences so far."""
+
+    job: SampleJob
+    ids: torch.Tensor  # the prompt, on the engine's device
+    adapter: _Adapter | None
+    stops: set[int]
+    greedy: bool
+    scale: float  # logits are divided by it (1 when greedy)
+    generators: list[torch.Generator]  # one per sequence (none when greedy)
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    reasons: list[str | None]
+    prompt_lp: list[float] | None = None
+
+    def finished(self, row: int) -> bool:
+        return self.reasons[row] is not None or len(self.tokens[row]) >= self.job.max_tokens
+
+    def all_finished(self) -> bool:
+        return all(self.finished(row) for row in range(self.job.num_samples))
+
+    def output(self) -> SampleOutput:
+        sequences = [
+            SampledSequence(tokens, lps, reason or "length")
+            for tokens, lps, reason in zip(self.tokens, self.logprobs, self.reasons, strict=True)
+        ]
+        return sequences, self.prompt_lp
 
 
 @dataclass
@@ -588,8 +666,15 @@ class LoraEngine:
         if batch:
             yield batch
 
-    def _token_logprobs(self, model: torch.nn.Module, batch: list[_Prepared]) -> torch.Tensor:
-        """log_softmax(logits)[target] of every real token of ``batch``, flattened in order."""
+    def _token_logprobs(
+        self,
+        model: torch.nn.Module,
+        batch: list[_Prepared],
+        adapter_names: list[str] | None = None,
+    ) -> torch.Tensor:
+        """log_softmax(logits)[target] of every real token of ``batch``, flattened in order.
+
+        ``adapter_names``: one peft adapter per row (a mixed batch; no gradients)."""
         lengths = [item.inputs.numel() for item in batch]
         width = max(lengths)
         ids = torch.zeros(len(batch), width, dtype=torch.long, device=self.device)
@@ -599,7 +684,8 @@ class LoraEngine:
             ids[row, : lengths[row]] = item.inputs
             targets[row, : lengths[row]] = item.targets
             mask[row, : lengths[row]] = True
-        logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
+        mixed = {} if adapter_names is None else {"adapter_names": adapter_names}
+        logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False, **mixed).logits
         logits = logits[mask].float()
         picked = logits.gather(-1, targets[mask].unsqueeze(-1)).squeeze(-1)
         return picked - torch.logsumexp(logits, dim=-1)
@@ -671,6 +757,74 @@ class LoraEngine:
                     start = end
                 tokens += lp.numel()
         return logprobs, {"loss:sum": total, "tokens:sum": float(tokens)}
+
+    def forward_batch(self, jobs: Sequence[ForwardJob]) -> list[ForwardOutput | Exception]:
+        """Several forward-only calls, of any runs, in one batch (no gradient changes).
+
+        Returns each call's result as ``forward_backward(..., forward_only=True)`` would (up
+        to float rounding), or the exception it alone raised: a bad call fails by itself.
+        Should the batch fail, each call is run alone.
+        """
+        outputs: list[ForwardOutput | Exception] = []
+        checked: dict[int, tuple[_Run, dict[str, float], list[_Prepared]]] = {}
+        for index, job in enumerate(jobs):
+            try:
+                run = self._run(job.run_id)
+                cfg = self.check_data(job.data, job.loss_fn, job.config)
+                checked[index] = (run, cfg, self._prepare(job.data, job.loss_fn))
+                outputs.append(RuntimeError("not run"))
+            except Exception as exc:
+                outputs.append(exc)
+        if len(checked) > 1:
+            try:
+                results = self._forward_mixed([jobs[i] for i in checked], list(checked.values()))
+            except Exception:
+                log.warning("a batch of %d forward calls failed; running each alone", len(checked))
+            else:
+                for index, result in zip(checked, results, strict=True):
+                    outputs[index] = result
+                return outputs
+        for index in checked:
+            job = jobs[index]
+            try:
+                outputs[index] = self.forward_backward(
+                    job.run_id, job.data, job.loss_fn, job.config, forward_only=True
+                )
+            except Exception as exc:
+                outputs[index] = exc
+        return outputs
+
+    def _forward_mixed(
+        self,
+        jobs: list[ForwardJob],
+        checked: list[tuple[_Run, dict[str, float], list[_Prepared]]],
+    ) -> list[ForwardOutput]:
+        """Every checked call's datums in shared micro-batches, each row with its run's
+        adapter; then each call's loss over its own tokens."""
+        items = [item for _, _, prepared in checked for item in prepared]
+        owners = [run for run, _, prepared in checked for _ in prepared]
+        per_item: list[torch.Tensor] = []
+        with self._use_mixed(owners) as (model, names), torch.no_grad():
+            start = 0
+            for batch in self._micro_batches(items):
+                rows = None if names is None else names[start : start + len(batch)]
+                lp = self._token_logprobs(model, batch, rows)
+                per_item.extend(lp.split([item.inputs.numel() for item in batch]))
+                start += len(batch)
+        results: list[ForwardOutput] = []
+        offset = 0
+        for job, (_, cfg, prepared) in zip(jobs, checked, strict=True):
+            mine = per_item[offset : offset + len(prepared)]
+            offset += len(prepared)
+            lp = torch.cat(mine)
+            fields = {
+                name: torch.cat([item.fields[name] for item in prepared])
+                for name in prepared[0].fields
+            }
+            loss = self._loss(job.loss_fn, lp, fields, cfg)
+            metrics = {"loss:sum": float(loss), "tokens:sum": float(lp.numel())}
+            results.append(([t.cpu().tolist() for t in mine], metrics))
+        return results
 
     @staticmethod
     def _check_adam(adam: AdamParams) -> None:
@@ -824,7 +978,7 @@ class LoraEngine:
         stop_token_ids: Sequence[int] | None = None,
         stop: Sequence[str] = (),
         prompt_logprobs: bool = False,
-    ) -> tuple[list[SampledSequence], list[float] | None]:
+    ) -> SampleOutput:
         """``num_samples`` completions of ``prompt`` from a snapshot (None: the base model).
 
         Each returned logprob is log_softmax(logits / temperature) of the sampled token, taken
@@ -836,77 +990,208 @@ class LoraEngine:
         the completion has ``max_tokens`` tokens (stop_reason "length").
         ``prompt_logprobs``: one value per prompt token (same temperature rule), nan first.
         """
+        job = SampleJob(
+            sampler_id,
+            prompt,
+            num_samples,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop_token_ids,
+            stop,
+            prompt_logprobs,
+        )
+        return self._sample_alone(job)
+
+    def _sample_alone(self, job: SampleJob) -> SampleOutput:
+        plan = self._plan(job)
+        with self._use(plan.adapter, train=False) as model, torch.no_grad():
+            self._generate(model, [plan], None)
+        return plan.output()
+
+    def sample_batch(self, jobs: Sequence[SampleJob]) -> list[SampleOutput | Exception]:
+        """Several sampling calls, of any snapshots or the base model, in one batch.
+
+        Returns each call's result as :meth:`sample` would (the same completions for the same
+        seed, log-probs up to float rounding), or the exception it alone raised: a bad call
+        fails by itself. Should the batch fail, each call is run alone.
+        """
+        outputs: list[SampleOutput | Exception] = []
+        plans: dict[int, _SamplePlan] = {}
+        for index, job in enumerate(jobs):
+            try:
+                plans[index] = self._plan(job)
+                outputs.append(RuntimeError("not run"))
+            except Exception as exc:
+                outputs.append(exc)
+        if len(plans) > 1:
+            try:
+                adapters = [plan.adapter for plan in plans.values()]
+                with self._use_mixed(adapters) as (model, names), torch.no_grad():
+                    self._generate(model, list(plans.values()), names)
+            except Exception:
+                log.warning("a batch of %d sampling calls failed; running each alone", len(plans))
+            else:
+                for index, plan in plans.items():
+                    outputs[index] = plan.output()
+                return outputs
+        for index in plans:
+            try:
+                outputs[index] = self._sample_alone(jobs[index])
+            except Exception as exc:
+                outputs[index] = exc
+        return outputs
+
+    def _plan(self, job: SampleJob) -> _SamplePlan:
+        """A checked sampling call with its generators (ValueError names a bad field)."""
         ids = self._check_sampling(
-            prompt, num_samples, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, stop
+            job.prompt,
+            job.num_samples,
+            job.max_tokens,
+            job.temperature,
+            job.top_p,
+            job.top_k,
+            job.seed,
+            job.stop_token_ids,
+            job.stop,
         )
         adapter: _Adapter | None = None
-        if sampler_id is not None:
-            adapter = self._snapshots.get(sampler_id)
+        if job.sampler_id is not None:
+            adapter = self._snapshots.get(job.sampler_id)
             if adapter is None:
-                raise UnknownIdError(f"unknown sampler {sampler_id!r}")
-        if stop_token_ids is None:
+                raise UnknownIdError(f"unknown sampler {job.sampler_id!r}")
+        if job.stop_token_ids is None:
             stops = {self.eos_token_id} if self.eos_token_id is not None else set()
         else:
-            stops = set(stop_token_ids)
-        greedy = temperature == 0
-        scale = 1.0 if greedy else float(temperature)
-        base_seed = secrets.randbits(62) if seed is None else seed
+            stops = set(job.stop_token_ids)
+        greedy = job.temperature == 0
+        base_seed = secrets.randbits(62) if job.seed is None else job.seed
         generators = []
         if not greedy:
-            for i in range(num_samples):
+            for i in range(job.num_samples):
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed((base_seed + i) % 2**64)
                 generators.append(generator)
+        n = job.num_samples
+        return _SamplePlan(
+            job=job,
+            ids=ids.to(self.device),
+            adapter=adapter,
+            stops=stops,
+            greedy=greedy,
+            scale=1.0 if greedy else float(job.temperature),
+            generators=generators,
+            tokens=[[] for _ in range(n)],
+            logprobs=[[] for _ in range(n)],
+            reasons=[None] * n,
+        )
 
-        tokens: list[list[int]] = [[] for _ in range(num_samples)]
-        logprobs: list[list[float]] = [[] for _ in range(num_samples)]
-        reasons: list[str | None] = [None] * num_samples
-        prompt_lp: list[float] | None = None
-        ids = ids.to(self.device)
-        with self._use(adapter, train=False) as model, torch.no_grad():
-            if prompt_logprobs:
-                # A pass of its own, so the completions do not depend on this option.
-                logits = model(input_ids=ids.unsqueeze(0), use_cache=False).logits[0, :-1]
-                first = torch.log_softmax(logits.float() / scale, dim=-1)
-                picked = first.gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
-                prompt_lp = [math.nan, *picked.cpu().tolist()]
-            out = model(
-                input_ids=ids.unsqueeze(0).expand(num_samples, -1), use_cache=True, logits_to_keep=1
+    @contextlib.contextmanager
+    def _use_mixed(
+        self, adapters: Sequence[_Adapter | None]
+    ) -> Iterator[tuple[torch.nn.Module, list[str] | None]]:
+        """The model computing ``adapters[i]`` for the i-th group of rows, and the adapter
+        name per group (None when one adapter serves all: the plain path, as alone)."""
+        if len(set(adapters)) == 1:
+            with self._use(adapters[0], train=False) as model:
+                yield model, None
+            return
+        assert self._peft is not None  # two distinct adapters exist
+        self._set_trainable(None)
+        yield self._peft, [a.internal if a is not None else "__base__" for a in adapters]
+
+    def _generate(
+        self, model: torch.nn.Module, plans: list[_SamplePlan], names: list[str] | None
+    ) -> None:
+        """Samples every plan's sequences in one batch (``names``: each plan's adapter).
+
+        Prompts of unequal length are left-padded, with an attention mask and position ids
+        that start at each prompt's first token, so a row sees what it would see alone.
+        """
+        counts = [plan.job.num_samples for plan in plans]
+        rows = sum(counts)
+        width = max(plan.ids.numel() for plan in plans)
+        ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        slices = []
+        start = 0
+        for plan, count in zip(plans, counts, strict=True):
+            length = plan.ids.numel()
+            ids[start : start + count, width - length :] = plan.ids
+            mask[start : start + count, width - length :] = 1
+            slices.append(slice(start, start + count))
+            start += count
+        mixed: dict[str, Any] = {}
+        if names is not None:
+            mixed["adapter_names"] = [
+                n for n, c in zip(names, counts, strict=True) for _ in range(c)
+            ]
+        for index, plan in enumerate(plans):
+            if plan.job.prompt_logprobs:
+                name = None if names is None else names[index]
+                self._prompt_logprobs(model, plan, name)
+        padded = not bool(mask.all())
+        shape: dict[str, torch.Tensor] = {}
+        if padded:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            shape = {"attention_mask": mask, "position_ids": positions}
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **shape, **mixed)
+        steps = max(plan.job.max_tokens for plan in plans)
+        for step in range(steps):
+            logits = out.logits[:, -1].float()
+            chosen = torch.cat(
+                [self._choose(plan, logits[sl]) for plan, sl in zip(plans, slices, strict=True)]
             )
-            for step in range(max_tokens):
-                logits = out.logits[:, -1].float()
-                logp = torch.log_softmax(logits / scale, dim=-1)
-                if greedy:
-                    chosen = logits.argmax(dim=-1)
-                else:
-                    probs = self._truncate(logp.exp(), top_p, top_k)
-                    chosen = torch.cat(
-                        [
-                            torch.multinomial(probs[i], 1, generator=generators[i])
-                            for i in range(num_samples)
-                        ]
-                    )
-                chosen_lp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-                chosen_list = chosen.cpu().tolist()
-                lp_list = chosen_lp.cpu().tolist()
-                for i in range(num_samples):
-                    if reasons[i] is not None:
-                        continue
-                    tokens[i].append(chosen_list[i])
-                    logprobs[i].append(lp_list[i])
-                    if chosen_list[i] in stops or self._hits_stop(tokens[i], stop):
-                        reasons[i] = "stop"
-                if all(r is not None for r in reasons) or step == max_tokens - 1:
-                    break
-                cache = getattr(out, self._cache_field, None)
-                out = model(
-                    input_ids=chosen.unsqueeze(-1), use_cache=True, **{self._cache_arg: cache}
-                )
-        sequences = [
-            SampledSequence(tokens[i], logprobs[i], reasons[i] or "length")
-            for i in range(num_samples)
-        ]
-        return sequences, prompt_lp
+            if all(plan.all_finished() for plan in plans) or step == steps - 1:
+                break
+            if padded:
+                mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+                shape = {"attention_mask": mask, "position_ids": shape["position_ids"][:, -1:] + 1}
+            cache = getattr(out, self._cache_field, None)
+            out = model(
+                input_ids=chosen.unsqueeze(-1),
+                use_cache=True,
+                **{self._cache_arg: cache},
+                **shape,
+                **mixed,
+            )
+
+    def _prompt_logprobs(self, model: torch.nn.Module, plan: _SamplePlan, name: str | None) -> None:
+        # A pass of its own, so the completions do not depend on this option.
+        mixed = {} if name is None else {"adapter_names": [name]}
+        logits = model(input_ids=plan.ids.unsqueeze(0), use_cache=False, **mixed).logits[0, :-1]
+        first = torch.log_softmax(logits.float() / plan.scale, dim=-1)
+        picked = first.gather(-1, plan.ids[1:].unsqueeze(-1)).squeeze(-1)
+        plan.prompt_lp = [math.nan, *picked.cpu().tolist()]
+
+    def _choose(self, plan: _SamplePlan, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each of ``plan``'s rows (``logits`` [rows, V]); records it.
+
+        Every row draws from its own generator at every step, finished or not, as alone."""
+        logp = torch.log_softmax(logits / plan.scale, dim=-1)
+        if plan.greedy:
+            chosen = logits.argmax(dim=-1)
+        else:
+            probs = self._truncate(logp.exp(), plan.job.top_p, plan.job.top_k)
+            chosen = torch.cat(
+                [
+                    torch.multinomial(probs[i], 1, generator=generator)
+                    for i, generator in enumerate(plan.generators)
+                ]
+            )
+        chosen_lp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        chosen_list = chosen.cpu().tolist()
+        lp_list = chosen_lp.cpu().tolist()
+        for i in range(plan.job.num_samples):
+            if plan.finished(i):
+                continue
+            plan.tokens[i].append(chosen_list[i])
+            plan.logprobs[i].append(lp_list[i])
+            if chosen_list[i] in plan.stops or self._hits_stop(plan.tokens[i], plan.job.stop):
+                plan.reasons[i] = "stop"
+        return chosen
 
     # ------------------------------------------------------------------ state
 

@@ -5,6 +5,12 @@ turn (round robin), so no tenant waits behind another's backlog, and runs each c
 engine. A run's calls execute in their ``sequence_number`` order. Requests are checked here,
 before anything is queued, so a malformed one is answered INVALID_ARGUMENT and changes
 nothing; a call that fails in the engine fails its own operation only.
+
+Calls that change nothing (sampling, forward-only passes) that come next in the round-robin
+order run as one batch, each row with its own adapter (:meth:`LoraEngine.sample_batch`,
+:meth:`LoraEngine.forward_batch`): a batch is a stretch of the order the worker would follow
+anyway, so no call overtakes another, and since none of them writes, running them together
+reads the same state as running them in turn. Each call's result is its own, as alone.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from areal_servers.lora_training.engine import (
     AdamParams,
     AdapterSpec,
     Datum,
+    ForwardJob,
     LoraEngine,
+    SampleJob,
 )
 from arealgrpc.v1 import common_pb2, rollout_pb2
 from arealgrpc.v1 import lora_training_pb2 as pb
@@ -76,6 +84,9 @@ OPERATION_TTL_S = 3600.0
 # How long a call waits for the call numbered before it: a gap that never fills fails the
 # call (FAILED_PRECONDITION) instead of hanging it.
 SEQUENCE_WAIT_S = 120.0
+# The most rows (sequences sampled, datums passed) and padded tokens of one batch of calls.
+BATCH_MAX_ROWS = 64
+BATCH_MAX_TOKENS = 65536
 
 
 def _now() -> timestamp_pb2.Timestamp:
@@ -104,6 +115,17 @@ class Run:
 
 
 @dataclass
+class Batchable:
+    """A call that may run in a batch with others of its kind: the engine's job, its rows
+    and its padded length (prompt + new tokens, or the longest datum)."""
+
+    kind: str  # "sample" (a SampleJob) or "forward" (a ForwardJob)
+    job: SampleJob | ForwardJob
+    rows: int
+    width: int
+
+
+@dataclass
 class Operation:
     """A queued or finished call."""
 
@@ -113,6 +135,17 @@ class Operation:
     finish: Callable[[Any], None] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     finished_at: float = 0.0  # time.monotonic() when done
+    batch: Batchable | None = None  # set for a call that may share a batch
+
+
+def joins(group: Sequence[Operation], op: Operation) -> bool:
+    """Whether ``op`` may join the batch ``group`` (same kind, within the batch's bounds)."""
+    first = group[0].batch
+    if first is None or op.batch is None or op.batch.kind != first.kind:
+        return False
+    members = [o.batch for o in group if o.batch is not None] + [op.batch]
+    rows = sum(b.rows for b in members)
+    return rows <= BATCH_MAX_ROWS and rows * max(b.width for b in members) <= BATCH_MAX_TOKENS
 
 
 @dataclass
@@ -200,6 +233,22 @@ class FairQueue:
         while not self._turn:
             self._ready.clear()
             await self._ready.wait()
+        return self._pop()
+
+    def extend(
+        self,
+        group: list[Operation],
+        accept: Callable[[Sequence[Operation], Operation], bool],
+    ) -> list[Operation]:
+        """``group`` and the operations that would come next, in turn, as long as
+        ``accept(group so far, next)`` takes each: a stretch of the round-robin order, so
+        none overtakes another."""
+        group = list(group)
+        while self._turn and accept(group, self._queues[self._turn[0]][0]):
+            group.append(self._pop())
+        return group
+
+    def _pop(self) -> Operation:
         tenant = self._turn.popleft()
         queue = self._queues[tenant]
         op = queue.popleft()
@@ -236,8 +285,12 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         root: Path,
         base_model_names: Sequence[str],
         tokenizer_id: str = "",
+        *,
+        batching: bool = True,
     ) -> None:
         self.engine = engine
+        # Whether calls that change nothing may share a batch (off: one call at a time).
+        self.batching = batching
         self.cfg = cfg
         self.tenants = tenants
         self.root = root
@@ -270,18 +323,56 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
 
     async def _work(self) -> None:
         while True:
-            op = await self.queue.get()
-            assert op.work is not None and op.finish is not None
-            try:
-                result = await asyncio.to_thread(op.work)
-                op.finish(result)
-            except Exception as exc:
-                log.info("operation %s failed: %r", op.proto.name, exc)
-                op.proto.error.CopyFrom(status_proto_of(exc))
-            op.proto.done = True
-            op.work = op.finish = None
-            op.finished_at = time.monotonic()
-            op.done.set()
+            group = [await self.queue.get()]
+            if self.batching and group[0].batch is not None:
+                group = self.queue.extend(group, joins)
+            if len(group) == 1:
+                op = group[0]
+                assert op.work is not None
+                try:
+                    outcome: Any = await asyncio.to_thread(op.work)
+                except Exception as exc:
+                    outcome = exc
+                self._complete(op, outcome)
+                continue
+            outcomes = await asyncio.to_thread(self._run_batch, group)
+            for op, outcome in zip(group, outcomes, strict=True):
+                self._complete(op, outcome)
+
+    def _run_batch(self, group: list[Operation]) -> list[Any]:
+        """Each operation's result or exception, computed in one batch (on the worker thread);
+        the engine fails a bad call alone and falls back to one call at a time."""
+        jobs = [op.batch.job for op in group if op.batch is not None]
+        try:
+            if group[0].batch is not None and group[0].batch.kind == "sample":
+                return self.engine.sample_batch(jobs)  # type: ignore[arg-type]
+            return self.engine.forward_batch(jobs)  # type: ignore[arg-type]
+        except Exception as exc:  # a bug in batching must not fail the calls
+            log.warning("batch of %d failed (%r); running each alone", len(group), exc)
+            outcomes: list[Any] = []
+            for op in group:
+                assert op.work is not None
+                try:
+                    outcomes.append(op.work())
+                except Exception as alone:
+                    outcomes.append(alone)
+            return outcomes
+
+    def _complete(self, op: Operation, outcome: Any) -> None:
+        """Finishes ``op`` with its result, or its error when ``outcome`` is an exception."""
+        assert op.finish is not None
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            op.finish(outcome)
+        except Exception as exc:
+            log.info("operation %s failed: %r", op.proto.name, exc)
+            op.proto.error.CopyFrom(status_proto_of(exc))
+        op.proto.done = True
+        op.work = op.finish = None
+        op.batch = None
+        op.finished_at = time.monotonic()
+        op.done.set()
 
     def _fail(self, op: Operation, code: grpc.StatusCode, message: str) -> None:
         op.proto.error.code = code.value[0]
@@ -356,9 +447,10 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         sequence_number: int,
         work: Callable[[], Any],
         finish: Callable[[Any], None],
+        batch: Batchable | None = None,
     ) -> pb.Operation:
         """Queues a call on ``run`` in its sequence order (a repeated number returns the
-        operation already made for it)."""
+        operation already made for it); ``batch``: it may share a batch."""
         if sequence_number < 0:
             await self._bad(context, "sequence_number", f"must be >= 0, got {sequence_number}")
         if sequence_number and sequence_number in run.by_sequence:
@@ -393,6 +485,7 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
                 if sequence_number in run.by_sequence:  # a retry raced the original
                     return self.ops[run.by_sequence[sequence_number]].proto
             op = self._operation(run.tenant, work, finish)
+            op.batch = batch
             if sequence_number:
                 run.by_sequence[sequence_number] = op.proto.name
                 self._arrive(run, sequence_number)
@@ -631,7 +724,14 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
                     )
                 )
 
-            proto = await self._sequenced(context, run, request.sequence_number, work, finish)
+            batch = None
+            if forward_only:
+                width = max(len(d.input_tokens) for d in data)
+                job = ForwardJob(key, data, loss, config)
+                batch = Batchable("forward", job, len(data), width)
+            proto = await self._sequenced(
+                context, run, request.sequence_number, work, finish, batch
+            )
             op = self.ops[proto.name]
         return pb.ForwardBackwardResponse(operation=proto)
 
@@ -892,6 +992,8 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
             )
 
         op = self._operation(tenant, work, finish)
+        job = SampleJob(sampler, prompt, **kwargs)
+        op.batch = Batchable("sample", job, job.num_samples, len(prompt) + s.max_new_tokens)
         self.queue.put(op)
         return pb.SampleResponse(operation=op.proto)
 
