@@ -1,17 +1,20 @@
 """Every repository path the code and docs cite exists.
 
-Scanned: the tracked Python, Markdown and YAML files. A citation is a repository-relative
+Scanned: the tracked Python, Markdown and YAML files (the docs site's pages and mkdocs.yml
+among them). A citation is a repository-relative
 path under one of the top-level directories below (a figure under docs, a config under
 examples, a benchmark script, a proto file...), optionally written with a leading ``./``.
 Not citations: anything inside a URL, a path that continues another one (``a/docs/x``),
 placeholders (a path with ``<``, ``{``, ``*`` or ``$`` in it), and the few paths of another
-repository cited as its own (``ELSEWHERE``).
+repository cited as its own (``ELSEWHERE``). A docs page's relative link (``reference/<page>.md``
+from docs/index.md) and a page in mkdocs.yml's nav resolve as the site does.
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 from tests.support.paths import ROOT
 
@@ -42,6 +45,17 @@ def scanned_files() -> list[str]:
         text=True,
     ).stdout
     return [name for name in out.split("\0") if name]
+
+
+def citation_bases(name: str) -> list[Path]:
+    """Where a path cited in file ``name`` may be: the repository root, and for a docs page
+    also its own directory (a relative link), for mkdocs.yml the docs directory (its nav)."""
+    bases = [ROOT]
+    if name.startswith("docs/") and name.endswith(".md"):
+        bases.append((ROOT / name).parent)
+    if name == "mkdocs.yml":
+        bases.append(ROOT / "docs")
+    return bases
 
 
 def citations(text: str) -> list[tuple[int, str]]:
@@ -77,7 +91,8 @@ def test_every_cited_path_exists() -> None:
         if not path.is_file():  # deleted in the working tree, not yet in git
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
+        bases = citation_bases(name)
         for lineno, cited in citations(text):
-            if not (ROOT / cited).exists():
+            if not any((base / cited).exists() for base in bases):
                 dangling.append(f"{name}:{lineno}: {cited}")
     assert not dangling, "cited paths that do not exist:\n" + "\n".join(dangling)
