@@ -98,7 +98,9 @@ NOT_SETTINGS = {
 
 FILE_SUFFIXES = {"md", "py", "proto", "yaml", "yml", "json", "jsonl", "png", "jinja", "out"}
 KEY = re.compile(r"(?<![\w.$/:-])((?:" + "|".join(SECTIONS) + r")(?:\.[A-Za-z_]\w*)+)(?![\w{*])")
-OVERRIDE = re.compile(r"(?<![\w.$/:-])((?:" + "|".join(SECTIONS) + r")(?:\.\w+)*)=([^\s`'\"),]*)")
+OVERRIDE = re.compile(
+    r"(?<![\w.$/:-])((?:" + "|".join(SECTIONS) + r")(?:\.\w+)*)=(\[[^\]\s]*\]|[^\s`'\"),]*)"
+)
 
 
 def named_keys(text: str) -> set[str]:
@@ -131,9 +133,9 @@ def test_the_key_scan_finds_keys_and_skips_what_is_not_one() -> None:
         "model.generate\n"
     )
     assert named_keys(text) == {"model.lora.rank", "trainer.ppo.rejection.lower", "rollout.vllm"}
-    assert overrides("`model.lora.rank=8` 'launcher.attach.rollout_addresses=[a:1]'") == {
+    assert overrides("`model.lora.rank=8` 'launcher.attach.rollout_addresses=[a:1,b:2]'") == {
         ("model.lora.rank", "8"),
-        ("launcher.attach.rollout_addresses", "[a:1]"),
+        ("launcher.attach.rollout_addresses", "[a:1,b:2]"),
     }
 
 
