@@ -43,6 +43,7 @@ from areal_servers.lora_training.engine import (
     ForwardJob,
     LoraEngine,
     SampleJob,
+    UnknownIdError,
 )
 from arealgrpc.v1 import common_pb2, rollout_pb2
 from arealgrpc.v1 import lora_training_pb2 as pb
@@ -368,6 +369,9 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         except Exception as exc:
             log.info("operation %s failed: %r", op.proto.name, exc)
             op.proto.error.CopyFrom(status_proto_of(exc))
+            if isinstance(exc, UnknownIdError):
+                # A sampler that left memory after the call was queued: it is gone.
+                op.proto.error.code = grpc.StatusCode.NOT_FOUND.value[0]
         op.proto.done = True
         op.work = op.finish = None
         op.batch = None

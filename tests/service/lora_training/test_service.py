@@ -492,3 +492,168 @@ def test_tenants_file_is_checked(tmp_path: Path):
         with pytest.raises(FieldError) as err:
             read_tenants(str(bad))
         assert err.value.field == "tinker.tenants_file"
+
+
+def test_fair_queue_extends_a_batch_along_the_round_robin_order():
+    queue = FairQueue()
+    ops = {}
+    for name in ("a1", "a2", "b1", "c1", "c2"):
+        ops[name] = Operation(name[0], pb.Operation(name=name))
+        queue.put(ops[name])
+    first = asyncio.run(queue.get())
+    assert first is ops["a1"]
+    # The order from here is b1, c1, a2, c2: a batch takes a stretch of it, never skips.
+    group = queue.extend([first], lambda group, op: op.proto.name != "a2")
+    assert [op.proto.name for op in group] == ["a1", "b1", "c1"]
+    rest = queue.extend([asyncio.run(queue.get())], lambda group, op: True)
+    assert [op.proto.name for op in rest] == ["a2", "c2"]
+
+
+def sample_request(tenant_model: dict[str, str], prompt: list[int], seed: int | None):
+    sampling = common_pb2.SamplingParams(max_new_tokens=6, n_samples=2, ignore_eos=True)
+    if seed is None:
+        sampling.temperature = 0.0
+    else:
+        sampling.seed = seed
+    return pb.SampleRequest(prompt_tokens=prompt, sampling=sampling, **tenant_model)
+
+
+def test_tenants_queued_samples_and_forward_passes_share_a_batch_each_as_alone(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+):
+    stub = served.stub()
+    runs = {"alice": create(served, "alice"), "bob": create(served, "bob")}
+    samplers = {}
+    for i, (tenant, run) in enumerate(runs.items()):
+        for _ in range(2 + 2 * i):  # trained apart, so the adapters differ
+            step(served, tenant, run, data=[sft_datum(SEQ[i:])])
+        saved = stub.SaveWeights(
+            pb.SaveWeightsRequest(training_run=run, kind=pb.CHECKPOINT_KIND_SAMPLER),
+            metadata=auth(tenant),
+        )
+        samplers[tenant] = ok(served, tenant, saved.operation).checkpoint.name
+    calls = [
+        ("alice", "Sample", sample_request({"checkpoint": samplers["alice"]}, SEQ[:3], 7)),
+        ("bob", "Sample", sample_request({"checkpoint": samplers["bob"]}, SEQ[:5], 7)),
+        ("alice", "ForwardBackward", pb.ForwardBackwardRequest(
+            training_run=runs["alice"], data=[sft_datum(SEQ[1:])],
+            loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY, forward_only=True)),
+        ("bob", "ForwardBackward", pb.ForwardBackwardRequest(
+            training_run=runs["bob"], data=[sft_datum(), sft_datum(SEQ[:4])],
+            loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY, forward_only=True)),
+        ("alice", "Sample", sample_request({"base_model": MODEL}, SEQ[2:4], None)),
+    ]  # fmt: skip
+
+    def results(batching: bool) -> list[pb.Operation]:
+        served.servicer.batching = batching
+        gate = served.block_worker()  # every call queues before any runs
+        ops = [
+            (tenant, getattr(stub, method)(request, metadata=auth(tenant)).operation)
+            for tenant, method, request in calls
+        ]
+        gate.set()
+        return [ok(served, tenant, op) for tenant, op in ops]
+
+    sizes: list[int] = []
+    engine = served.servicer.engine
+    for method in ("sample_batch", "forward_batch"):
+        real = getattr(engine, method)
+
+        def spy(jobs, real=real):  # type: ignore[no-untyped-def]
+            sizes.append(len(jobs))
+            return real(jobs)
+
+        monkeypatch.setattr(engine, method, spy)
+    alone = results(batching=False)
+    assert sizes == []
+    batched = results(batching=True)
+    # The round-robin order is alice, bob, alice, bob, alice: two samples, two forward
+    # passes, then a sample alone (a batch never reaches past a call of another kind).
+    assert sizes == [2, 2]
+    for one, many in zip(alone, batched, strict=True):
+        if one.HasField("sample"):
+            got = [list(c.output_ids) for c in many.sample.completions]
+            assert got == [list(c.output_ids) for c in one.sample.completions]
+            for a, b in zip(one.sample.completions, many.sample.completions, strict=True):
+                assert list(b.output_logprobs) == pytest.approx(list(a.output_logprobs), abs=1e-5)
+        else:
+            for a, b in zip(
+                one.forward_backward.outputs, many.forward_backward.outputs, strict=True
+            ):
+                assert list(b.logprobs) == pytest.approx(list(a.logprobs), abs=1e-5)
+    assert batched[0].sample != batched[1].sample  # each with its own adapter
+
+
+def test_a_call_that_fails_in_a_batch_fails_alone(served: Served):
+    stub = served.stub()
+    a, b = create(served, "alice"), create(served, "bob")
+    step(served, "bob", b)
+
+    def save(tenant: str, run: str) -> str:
+        reply = stub.SaveWeights(
+            pb.SaveWeightsRequest(training_run=run, kind=pb.CHECKPOINT_KIND_SAMPLER),
+            metadata=auth(tenant),
+        )
+        return ok(served, tenant, reply.operation).checkpoint.name
+
+    oldest, _ = save("alice", a), save("alice", a)
+    bobs = save("bob", b)
+    gate = served.block_worker()
+    # Alice's third sampler evicts her oldest (samplers_per_run=2) before her sample of it
+    # runs, in a batch with Bob's.
+    evicting = stub.SaveWeights(
+        pb.SaveWeightsRequest(training_run=a, kind=pb.CHECKPOINT_KIND_SAMPLER),
+        metadata=auth("alice"),
+    ).operation
+    bob = stub.Sample(
+        sample_request({"checkpoint": bobs}, SEQ[:3], 3), metadata=auth("bob")
+    ).operation
+    alice = stub.Sample(
+        sample_request({"checkpoint": oldest}, SEQ[:3], 3), metadata=auth("alice")
+    ).operation
+    gate.set()
+    ok(served, "alice", evicting)
+    assert wait(served, "alice", alice).error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    done = ok(served, "bob", bob).sample
+    assert [len(c.output_ids) for c in done.completions] == [6, 6]
+
+
+def test_a_bad_loss_config_or_overlong_datum_names_the_field(served: Served):
+    a = create(served, "alice")
+    n = len(SEQ) - 1
+    rl = pb.Datum(
+        input_tokens=SEQ[:-1], target_tokens=SEQ[1:], logprobs=[-1.0] * n, advantages=[1.0] * n
+    )
+    long = served.servicer.engine.max_context_length + 1
+    for request, field in (
+        (
+            pb.ForwardBackwardRequest(
+                training_run=a,
+                data=[rl],
+                loss_function=pb.LOSS_FUNCTION_PPO,
+                loss_config=pb.LossConfig(clip_low_threshold=1.5, clip_high_threshold=1.2),
+            ),
+            "loss_config.clip_low_threshold",
+        ),
+        (
+            pb.ForwardBackwardRequest(
+                training_run=a,
+                data=[rl, sft_datum([5] * (long + 1))],
+                loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY,
+            ),
+            "data[0].weights",
+        ),
+        (
+            pb.ForwardBackwardRequest(
+                training_run=a,
+                data=[sft_datum([5] * (long + 1))],
+                loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY,
+            ),
+            "data[0].input_tokens",
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            served.stub().ForwardBackward(request, metadata=auth("alice"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in field_violations(err.value)] == [field]
+    step(served, "alice", a)  # the run is as it was, and the service up
