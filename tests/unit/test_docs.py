@@ -9,8 +9,8 @@ records of what was true that day, and not the generated configuration reference
   command line loads, files and overrides together, as the run would load it.
 * Every shell block (```bash) of the README, the getting-started and the guide pages carries a
   marker on the line before it saying how we know it works:
-  ``<!-- tested: tests/x.py::test_name -->`` (that test runs the command),
-  ``<!-- bench: bench/x.py ... -->`` (a benchmark runs it: longer than a test may take) or
+  ``<!-- tested: tests/<file>.py::test_name -->`` (that test runs the command),
+  ``<!-- bench: bench/<script>.py ... -->`` (a benchmark runs it: longer than a test may take) or
   ``<!-- needs: ... -->`` (hardware or a service the tests lack). A target must exist.
 * The README stays a short front page: under 200 lines, no dates, no commit hashes.
 * The site builds with ``mkdocs build --strict`` (marked slow: a few seconds).
