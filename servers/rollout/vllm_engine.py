@@ -141,6 +141,8 @@ class VLLMEngine(InferenceEngine):
         self._llm: Any = None
         self._version = 0
         self._gate = PauseGate()
+        # vLLM's pause under way or done, until resume (see pause's wait).
+        self._pausing: asyncio.Future[None] | None = None
         # Weight swaps begun so far: a request that sees this change under it ends INTERRUPTED.
         self._swaps = 0
         self._inflight: set[str] = set()
@@ -462,23 +464,37 @@ class VLLMEngine(InferenceEngine):
 
     async def pause(self, wait: bool = True) -> int:
         """Stops generation; new requests wait for :meth:`resume`. In abort mode every
-        request in flight ends INTERRUPTED with its partial output (the count is returned;
-        this waits for vLLM to have aborted them); in keep mode vLLM holds them (0)."""
+        request in flight ends INTERRUPTED with its partial output (the count is returned);
+        in keep mode vLLM holds them (0).
+
+        ``wait`` False returns before vLLM has paused: a fleet update pauses first and then
+        gathers and sends the weights, so vLLM's own pause (tens of ms) runs meanwhile, and
+        a swap or :meth:`resume` waits for it."""
         self._check_alive()
         self._gate.close()
-        if self.settings.pause_mode == "keep":
+        keep = self.settings.pause_mode == "keep"
+        running = 0 if keep else len(self._inflight)
+        if self._pausing is None:
+            self._pausing = asyncio.ensure_future(self._pause_vllm(keep))
+        if wait:
+            await self._pausing
+        return running
+
+    async def _pause_vllm(self, keep: bool) -> None:
+        if keep:
             await self._llm.pause_generation(mode="keep", clear_cache=True)
-            return 0
-        running = len(self._inflight)
+            return
         await self._llm.pause_generation(mode="abort", clear_cache=True)
         if self._inflight:
             # Requests that reached vLLM after its abort (they wait in its paused queue).
             await self._llm.abort(list(self._inflight))
-        return running
 
     async def resume(self) -> None:
         """Lets requests decode again."""
         self._check_alive()
+        if self._pausing is not None:
+            await self._pausing
+            self._pausing = None
         await self._llm.resume_generation()
         self._gate.open()
 
@@ -519,6 +535,8 @@ class VLLMEngine(InferenceEngine):
         paused_here = not self._gate.paused
         if paused_here:
             await self.pause()
+        elif self._pausing is not None:
+            await self._pausing
         self._swaps += 1
         try:
             yield

@@ -13,6 +13,7 @@ the per-layer processing, on every backend (and on a GPU too).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,27 @@ import torch
 from safetensors import safe_open
 
 __all__ = ["WorkerExtension"]
+
+# Layers that hold no tensor of the checkpoint (a rotary cache; the output head of a model with
+# tied embeddings): vLLM's reload warns "Failed to load weights" for them on every update.
+WEIGHTLESS_LAYERS = frozenset({"RotaryEmbedding", "ParallelLMHead"})
+
+
+class _WeightlessLayerFilter(logging.Filter):
+    """Drops the reload's warning for :data:`WEIGHTLESS_LAYERS` (an update is checked to
+    bring every checkpoint tensor before it reaches the worker, so the warning says nothing
+    there); the warning for any other layer still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        return record.args[0] not in WEIGHTLESS_LAYERS  # type: ignore[index]
+
+
+def _quiet_weightless_layers() -> None:
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _WeightlessLayerFilter) for f in log.filters):
+        log.addFilter(_WeightlessLayerFilter())
 
 
 class WorkerExtension:
@@ -35,6 +57,7 @@ class WorkerExtension:
     def areal_load_files(self, paths: list[str], skip: list[str]) -> int:
         """Loads the checkpoint-format safetensors files at ``paths`` (but the tensors named
         in ``skip``) into the served model; the number of tensors read."""
+        _quiet_weightless_layers()
         count = 0
         skipped = set(skip)
 

@@ -13,7 +13,6 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -28,7 +27,7 @@ from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_model
 from areal_grpc.weight_disk import write_version
-from tests.support.vllm import RPC_TIMEOUT, SETTINGS, TINY, VllmServer
+from tests.support.vllm import RPC_TIMEOUT, SETTINGS, TINY, VllmServer, start_vllm_server
 from tests.support.weightsync import push_messages
 
 PROMPT = [5, 17, 42, 99, 7, 64, 128, 3, 250, 11]
@@ -344,18 +343,22 @@ def test_a_request_in_flight_during_an_update_is_interrupted_and_completes_after
 
 
 def test_keep_mode_holds_a_request_across_an_update_with_each_tokens_version(
-    make_vllm_server: Callable[..., VllmServer],
+    vllm_installed: None,
 ):
     """Keep mode: vLLM holds the request through the update instead of ending it; its KV
     cache is recomputed under the new weights, so the log-probs after the update are the
     new weights' on the whole sequence, and vLLM's version spans give each token's version."""
-    server = make_vllm_server(settings=dataclasses.replace(SETTINGS, pause_mode="keep"))
-    v = server.version()
-    new = {k: t * 1.05 if "mlp" in k else t for k, t in initial_weights().items()}
-    paused, traj = long_episode_across_an_update(server, new)
-    assert paused.interrupted_requests == 0
-    check_versions_and_logprobs_across(traj, v, new)
-    assert not server.fatal
+    # Closed here, not with the module: the tests after this one count vLLM's processes.
+    server = start_vllm_server(settings=dataclasses.replace(SETTINGS, pause_mode="keep"))
+    try:
+        v = server.version()
+        new = {k: t * 1.05 if "mlp" in k else t for k, t in initial_weights().items()}
+        paused, traj = long_episode_across_an_update(server, new)
+        assert paused.interrupted_requests == 0
+        check_versions_and_logprobs_across(traj, v, new)
+        assert not server.fatal
+    finally:
+        server.close()
 
 
 def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
