@@ -10,9 +10,14 @@
    The service computes one call at a time (the queue takes tenants in turn), so the ratio
    says how much the queue and the HTTP path overlap with compute, not parallel speed-up.
    Also printed: the trainer memory each adapter and its optimizer state take.
+3. ``tinker_sample_batched_<n>``: n tenants (``--batch-tenants``) sample at once through the
+   service's gRPC API, in process, each from its own adapter with its own seeds, the service
+   batching their calls (one mixed-adapter batch) and, in alternating windows, running one
+   call at a time. ``ratio = batched tokens/s / one-at-a-time tokens/s``; it also checks that
+   the same seeds gave the same tokens both ways.
 
     .venv/bin/python bench/tinker_service.py [--model smollm2-135m-instruct] [--rank 16]
-        [--batch 4] [--tokens 64] [--steps 6]
+        [--batch 4] [--tokens 64] [--steps 6] [--batch-tenants 8] [--only sdk|batching]
 
 The service process and the bench share the 2 cores; the SDK's client threads cost CPU too.
 """
@@ -27,18 +32,27 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import tinker
 import torch
+from areal_servers.lora_training.engine import LoraEngine
+from areal_servers.lora_training.service import LoraTrainingServicer, Tenants
+from arealgrpc.v1 import common_pb2
 from arealgrpc.v1 import lora_training_pb2 as pb
 from arealgrpc.v1 import lora_training_pb2_grpc as pb_grpc
 from results import result
 from tinker import types
 
+from areal_grpc.config import TinkerConfig
+from areal_grpc.durations import duration
 from areal_grpc.launch import python_module_argv, start_child, stop_children
 from areal_grpc.model import load_model
+from areal_grpc.server import BackgroundServer, service
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
@@ -92,6 +106,163 @@ def sdk_step_s(tc: tinker.TrainingClient, seqs: list[list[int]], steps: int) -> 
     return times[1:]
 
 
+# -- 3. tenants' calls batched together vs one at a time ----------------------------------------
+
+
+@dataclass
+class _Case:
+    """An in-process service and its n tenants, each with a trained run and a sampler."""
+
+    servicer: Any
+    server: Any
+    channel: grpc.Channel
+    stub: Any
+    keys: dict[str, str]
+    samplers: dict[str, str]
+    done: Callable[[str, pb.Operation], pb.Operation]  # awaits a tenant's operation
+
+
+def _grpc_case_setup(model: str, n: int, rank: int) -> _Case:
+    """The service over one engine, with n tenants ready to sample (see :class:`_Case`)."""
+    keys = {f"t{i}": f"tml-bench-tenant-{i:04d}-0123456789" for i in range(n)}
+    servicer = LoraTrainingServicer(
+        LoraEngine(model), TinkerConfig(), Tenants(keys), Path(tempfile.mkdtemp()), [model]
+    )
+    bg = BackgroundServer(
+        [service(servicer, pb_grpc.add_LoraTrainingServiceServicer_to_server, pb)]
+    )
+    running = bg.start()
+    bg.call(servicer.start())
+    channel = grpc.insecure_channel(running.address)
+    stub = pb_grpc.LoraTrainingServiceStub(channel)
+
+    def done(tenant: str, op: pb.Operation) -> pb.Operation:
+        while not op.done:
+            op = stub.WaitOperation(
+                pb.WaitOperationRequest(name=op.name, timeout=duration(60)),
+                metadata=_auth(keys[tenant]),
+            ).operation
+        if op.WhichOneof("result") == "error":
+            raise RuntimeError(f"{op.name}: {op.error}")
+        return op
+
+    samplers = {}
+    vocab = servicer.engine.vocab_size
+    for i, tenant in enumerate(keys):
+        meta = _auth(keys[tenant])
+        created = stub.CreateTrainingRun(
+            pb.CreateTrainingRunRequest(
+                base_model=model, lora=pb.LoraSpec(rank=rank, train_attn=True, train_mlp=True)
+            ),
+            metadata=meta,
+        ).operation
+        run = done(tenant, created).training_run.name
+        seq = batch(1, 16, vocab, seed=i)[0]
+        datum = pb.Datum(input_tokens=seq[:-1], target_tokens=seq[1:], weights=[1.0] * 16)
+        fb = stub.ForwardBackward(
+            pb.ForwardBackwardRequest(
+                training_run=run, data=[datum], loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY
+            ),
+            metadata=meta,
+        ).operation
+        opt = stub.OptimStep(
+            pb.OptimStepRequest(
+                training_run=run,
+                adam=pb.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8),
+            ),
+            metadata=meta,
+        ).operation
+        done(tenant, fb), done(tenant, opt)
+        saved = stub.SaveWeights(
+            pb.SaveWeightsRequest(training_run=run, kind=pb.CHECKPOINT_KIND_SAMPLER),
+            metadata=meta,
+        ).operation
+        samplers[tenant] = done(tenant, saved).checkpoint.name
+    return _Case(servicer, bg, channel, stub, keys, samplers, done)
+
+
+def _auth(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def _sampling_window(
+    case: _Case, args: argparse.Namespace
+) -> tuple[float, dict[str, list[list[int]]]]:
+    """Every tenant samples ``--batch-calls`` times at once; (sampled tokens per second,
+    each tenant's completions)."""
+    keys, done, stub, samplers = case.keys, case.done, case.stub, case.samplers
+    vocab = case.servicer.engine.vocab_size
+    got: dict[str, list[list[int]]] = {}
+
+    def tenant(i: int, name: str) -> None:
+        prompt = batch(1, 8 + 3 * (i % 4), vocab, seed=100 + i)[0]  # unequal: padding
+        for k in range(args.batch_calls):
+            sampling = common_pb2.SamplingParams(
+                max_new_tokens=args.batch_new_tokens,
+                n_samples=args.batch_samples,
+                seed=1000 * i + k,
+                ignore_eos=True,
+            )
+            op = stub.Sample(
+                pb.SampleRequest(
+                    checkpoint=samplers[name], prompt_tokens=prompt, sampling=sampling
+                ),
+                metadata=_auth(keys[name]),
+            ).operation
+            for c in done(name, op).sample.completions:
+                got.setdefault(name, []).append(list(c.output_ids))
+
+    threads = [threading.Thread(target=tenant, args=(i, name)) for i, name in enumerate(samplers)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(c) for cs in got.values() for c in cs)
+    return tokens / elapsed, got
+
+
+def batching_case(args: argparse.Namespace) -> None:
+    """``tinker_sample_batched_<n>``: n tenants sample at once (each its own adapter, seeded,
+    prompts of unequal length), with the service batching their calls and one call at a
+    time, in alternating windows; ratio = batched tokens/s / one-at-a-time tokens/s."""
+    n = args.batch_tenants
+    case = _grpc_case_setup(args.model, n, args.rank)
+    servicer = case.servicer
+    try:
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        seen: dict[bool, dict[str, list[list[int]]]] = {}
+        servicer.batching = True
+        _sampling_window(case, args)  # warm-up
+        for _ in range(args.batch_repeats):
+            for batching in (False, True):
+                servicer.batching = batching
+                rate, seen[batching] = _sampling_window(case, args)
+                rates[batching].append(rate)
+        same = seen[False] == seen[True]
+        for batching in (False, True):
+            r = rates[batching]
+            print(
+                f"{n} tenants sampling, {'batched' if batching else 'one at a time'}: "
+                f"median {statistics.median(r):.1f} tokens/s (range {min(r):.1f}-{max(r):.1f} "
+                f"over {len(r)} windows)",
+                flush=True,
+            )
+        ratios = [b / u for b, u in zip(rates[True], rates[False], strict=True)]
+        print(
+            f"per-window ratio {min(ratios):.2f}-{max(ratios):.2f}; the same seeds gave the "
+            f"same tokens batched and alone: {same}",
+            flush=True,
+        )
+        value, base = statistics.median(rates[True]), statistics.median(rates[False])
+        result(f"tinker_sample_batched_{n}", value, "tokens/s", base, "none")
+    finally:
+        case.channel.close()
+        case.server.call(servicer.stop())
+        case.server.stop()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -100,8 +271,22 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--tenants", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--batch-tenants", type=int, default=8)
+    p.add_argument("--batch-calls", type=int, default=3, help="sampling calls per tenant")
+    p.add_argument("--batch-samples", type=int, default=2, help="n_samples of each call")
+    p.add_argument("--batch-new-tokens", type=int, default=32)
+    p.add_argument("--batch-repeats", type=int, default=3)
+    p.add_argument(
+        "--only",
+        choices=["sdk", "batching"],
+        help="run only the SDK cases (1, 2) or only the batching case (3)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.only != "sdk":
+        batching_case(args)
+    if args.only == "batching":
+        return 0
     work = Path(tempfile.mkdtemp(prefix="bench-tinker-"))
     n_max = max(args.tenants)
     keys = {f"t{i}": f"tml-bench-tenant-{i:04d}-0123456789" for i in range(n_max)}

@@ -684,8 +684,8 @@ class LoraEngine:
             ids[row, : lengths[row]] = item.inputs
             targets[row, : lengths[row]] = item.targets
             mask[row, : lengths[row]] = True
-        mixed = {} if adapter_names is None else {"adapter_names": adapter_names}
-        logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False, **mixed).logits
+        with self._rows_use(adapter_names):
+            logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
         logits = logits[mask].float()
         picked = logits.gather(-1, targets[mask].unsqueeze(-1)).squeeze(-1)
         return picked - torch.logsumexp(logits, dim=-1)
@@ -1102,6 +1102,39 @@ class LoraEngine:
         self._set_trainable(None)
         yield self._peft, [a.internal if a is not None else "__base__" for a in adapters]
 
+    @contextlib.contextmanager
+    def _rows_use(self, names: list[str] | None) -> Iterator[None]:
+        """Within it, row i of every forward pass computes adapter ``names[i]`` ("__base__":
+        none); None changes nothing.
+
+        This is peft's mixed-adapter batch (``adapter_names``): its LoRA layers read the
+        names from their forward kwargs. peft's own way of passing them (a model kwarg)
+        walks every module and re-registers these hooks at each call, a third of a decoding
+        step of a small model, so they are registered here once for all the steps.
+        """
+        if names is None:
+            yield
+            return
+        from peft.tuners.lora import LoraLayer
+
+        def inject(
+            module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            kwargs["adapter_names"] = names
+            return args, kwargs
+
+        assert self._peft is not None
+        handles = [
+            module.register_forward_pre_hook(inject, with_kwargs=True)
+            for module in self._peft.modules()
+            if isinstance(module, LoraLayer)
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def _generate(
         self, model: torch.nn.Module, plans: list[_SamplePlan], names: list[str] | None
     ) -> None:
@@ -1123,21 +1156,32 @@ class LoraEngine:
             mask[start : start + count, width - length :] = 1
             slices.append(slice(start, start + count))
             start += count
-        mixed: dict[str, Any] = {}
+        rows_names = None
         if names is not None:
-            mixed["adapter_names"] = [
-                n for n, c in zip(names, counts, strict=True) for _ in range(c)
-            ]
+            rows_names = [n for n, c in zip(names, counts, strict=True) for _ in range(c)]
         for index, plan in enumerate(plans):
             if plan.job.prompt_logprobs:
                 name = None if names is None else names[index]
                 self._prompt_logprobs(model, plan, name)
+        with self._rows_use(rows_names):
+            self._decode(model, plans, ids, mask, slices)
+
+    def _decode(
+        self,
+        model: torch.nn.Module,
+        plans: list[_SamplePlan],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        slices: list[slice],
+    ) -> None:
+        """The prompt pass and the decoding steps of :meth:`_generate`."""
+        rows = ids.shape[0]
         padded = not bool(mask.all())
         shape: dict[str, torch.Tensor] = {}
         if padded:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             shape = {"attention_mask": mask, "position_ids": positions}
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **shape, **mixed)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **shape)
         steps = max(plan.job.max_tokens for plan in plans)
         for step in range(steps):
             logits = out.logits[:, -1].float()
@@ -1155,13 +1199,12 @@ class LoraEngine:
                 use_cache=True,
                 **{self._cache_arg: cache},
                 **shape,
-                **mixed,
             )
 
     def _prompt_logprobs(self, model: torch.nn.Module, plan: _SamplePlan, name: str | None) -> None:
         # A pass of its own, so the completions do not depend on this option.
-        mixed = {} if name is None else {"adapter_names": [name]}
-        logits = model(input_ids=plan.ids.unsqueeze(0), use_cache=False, **mixed).logits[0, :-1]
+        with self._rows_use(None if name is None else [name]):
+            logits = model(input_ids=plan.ids.unsqueeze(0), use_cache=False).logits[0, :-1]
         first = torch.log_softmax(logits.float() / plan.scale, dim=-1)
         picked = first.gather(-1, plan.ids[1:].unsqueeze(-1)).squeeze(-1)
         plan.prompt_lp = [math.nan, *picked.cpu().tolist()]
