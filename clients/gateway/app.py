@@ -6,7 +6,9 @@ the endpoints.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -15,6 +17,7 @@ from areal_grpc.config import RunConfig
 from areal_grpc.errors import FieldError, PreconditionError
 
 from . import openai_routes, rl_routes
+from .openapi import with_model_limits
 from .sessions import SessionGone
 from .state import SESSION_HEADER, Gateway, HTTPError
 
@@ -52,8 +55,20 @@ def create_app(run: RunConfig, coordinator: str, api_key: str | None = None) -> 
 
     @app.exception_handler(PreconditionError)
     async def _precondition(_: Request, exc: PreconditionError) -> JSONResponse:
-        return HTTPError(409, str(exc)).response()
+        return HTTPError(409, str(exc), param=getattr(exc, "field", None)).response()
 
     app.include_router(openai_routes.router)
     app.include_router(rl_routes.router)
+    plain = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        # The served model's limits are known once the gateway (its tokenizer) is up; a copy,
+        # since FastAPI's document shares dicts with the routes' constant body schemas.
+        doc = plain()
+        gateway: Gateway | None = getattr(app.state, "gateway", None)
+        if gateway is None:
+            return doc
+        return with_model_limits(copy.deepcopy(doc), gateway.vocab_size, gateway.context)
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -54,7 +54,9 @@ def message_text(content: Any, where: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, Mapping) or part.get("type") != "text":
                 raise FieldError(f"{where}[{i}]", "only text parts are supported")
-            parts.append(str(part.get("text", "")))
+            if not isinstance(part.get("text"), str):
+                raise FieldError(f"{where}[{i}].text", "must be a string")
+            parts.append(part["text"])
         return "".join(parts)
     raise FieldError(
         where, f"must be a string or a list of text parts, got {type(content).__name__}"
@@ -73,15 +75,21 @@ def normalize_tool_call(call: Any, where: str) -> dict[str, Any]:
         raise FieldError(f"{where}.function.name", "must be a non-empty string")
     args = fn.get("arguments", {})
     if isinstance(args, str):
+        # OpenAI's form: a JSON object as a string, read as the object templates expect.
+        # Anything else (a model's malformed call sent back) is rendered as the string it is,
+        # as OpenAI takes any string here.
         try:
-            args = json.loads(args) if args.strip() else {}
+            decoded = json.loads(args) if args.strip() else {}
         except ValueError:
-            raise FieldError(f"{where}.function.arguments", "is not valid JSON") from None
-    if not isinstance(args, Mapping):
-        raise FieldError(f"{where}.function.arguments", "must be a JSON object")
+            decoded = args
+        args = decoded if isinstance(decoded, Mapping) else args
+    elif not isinstance(args, Mapping):
+        raise FieldError(f"{where}.function.arguments", "must be a JSON object or a string")
     out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise FieldError(f"{where}.id", "must be a string")
     if call.get("id"):
-        out["id"] = str(call["id"])
+        out["id"] = call["id"]
     return out
 
 
@@ -102,15 +110,21 @@ def normalize_messages(raw: Any, where: str = "messages") -> list[dict[str, Any]
             "role": str(role),
             "content": message_text(m.get("content"), f"{here}.content"),
         }
-        calls = m.get("tool_calls") if role == "assistant" else None
-        if calls:
-            if not isinstance(calls, list):
-                raise FieldError(f"{here}.tool_calls", "must be a list")
-            msg["tool_calls"] = [
-                normalize_tool_call(c, f"{here}.tool_calls[{j}]") for j, c in enumerate(calls)
-            ]
-        if role == "tool" and m.get("tool_call_id"):
-            msg["tool_call_id"] = str(m["tool_call_id"])
+        # Checked on every message (the OpenAPI document describes them so), used where a
+        # template reads them: an assistant's calls, a tool result's call id.
+        calls = m.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise FieldError(f"{here}.tool_calls", "must be a list")
+        checked = [
+            normalize_tool_call(c, f"{here}.tool_calls[{j}]") for j, c in enumerate(calls or [])
+        ]
+        if role == "assistant" and checked:
+            msg["tool_calls"] = checked
+        call_id = m.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise FieldError(f"{here}.tool_call_id", "must be a string")
+        if role == "tool" and call_id:
+            msg["tool_call_id"] = call_id
         out.append(msg)
     return out
 

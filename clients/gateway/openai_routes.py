@@ -152,6 +152,7 @@ async def prepare(
     """
     n = int_field(body, "n", 1, 1, MAX_N)
     params, stop_strings = gw.sampling(body, n)
+    gw.fit_context(params, len(base.token_ids), "messages" if kind == "chat" else "prompt")
     session_id = request.headers.get(SESSION_HEADER)
     session = gw.session(session_id) if session_id else None
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -389,7 +390,7 @@ async def answer(gw: Gateway, call: Call) -> Any:
         call.release()
 
 
-@router.get("/v1/models", responses=errors(401))
+@router.get("/v1/models", responses=errors(401, 403))
 async def models(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
     gw.check_auth(request)
@@ -402,7 +403,7 @@ async def models(request: Request) -> dict[str, Any]:
 @router.post(
     "/v1/chat/completions",
     openapi_extra=request_body(CHAT_BODY),
-    responses=COMPLETION_OK | errors(400, 401, 404, 409, 429, 502, 503, 504),
+    responses=COMPLETION_OK | errors(400, 401, 403, 404, 409, 429, 502, 503, 504),
 )
 async def chat_completions(request: Request) -> Any:
     body = await json_body(request)
@@ -430,7 +431,7 @@ async def chat_completions(request: Request) -> Any:
 @router.post(
     "/v1/completions",
     openapi_extra=request_body(COMPLETION_BODY),
-    responses=COMPLETION_OK | errors(400, 401, 404, 409, 429, 502, 503, 504),
+    responses=COMPLETION_OK | errors(400, 401, 403, 404, 409, 429, 502, 503, 504),
 )
 async def completions(request: Request) -> Any:
     body = await json_body(request)
@@ -438,11 +439,14 @@ async def completions(request: Request) -> Any:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
+    # JSON has one number type: 3.0 is the token id 3 (as JSON Schema reads it).
     ints = isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        not isinstance(t, bool)
+        and (isinstance(t, int) or (isinstance(t, float) and t.is_integer()))
+        for t in prompt
     )
     if isinstance(prompt, list) and prompt and ints:
-        vocab = len(gw.tokenizer)
+        vocab = gw.vocab_size
         for i, t in enumerate(prompt):
             if not 0 <= t < vocab:
                 raise FieldError(

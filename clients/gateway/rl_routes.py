@@ -21,7 +21,7 @@ router = APIRouter()
 @router.post(
     "/rl/sessions",
     openapi_extra=request_body(SESSION_BODY, required=False),
-    responses=errors(400, 401, 429, 503),
+    responses=errors(400, 401, 403, 429, 503),
 )
 async def open_session(request: Request) -> Any:
     body = await json_body(request) if await request.body() else {}
@@ -51,7 +51,7 @@ async def open_session(request: Request) -> Any:
 @router.post(
     "/rl/sessions/{session_id}/reward",
     openapi_extra=request_body(REWARD_BODY),
-    responses=errors(400, 401, 404, 409, 503),
+    responses=errors(400, 401, 403, 404, 409, 503),
 )
 async def reward(session_id: str, request: Request) -> Any:
     body = await json_body(request)
@@ -77,7 +77,7 @@ async def reward(session_id: str, request: Request) -> Any:
     }
 
 
-@router.delete("/rl/sessions/{session_id}", responses=errors(401, 404, 503))
+@router.delete("/rl/sessions/{session_id}", responses=errors(401, 403, 404, 409, 503))
 async def release(session_id: str, request: Request) -> Any:
     gw = gateway_of(request)
     gw.check_auth(request)

@@ -146,7 +146,9 @@ class Session:
         gives each conversation the reward of its last completion.
         """
         if not self.conversations:
-            raise FieldError("session", "has no completions to reward")
+            # A well-formed body the session's state cannot take yet: a conflict (409), as
+            # the OpenAPI document says, not a malformed request.
+            raise SessionConflict(None, "the session has no completions to reward yet")
         single, per = body.get("reward"), body.get("rewards")
         if (single is None) == (per is None):
             raise FieldError("reward", "give exactly one of reward or rewards")
@@ -158,11 +160,13 @@ class Session:
                 raise FieldError("rewards", "must map completion ids to numbers")
             unknown = sorted(set(per) - set(self.by_completion))
             if unknown:
-                raise FieldError(f"rewards.{unknown[0]}", "is not a completion of this session")
+                raise SessionConflict(
+                    f"rewards.{unknown[0]}", "is not a completion of this session"
+                )
             for conv in self.conversations:
                 last = conv.completion_ids[-1]
                 if last not in per:
-                    raise FieldError(
+                    raise SessionConflict(
                         f"rewards.{last}",
                         "missing: every conversation's last completion needs a reward",
                     )
@@ -171,6 +175,15 @@ class Session:
         for conv, r in zip(self.conversations, rewards, strict=True):
             group.trajectories.append(conv.trajectory(r, self.session_id, self.session_id))
         return group
+
+
+class SessionConflict(PreconditionError):
+    """A well-formed reward body that does not fit the session's completions (a 409 naming
+    the field: the OpenAPI document cannot say which completion ids a session has)."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
 
 
 def _number(value: Any, where: str) -> float:

@@ -12,10 +12,12 @@ import asyncio
 import contextlib
 import hmac
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,7 +28,8 @@ from fastapi.responses import JSONResponse
 from areal_grpc import tracing
 from areal_grpc.config import RunConfig, read_chat_template
 from areal_grpc.errors import FieldError, retry_delay_s
-from areal_grpc.model import load_tokenizer
+from areal_grpc.model import load_tokenizer, resolve_source
+from areal_grpc.model_source import builtin_spec, is_builtin
 from areal_grpc.sampling import MIN_TEMPERATURE, MIN_TOP_P
 
 from ..coordinator import CoordinatorClient
@@ -42,6 +45,8 @@ SESSION_HEADER = "x-session-id"
 MAX_N = 64
 # OpenAI accepts up to 4 stop sequences.
 MAX_STOPS = 4
+# OpenAI request fields this gateway refuses unless null or empty.
+UNSUPPORTED = ("functions", "response_format")
 # How long the list of serving rollout servers is reused for requests without a session.
 _FLEET_TTL_S = 2.0
 # How long a rollout server that did not answer is passed over.
@@ -69,6 +74,17 @@ FINISH_REASONS = {
 
 # The producer name the gateway's leases are taken under.
 PRODUCER_ID = "gateway"
+
+
+def model_context(source: str) -> int:
+    """The served model's context in tokens (``max_position_embeddings``; 0: not known)."""
+    if is_builtin(source):
+        return builtin_spec(source).max_position_embeddings
+    config = Path(resolve_source(source)) / "config.json"
+    if not config.is_file():
+        return 0
+    value = json.loads(config.read_text()).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 class HTTPError(Exception):
@@ -141,6 +157,10 @@ class Gateway:
         send (None: no auth)."""
         self.settings, self.model_id, self.api_key = run.gateway, run.model.source, api_key
         self.tokenizer = load_tokenizer(run.model.source)
+        # Token ids a prompt may hold: [0, vocab_size).
+        self.vocab_size = len(self.tokenizer)
+        # Known here so that max_tokens is cut to the room a prompt leaves (see fit_context).
+        self.context = model_context(run.model.source)
         path = run.gateway.chat_template
         self.renderer = ChatRenderer(self.tokenizer, read_chat_template(path) if path else None)
         self.coordinator = CoordinatorClient(coordinator)
@@ -299,9 +319,12 @@ class Gateway:
     ) -> tuple[common_pb2.SamplingParams, list[str]]:
         """The request's sampling settings as the contract's SamplingParams, and the stop
         strings the engine cannot stop at (watched for here)."""
-        for key in ("functions", "response_format"):
+        for key in UNSUPPORTED:
             if body.get(key) not in (None, [], {}):
                 raise FieldError(key, "is not supported by this gateway yet")
+        if not isinstance(body.get("model"), (str, type(None))):
+            # Any name is served (one policy), but a name is a string.
+            raise FieldError("model", f"must be a string, got {body['model']!r}")
         for key in ("logprobs", "stream", "return_token_ids"):
             if not isinstance(body.get(key), (bool, type(None))):
                 raise FieldError(key, f"must be true, false or null, got {body[key]!r}")
@@ -311,13 +334,9 @@ class Gateway:
             or not isinstance(options.get("include_usage", False), bool)
         ):
             raise FieldError("stream_options", 'must be null or {"include_usage": true|false}')
-        # The newer name wins; a null one falls back to max_tokens.
-        key = (
-            "max_completion_tokens"
-            if body.get("max_completion_tokens") is not None
-            else "max_tokens"
-        )
-        limit = int_field(body, key, self.settings.max_tokens, 1, 1 << 20)
+        # Both names are checked; the newer wins, a null one falls back to max_tokens.
+        limit = int_field(body, "max_tokens", self.settings.max_tokens, 1, 1 << 20)
+        limit = int_field(body, "max_completion_tokens", limit, 1, 1 << 20)
         stop_ids, stop_strings = self.stops(body.get("stop"))
         params = common_pb2.SamplingParams(
             max_new_tokens=limit, n_samples=n, stop_token_ids=stop_ids
@@ -327,8 +346,14 @@ class Gateway:
             raise FieldError("top_logprobs", "needs logprobs: true")
         params.top_logprobs = top
         if body.get("seed") is not None:
-            # OpenAI's seed is a signed 64-bit integer; the contract's an unsigned one.
-            params.seed = int_field(body, "seed", 0, -(2**63), 2**63 - 1) % 2**64
+            # OpenAI's seed is a signed 64-bit integer, the contract's an unsigned one: any
+            # integer is taken modulo 2**64 (a bound would be a number JSON readers round).
+            seed = body["seed"]
+            if isinstance(seed, float) and seed.is_integer():
+                seed = int(seed)
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise FieldError("seed", f"must be an integer, got {seed!r}")
+            params.seed = seed % 2**64
         temperature = float_field(body, "temperature", 0.0, 2.0)
         if temperature is not None:
             # The contract's rule, checked here so a stream never starts on a bad value.
@@ -343,6 +368,25 @@ class Gateway:
                 raise FieldError("top_p", f"must be in [{MIN_TOP_P}, 1], got {top_p}")
             params.top_p = top_p
         return params, stop_strings
+
+    def fit_context(self, params: common_pb2.SamplingParams, prompt: int, name: str) -> None:
+        """Cuts ``params.max_new_tokens`` to the room a prompt of ``prompt`` tokens leaves in
+        the model's context: max_tokens is a bound, so a reply that fills the context ends
+        with finish_reason "length" (as one that reaches max_tokens does) instead of failing.
+        A prompt with no room left is a 400 naming ``name`` (OpenAI's
+        context_length_exceeded)."""
+        if not self.context:
+            return
+        room = self.context - prompt
+        if room < 1:
+            raise HTTPError(
+                400,
+                f"{name}: the prompt is {prompt} tokens, which leaves no room in the model's "
+                f"context of {self.context} tokens",
+                param=name,
+                code="context_length_exceeded",
+            )
+        params.max_new_tokens = min(params.max_new_tokens, room)
 
     def stops(self, stop: Any) -> tuple[list[int], list[str]]:
         """(stop token ids, stop strings): a stop that is one token of the vocabulary ends

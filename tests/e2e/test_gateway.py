@@ -401,7 +401,8 @@ def test_rewards_per_completion_and_a_released_session(
     bad = httpx.post(
         f"{gateway.url}/rl/sessions/{sid}/reward", json={"rewards": {ids[0]: 1.0}}, timeout=10
     )
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == f"rewards.{ids[1]}"
+    # Well-formed, but not the session's completions: a conflict with its state.
+    assert bad.status_code == 409 and bad.json()["error"]["param"] == f"rewards.{ids[1]}"
     ok = httpx.post(
         f"{gateway.url}/rl/sessions/{sid}/reward",
         json={"rewards": {ids[0]: 1.0, ids[1]: 0.0}},
