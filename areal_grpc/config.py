@@ -937,15 +937,17 @@ class OutputConfig:
     )
     tensorboard: bool = setting(
         False,
-        help="TensorBoard event files under dir/tensorboard (needs the tensorboard package).",
+        help="TensorBoard event files under dir/tensorboard: the metrics, and each step's "
+        "rollouts samples as text (needs the tensorboard package).",
     )
     plot: bool = setting(True, help="Write reward and eval plots (PNG) under dir at the end.")
     progress_bar: bool = setting(True, help="Show a progress bar on a terminal.")
     rollouts_per_step: int = setting(
         2,
         help="Groups of each step's batch whose trajectories are written to "
-        "dir/rollouts/step-<step>.jsonl (token ids, reward, finish reason, versions, "
-        "log-probs), for python -m areal_grpc.inspect to show as text; 0: none.",
+        "dir/rollouts/step-<step>.jsonl (prompt and completion as text and token ids, reward, "
+        "advantage, finish reason, per-token versions and log-probs), shown by python -m "
+        "areal_grpc.inspect; 0: none.",
         ge=0,
     )
     rollouts_max_mb: float = setting(

@@ -1,8 +1,9 @@
 """``python -m areal_grpc.inspect <output.dir> [-n N]``: the last samples a run trained on, as
-text, with their reward, finish reason and the policy versions that generated them.
+text, with their reward, advantage, finish reason and the policy versions that generated them.
 
-It reads the run's ``rollouts/`` (written by :mod:`areal_grpc.coordinator.rollouts`) and decodes the
-token ids with the tokenizer of the run's ``model.source`` (from its ``config.yaml``).
+It reads the run's ``rollouts/`` (written by :mod:`areal_grpc.coordinator.rollouts`). Samples
+written without text have their token ids decoded with the tokenizer of the run's
+``model.source`` (from its ``config.yaml``).
 """
 
 from __future__ import annotations
@@ -38,14 +39,23 @@ def render(sample: dict[str, Any], decode: Any) -> str:
     """One sample as text: a header line, then the prompt and the completion."""
     versions = sample["versions"]
     spread = f"{min(versions)}..{max(versions)}" if versions else "-"
+    # Null with a KL penalty (per-token), absent in samples of older runs.
+    advantage = sample.get("advantage")
     head = (
         f"step {sample['step']}  version {sample['version']}  reward {sample['reward']:g}  "
+        f"advantage {'-' if advantage is None else f'{advantage:.4g}'}  "
         f"{sample['finish_reason']}  tokens generated at versions {spread}  "
         f"{sample['task_id']} #{sample['sample']}"
     )
-    prompt = decode(sample["prompt_ids"])
-    completion = decode(sample["completion_ids"])
+    prompt = _text(sample, "prompt", decode)
+    completion = _text(sample, "completion", decode)
     return f"{head}\n  prompt: {prompt!r}\n  reply:  {completion!r}\n"
+
+
+def _text(sample: dict[str, Any], key: str, decode: Any) -> str:
+    """The sample's ``key`` text as written, else its token ids decoded."""
+    text = sample.get(key)
+    return text if isinstance(text, str) else str(decode(sample[f"{key}_ids"]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,13 +74,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not samples:
         print(f"{args.run_dir / ROLLOUTS_DIR} holds no samples (output.rollouts_per_step: 0?)")
         return 0
-    # Imported here: seconds of torch and transformers, and only when there is text to show.
-    from areal_grpc.model import load_tokenizer
-
-    source = yaml.safe_load(config.read_text())["model"]["source"]
-    tokenizer = load_tokenizer(source)
+    tokenizer: Any = None
 
     def decode(ids: list[int]) -> str:
+        # Loaded at the first sample written without text: seconds of torch and transformers.
+        nonlocal tokenizer
+        if tokenizer is None:
+            from areal_grpc.model import load_tokenizer
+
+            tokenizer = load_tokenizer(yaml.safe_load(config.read_text())["model"]["source"])
         return str(tokenizer.decode(ids, skip_special_tokens=False))
 
     for sample in samples:

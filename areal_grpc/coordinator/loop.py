@@ -178,7 +178,13 @@ class Coordinator:
         self.run_log = RunLog(
             out_dir,
             cfg.output.tensorboard,
-            RolloutLog(out_dir, cfg.output.rollouts_per_step, cfg.output.rollouts_max_mb),
+            RolloutLog(
+                out_dir,
+                cfg.output.rollouts_per_step,
+                cfg.output.rollouts_max_mb,
+                ppo=cfg.trainer.ppo,
+                model_source=cfg.model.source,
+            ),
         )
         self.signal = SignalWatch(
             external=self.loader is None, every=zero_signal_steps(cfg.total_steps)

@@ -1,5 +1,8 @@
 """Run metrics: JSONL (always), TensorBoard (when installed), a PNG of the curves at the end.
 
+With TensorBoard, each step's rollout samples (``rollouts/``) go there too, as text under
+``samples``.
+
 ``metrics.jsonl`` has one JSON object per line with a ``kind``: ``"train"`` (one per step),
 ``"eval"`` (one per evaluation). ``batches.jsonl`` records, per step, which prompts were
 trained (task ids, dataset ids, head versions): the audit trail of "each prompt trained once,
@@ -15,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "plot_curves", "read_jsonl"]
+__all__ = ["MetricsWriter", "plot_curves", "read_jsonl", "sample_markdown"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,15 @@ class MetricsWriter:
                     self._tb.add_scalar(f"{kind}/{k}", v, step)
         return record
 
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """Step ``step``'s samples (rollout records, numbered from 0 as in ``batches.jsonl``)
+        as TensorBoard text under ``samples``, at the step of the scalars they were trained
+        in (``step + 1``); nothing without TensorBoard."""
+        if self._tb is None or not samples:
+            return
+        self._tb.add_text("samples", "\n\n".join(sample_markdown(s) for s in samples), step + 1)
+        self._tb.flush()
+
     def log_batch(self, step: int, version: int, entries: Sequence[Mapping[str, Any]]) -> None:
         """Records what step ``step`` trained (one entry per group)."""
         self._batches.write(
@@ -80,6 +92,30 @@ class MetricsWriter:
         self._batches.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def sample_markdown(sample: Mapping[str, Any]) -> str:
+    """One rollout record as TensorBoard's markdown: a header line (task, sample, reward,
+    advantage, finish reason, versions), then the prompt and the completion as code blocks
+    (token ids when there is no text)."""
+    versions = sample.get("versions") or []
+    spread = f"{min(versions)}..{max(versions)}" if versions else "-"
+    advantage = sample.get("advantage")
+    head = (
+        f"**{sample['task_id']} #{sample['sample']}**: reward {sample['reward']:g}, "
+        f"advantage {'-' if advantage is None else f'{advantage:.4g}'}, "
+        f"{sample['finish_reason']}, generated at versions {spread}"
+    )
+
+    def block(text: str | None, ids: Sequence[int]) -> str:
+        body = text if text is not None else " ".join(map(str, ids))
+        # Indented code: markdown shows it verbatim, whatever fences or markup it holds.
+        return "\n".join("    " + line for line in (body or " ").splitlines() or [" "])
+
+    return (
+        f"{head}\n\nprompt:\n\n{block(sample.get('prompt'), sample['prompt_ids'])}\n\n"
+        f"completion:\n\n{block(sample.get('completion'), sample['completion_ids'])}"
+    )
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

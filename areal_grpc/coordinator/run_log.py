@@ -231,7 +231,8 @@ class RunLog:
             ],
         )
         if self.rollouts is not None:
-            self.rollouts.write(step, version, batch)
+            # The samples also go to TensorBoard (as text) when it is on.
+            self.metrics.log_samples(step, self.rollouts.write(step, version, batch))
         rewards = [t.reward for f in batch for t in f.group.trajectories]
         reward = sum(rewards) / len(rewards)
         r = self.result

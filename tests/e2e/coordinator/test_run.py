@@ -153,6 +153,17 @@ def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(
             repr(tokenizer.decode(r["completion_ids"], skip_special_tokens=False)) in shown.stdout
         )
     assert shown.stdout.count(f"step {steps - 1}  version {steps - 1}  reward ") == 3
+    # The text is the tokenizer's; the advantage the trainer's (GRPO centres each group's).
+    for path in files:
+        samples = read_jsonl(path)
+        for r in samples:
+            assert r["prompt"] == tokenizer.decode(r["prompt_ids"], skip_special_tokens=False)
+            assert r["completion"] == tokenizer.decode(
+                r["completion_ids"], skip_special_tokens=False
+            )
+        for task in {r["task_id"] for r in samples}:
+            advantages = [r["advantage"] for r in samples if r["task_id"] == task]
+            assert sum(advantages) == pytest.approx(0.0, abs=1e-4), advantages
 
 
 def test_killed_run_resumes_with_the_same_prompts_in_the_same_order(tmp_path, coordinator_command):
