@@ -13,15 +13,30 @@ from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.receive.base import ReceiverConfig
 from areal_servers.rollout.service import RolloutServiceConfig, RolloutServicer
 from areal_servers.rollout.weight_sync import build_weight_sync_service
+from areal_servers.rollout.workflows import build_workflow, get_accept_filter
 from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 
 from areal_grpc.config import RunConfig
+from areal_grpc.errors import FieldError
 from areal_grpc.model import load_tokenizer
 from areal_grpc.security import ServerTls
 from areal_grpc.server import Service, service
 from areal_grpc.server_config import max_new_tokens, weights_root
 
-__all__ = ["create_engine", "create_rollout_servicer", "rollout_services"]
+__all__ = [
+    "check_run_workflow",
+    "create_engine",
+    "create_rollout_servicer",
+    "rollout_services",
+]
+
+# The run's settings that episode requests carry, by the name a request's error gives them.
+_RUN_SETTINGS = {
+    "task.workflow": "rollout.workflow",
+    "task.workflow_params.reward_fn": "rollout.reward",
+    "task.workflow_params.chat_template": "rollout.chat_template",
+    "task.workflow_params.system_prompt": "rollout.system_prompt",
+}
 
 
 def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
@@ -44,6 +59,27 @@ def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
             )
         )
     return HFEngine(run.model, run.rollout)
+
+
+def check_run_workflow(run: RunConfig) -> None:
+    """Builds the run's own workflow once, with the parameters the coordinator sends.
+
+    A wrong ``rollout.workflow`` or ``rollout.reward`` (a typo in an import path, a module not
+    on the server's path) then stops the server at start with a FieldError naming the
+    setting, instead of failing every episode of the run with the same error.
+    """
+    params = dict(run.rollout.workflow_params)
+    params.update(reward_fn=run.rollout.reward, chat_template=run.rollout.chat_template)
+    if run.rollout.system_prompt is not None:
+        params["system_prompt"] = run.rollout.system_prompt
+    try:
+        get_accept_filter(str(params.pop("accept", "all")))
+        build_workflow(run.rollout.workflow, params)
+    except FieldError as exc:
+        field = _RUN_SETTINGS.get(exc.field) or exc.field.replace(
+            "task.workflow_params.", "rollout.workflow_params.", 1
+        )
+        raise FieldError(field, exc.description) from exc
 
 
 def create_rollout_servicer(run: RunConfig, engine: InferenceEngine) -> RolloutServicer:
@@ -85,5 +121,6 @@ async def serve_run(
 ) -> list[Service]:
     """The services of a rollout server for ``run`` (its engine made and started) on
     ``host``, with the server's ``tls``."""
+    check_run_workflow(run)
     torch.set_num_threads(run.rollout.torch_threads)
     return await rollout_services(run, create_engine(run, sglang_url), host, tls)
