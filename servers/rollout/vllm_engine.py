@@ -93,6 +93,8 @@ EXIT_ENGINE_DEAD = 3
 DEFAULT_MAX_MODEL_LEN = 4096
 # Head sizes vLLM's CPU attention backend serves (vllm/v1/attention/backends/cpu_attn.py).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# Tokens one step of vLLM on a CPU takes at least (vLLM's own default for its LLM class there).
+CPU_STEP_TOKENS = 4096
 # vLLM's LoRA slots take one of these ranks (vllm/config/lora.py, MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Shared memory for the weight file when it has room, else the temporary directory.
@@ -250,6 +252,16 @@ class VLLMEngine(InferenceEngine):
                 )
             # The current adapter and the ones requests still run on.
             lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 4}
+        scheduling: dict[str, Any] = {}
+        if not torch.cuda.is_available():
+            # After a partial (chunked) prefill vLLM rewinds the request's seeded generator,
+            # which a CPU generator cannot do: the engine process dies ("CPU Generator does
+            # not use offset") as soon as seeded requests bring more prompt tokens than one
+            # step takes. Whole prefills only, with a step budget any one prompt fits in.
+            scheduling = {
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": max(self.max_context, CPU_STEP_TOKENS),
+            }
         args = AsyncEngineArgs(
             model=served,
             dtype=s.dtype,
@@ -263,6 +275,7 @@ class VLLMEngine(InferenceEngine):
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
             **lora,
+            **scheduling,
         )
         return AsyncLLM.from_engine_args(args)
 

@@ -8,6 +8,7 @@ seed is the reference for tokens and log-probs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import shutil
 import tempfile
@@ -108,6 +109,27 @@ def test_the_same_seed_gives_the_same_samples(vllm_server: VllmServer):
     assert len({tuple(s) for s in first}) == 4
     assert samples(12) != first
     assert samples(12)[:3] == first[1:]
+
+
+def test_seeded_requests_whose_prompts_exceed_one_steps_budget_sample_as_alone(
+    vllm_server: VllmServer,
+):
+    """Many seeded requests at once, with more prompt tokens than vLLM schedules in one
+    step. With chunked prefill, vLLM's CPU build crashes its engine on them (rewinding a
+    request's generator after a partial prefill: "CPU Generator does not use offset"); the
+    engine turns it off on CPUs. Each request samples what it samples alone."""
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(200)] for i in range(40)]
+    params = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(
+            pool.map(
+                lambda ip: vllm_server.generate(ip[1], seed=ip[0], **params), enumerate(prompts)
+            )
+        )
+    assert not vllm_server.fatal
+    for i in (0, 17, 39):
+        alone = vllm_server.generate(prompts[i], seed=i, **params)
+        assert list(together[i].completions[0].output_ids) == list(alone.completions[0].output_ids)
 
 
 def test_stop_token_ids_end_generation_and_are_kept(vllm_server: VllmServer):
