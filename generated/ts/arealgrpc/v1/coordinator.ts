@@ -270,7 +270,7 @@ export interface GetCoordinatorStatusResponse {
   workers: WorkerInfo[];
   /**
    * Rollout servers replaced during the run, over all servers (bounded by
-   * rollout.max_restarts).
+   * fault_tolerance.rollout.max_restarts).
    */
   rolloutRestarts: number;
 }
