@@ -178,7 +178,7 @@ def entry(bench: str, value: float, date: str, **extra: Any) -> dict[str, Any]:
         "commit": "abc123",
         "date": date,
         "machine": "cpu A, 2 cores",
-        "command": "python bench/x.py",
+        "command": "python x.py",
         **extra,
     }
 
