@@ -18,7 +18,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from areal_grpc.errors import FieldError
 
 from .chat import ChatRenderer, Conversation, normalize_messages
-from .openapi import CHAT_BODY, COMPLETION_BODY, COMPLETION_OK, errors, request_body
+from .openapi import (
+    CHAT_BODY,
+    CHAT_OK,
+    COMPLETION_BODY,
+    MODELS_OK,
+    TEXT_OK,
+    errors,
+    request_body,
+)
 from .state import (
     FINISH_REASONS,
     MAX_N,
@@ -390,7 +398,7 @@ async def answer(gw: Gateway, call: Call) -> Any:
         call.release()
 
 
-@router.get("/v1/models", responses=errors(401, 403))
+@router.get("/v1/models", responses=MODELS_OK | errors(401, 403))
 async def models(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
     gw.check_auth(request)
@@ -403,7 +411,7 @@ async def models(request: Request) -> dict[str, Any]:
 @router.post(
     "/v1/chat/completions",
     openapi_extra=request_body(CHAT_BODY),
-    responses=COMPLETION_OK | errors(400, 401, 403, 404, 409, 429, 502, 503, 504),
+    responses=CHAT_OK | errors(400, 401, 403, 404, 409, 429, 502, 503, 504),
 )
 async def chat_completions(request: Request) -> Any:
     body = await json_body(request)
@@ -431,7 +439,7 @@ async def chat_completions(request: Request) -> Any:
 @router.post(
     "/v1/completions",
     openapi_extra=request_body(COMPLETION_BODY),
-    responses=COMPLETION_OK | errors(400, 401, 403, 404, 409, 429, 502, 503, 504),
+    responses=TEXT_OK | errors(400, 401, 403, 404, 409, 429, 502, 503, 504),
 )
 async def completions(request: Request) -> Any:
     body = await json_body(request)

@@ -16,14 +16,87 @@ from .state import MAX_N, MAX_STOPS, UNSUPPORTED
 
 __all__ = [
     "CHAT_BODY",
+    "CHAT_OK",
     "COMPLETION_BODY",
-    "COMPLETION_OK",
+    "MODELS_OK",
+    "RELEASE_OK",
     "REWARD_BODY",
+    "REWARD_OK",
     "SESSION_BODY",
+    "SESSION_OK",
+    "TEXT_OK",
     "errors",
     "request_body",
     "with_model_limits",
 ]
+
+_USAGE: dict[str, Any] = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        k: {"type": "integer", "minimum": 0}
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
+}
+
+
+def _completion(obj: str, reply: dict[str, Any]) -> dict[str, Any]:
+    """A completion object (``obj``) whose choices carry ``reply``'s properties."""
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": obj},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "system_fingerprint": {
+                "type": "string",
+                "description": "policy-v<the policy version that generated the replies>",
+            },
+            "choices": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["index", "finish_reason", "completion_id", *reply],
+                    "properties": {
+                        "index": {"type": "integer", "minimum": 0},
+                        "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
+                        "completion_id": {
+                            "type": "string",
+                            "description": "What a reward names this reply by.",
+                        },
+                        "token_ids": {
+                            "type": "array",
+                            "items": {"type": "integer", "minimum": 0},
+                            "description": "The sampled ids (with return_token_ids: true).",
+                        },
+                        **reply,
+                    },
+                },
+            },
+            "usage": _USAGE,
+        },
+    }
+
+
+_CHAT_REPLY: dict[str, Any] = {
+    "message": {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"const": "assistant"},
+            "content": {"type": ["string", "null"]},
+            "tool_calls": {"type": "array", "items": {"type": "object"}},
+        },
+    },
+    "logprobs": {
+        "type": ["object", "null"],
+        "properties": {"content": {"type": "array", "items": {"type": "object"}}},
+    },
+}
+_TEXT_REPLY: dict[str, Any] = {"text": {"type": "string"}, "logprobs": {"type": "null"}}
 
 # One server-sent event of a streamed completion: a chunk object as JSON, and "[DONE]" last.
 _SSE_EVENT: dict[str, Any] = {
@@ -40,18 +113,74 @@ _SSE_EVENT: dict[str, Any] = {
     },
 }
 
-# A completion's 200: a JSON object, or with "stream": true server-sent events of chunks.
-COMPLETION_OK: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "The completion (application/json), or with stream: true its chunks as "
-        "server-sent events (text/event-stream).",
-        "content": {
-            "application/json": {"schema": {"type": "object"}},
-            # Open API 3.1 reads an event stream's schema as each event's (3.2's itemSchema).
-            "text/event-stream": {"schema": _SSE_EVENT},
+
+def _ok(description: str, schema: dict[str, Any], stream: bool = False) -> dict[int | str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": schema}}
+    if stream:
+        # Open API 3.1 reads an event stream's schema as each event's (3.2's itemSchema).
+        content["text/event-stream"] = {"schema": _SSE_EVENT}
+    return {200: {"description": description, "content": content}}
+
+
+_STREAMED = "; with stream: true its chunks as server-sent events"
+CHAT_OK = _ok("The chat completion" + _STREAMED, _completion("chat.completion", _CHAT_REPLY), True)
+TEXT_OK = _ok("The completion" + _STREAMED, _completion("text_completion", _TEXT_REPLY), True)
+MODELS_OK = _ok(
+    "The served model (one policy).",
+    {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["id", "object", "created", "owned_by"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"const": "model"},
+                        "created": {"type": "integer"},
+                        "owned_by": {"type": "string"},
+                    },
+                },
+            },
         },
-    }
-}
+    },
+)
+SESSION_OK = _ok(
+    "The session: one trajectory group, leased from the coordinator.",
+    {
+        "type": "object",
+        "required": ["session_id", "policy_version", "expires_at", "lease_ttl_s", "group_size"],
+        "properties": {
+            "session_id": {"type": "string", "description": "Send it as X-Session-Id."},
+            "policy_version": {"type": "integer", "minimum": 0},
+            "expires_at": {"type": "number"},
+            "lease_ttl_s": {"type": "number", "minimum": 0},
+            "group_size": {"type": "integer", "minimum": 1},
+        },
+    },
+)
+REWARD_OK = _ok(
+    "The group went to the coordinator (accepted, or rejected for `reason`); the session ended.",
+    {
+        "type": "object",
+        "required": ["submitted", "accepted", "reason", "trajectories"],
+        "properties": {
+            "submitted": {"const": True},
+            "accepted": {"type": "boolean"},
+            "reason": {"type": "string"},
+            "trajectories": {"type": "integer", "minimum": 1},
+        },
+    },
+)
+RELEASE_OK = _ok(
+    "The session ended and its lease was freed.",
+    {"type": "object", "required": ["released"], "properties": {"released": {"const": True}}},
+)
 
 _ERROR = {
     "type": "object",

@@ -11,7 +11,15 @@ from fastapi import APIRouter, Request
 
 from areal_grpc.errors import FieldError
 
-from .openapi import REWARD_BODY, SESSION_BODY, errors, request_body
+from .openapi import (
+    RELEASE_OK,
+    REWARD_BODY,
+    REWARD_OK,
+    SESSION_BODY,
+    SESSION_OK,
+    errors,
+    request_body,
+)
 from .sessions import Session
 from .state import PRODUCER_ID, from_rpc, gateway_of, int_field, json_body
 
@@ -21,7 +29,7 @@ router = APIRouter()
 @router.post(
     "/rl/sessions",
     openapi_extra=request_body(SESSION_BODY, required=False),
-    responses=errors(400, 401, 403, 429, 503),
+    responses=SESSION_OK | errors(400, 401, 403, 429, 503),
 )
 async def open_session(request: Request) -> Any:
     body = await json_body(request) if await request.body() else {}
@@ -51,7 +59,7 @@ async def open_session(request: Request) -> Any:
 @router.post(
     "/rl/sessions/{session_id}/reward",
     openapi_extra=request_body(REWARD_BODY),
-    responses=errors(400, 401, 403, 404, 409, 503),
+    responses=REWARD_OK | errors(400, 401, 403, 404, 409, 503),
 )
 async def reward(session_id: str, request: Request) -> Any:
     body = await json_body(request)
@@ -77,7 +85,7 @@ async def reward(session_id: str, request: Request) -> Any:
     }
 
 
-@router.delete("/rl/sessions/{session_id}", responses=errors(401, 403, 404, 409, 503))
+@router.delete("/rl/sessions/{session_id}", responses=RELEASE_OK | errors(401, 403, 404, 409, 503))
 async def release(session_id: str, request: Request) -> Any:
     gw = gateway_of(request)
     gw.check_auth(request)
