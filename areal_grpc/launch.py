@@ -264,18 +264,23 @@ _LEFTOVER_GRACE_S = 2.0
 
 def kill_group_leftovers(pgid: int, name: str, grace_s: float = _LEFTOVER_GRACE_S) -> None:
     """SIGKILLs whatever is left of process group ``pgid`` (its leader has exited) once
-    ``grace_s`` has passed without the group emptying by itself."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return  # nothing left
-        except PermissionError:
-            break
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
+    ``grace_s`` has passed without the group emptying by itself.
+
+    multiprocessing's resource trackers go last: a tracker unlinks the shared memory that its
+    processes registered and did not free (vLLM's message queues, ``/dev/shm/psm_*``) once
+    they are gone, then exits; killed with them, it would leave those segments behind."""
+    if _group_empty_within(pgid, grace_s):
+        return
+    members = _group_members(pgid)
+    trackers = {p for p in members if _is_resource_tracker(p)}
+    if trackers and len(trackers) < len(members):
+        for pid in members:
+            if pid not in trackers:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        if _group_empty_within(pgid, grace_s):
+            log.warning("%s left processes behind in its process group; killed them", name)
+            return
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
@@ -284,3 +289,45 @@ def kill_group_leftovers(pgid: int, name: str, grace_s: float = _LEFTOVER_GRACE_
         log.warning("%s left processes in its group %d this process may not kill", name, pgid)
         return
     log.warning("%s left processes behind in its process group; killed them", name)
+
+
+def _group_empty_within(pgid: int, timeout_s: float) -> bool:
+    """Whether process group ``pgid`` has no process left, waiting up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        if os.path.isdir("/proc") and not _group_members(pgid):
+            return True  # zombies only, which their new parent (init) reaps, or not
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of group ``pgid``, from /proc (none without it)."""
+    members = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
+            fields = stat[stat.rfind(")") + 2 :].split()
+            if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
