@@ -91,7 +91,7 @@ def _word(rng: random.Random) -> tuple[str, int]:
 KINDS: dict[str, Maker] = {
     "add_1_1": _sum(1, 1),
     # Either operand first: "What is 7 + 34?" is much harder for a small model than
-    # "What is 34 + 7?" (measured on SmolLM2-135M, README "Train a real model").
+    # "What is 34 + 7?" (measured on SmolLM2-135M, docs/getting-started/real-model.md).
     "add_2_1": _sum(2, 1),
     # The 2-digit number first, always: the plain-loop anchor's sums.
     "add_2_1_ordered": _sum(2, 1, either_order=False),

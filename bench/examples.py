@@ -5,11 +5,11 @@ Examples (``--examples``, all by default), each with the outcome the README stat
 
 * ``default``: ``python -m areal_grpc.coordinator`` (the quick start: builtin:micro learns
   ``first3``, 400 steps). Outcome: held-out greedy accuracy at the end >= ``DEFAULT_EVAL``.
-* ``arith``: ``--config examples/smollm2_arith.yaml`` (README "Train a real model"), on the
+* ``arith``: ``--config examples/smollm2_arith.yaml`` (docs/getting-started/real-model.md), on the
   arithmetic set ``python -m areal_grpc.data arith`` writes. Outcome: held-out accuracy at
   step 24 at least ``ARITH_GAIN`` above step 0's.
 * ``agent``: ``--config examples/smollm2_agent.yaml`` and ``examples/gateway_agent.py``
-  against its gateway (README "Agents over an OpenAI-compatible API"). Outcome: at least
+  against its gateway (docs/guides/agents.md). Outcome: at least
   ``AGENT_RIGHT`` of the replies answer right over the agent's last 16 episodes.
 
 Seed ``s`` is ``model.seed=s`` (the run's data order and sampling) and, for the agent, its
@@ -46,8 +46,8 @@ from teardown import exit_on_sigterm
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-# The outcomes the README states (README "Quick start", "Train a real model", "Agents over an
-# OpenAI-compatible API").
+# The outcomes the docs state (README "Quick start", docs/getting-started/real-model.md,
+# docs/guides/agents.md).
 DEFAULT_EVAL = 0.8
 ARITH_GAIN = 0.4
 AGENT_RIGHT = 0.8

@@ -23,7 +23,7 @@ Cases (one ``RESULT`` line each, medians where a case repeats):
   profiled (generating, training, syncing). ``--target-seeds n`` runs both sides with seeds
   0..n-1 (``--target-first-seed`` moves the range; ``model.seed``: the data order and the
   sampling; the plain loop takes the same seed) and compares the medians: one run per side
-  mostly measures which drew the luckier first steps (README "Train a real model").
+  mostly measures which drew the luckier first steps (docs/getting-started/real-model.md).
 * ``real_model_memory``: peak RSS of the whole mesh (coordinator + every child, summed over
   the process tree, sampled every 0.5 s) during that run, vs the plain loop's peak.
 * ``real_model_rollout``: generated tokens/s through ``RunEpisodes`` on a rollout server

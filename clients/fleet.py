@@ -1,6 +1,6 @@
 """The fleet weight update, as one operation for the coordinator.
 
-``update_fleet_weights`` runs the fleet's weight update (README "Architecture"):
+``update_fleet_weights`` runs the fleet's weight update (docs/concepts/architecture.md):
 
 1. pause every rollout server (``PauseGeneration``; in-flight requests end interrupted and
    resume later from their partial output). The call returns without waiting for the decode

@@ -1,8 +1,8 @@
 """GRPO / decoupled-PPO math in one file (AReaL's ``areal/trainer/ppo/actor.py`` and
 ``areal/utils/functional/functional.py``, at AReaL commit cbff54d6).
 
-Where this file departs from AReaL on purpose, the README's "Differences from AReaL" table
-says so and why; everything else computes what AReaL computes.
+Where this file departs from AReaL on purpose, the "Differences from AReaL" table in
+docs/guides/algorithms.md says so and why; everything else computes what AReaL computes.
 
 Alignment convention (differs from AReaL's rolled tensors on purpose): every ``[B, S]``
 tensor here is *token-aligned*, like the batches of :mod:`areal_grpc.trajectory`: position

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from hypothesis import HealthCheck, settings
 
-# Answers a handler may give to bad input (see the README's "Errors" and the service docstrings).
+# Answers a handler may give to bad input (docs/concepts/errors.md and the service docstrings).
 DOCUMENTED = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,

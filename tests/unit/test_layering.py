@@ -1,4 +1,5 @@
-"""The README's layering rule, checked on the source: imports go one way and never round.
+"""The layering rule (docs/concepts/architecture.md), checked on the source: imports go one
+way and never round.
 
 ``arealgrpc.v1`` <- ``areal_grpc`` (core) <- ``areal_servers`` / ``areal_clients`` <- entry points
 (``areal_grpc.coordinator``). Imports inside functions count: hiding a cycle in a function
