@@ -787,7 +787,7 @@ class WeightSyncConfig:
     methods: list[WeightSyncMethod] = setting(
         factory=list,
         help="The methods offered, in this order; each server accepts the first it supports. "
-        'Empty: the trainer\'s order for its device (docs/concepts/weight-sync.md): '
+        "Empty: the trainer's order for its device (docs/concepts/weight-sync.md): "
         "shared_memory, distributed, socket, stream, disk on CPU; distributed first on GPU.",
     )
     timeout_s: float = setting(
