@@ -7,8 +7,9 @@
    ``ratio = in-process step time / SDK step time`` (1.0: the service adds nothing).
 2. ``tinker_tenants_<n>`` for n = 1, 4, 16: n tenants, each with its own run, step at once
    (one SDK client each, in threads); ``ratio = aggregate steps per second / one tenant's``.
-   The service computes one call at a time (the queue takes tenants in turn), so the ratio
-   says how much the queue and the HTTP path overlap with compute, not parallel speed-up.
+   The service computes a training step one call at a time (the queue takes tenants in turn;
+   only calls that compute no gradient share a batch, case 3), so the ratio says how much the
+   queue and the HTTP path overlap with compute, not parallel speed-up.
    Also printed: the trainer memory each adapter and its optimizer state take.
 3. ``tinker_sample_batched_<n>``: n tenants (``--batch-tenants``) sample at once through the
    service's gRPC API, in process, each from its own adapter with its own seeds, the service
@@ -240,6 +241,8 @@ def batching_case(args: argparse.Namespace) -> None:
                 servicer.batching = batching
                 rate, seen[batching] = _sampling_window(case, args)
                 rates[batching].append(rate)
+                mode = "batched" if batching else "one at a time"
+                print(f"  window, {mode}: {rate:.1f} tokens/s", flush=True)
         same = seen[False] == seen[True]
         for batching in (False, True):
             r = rates[batching]
