@@ -97,7 +97,10 @@ NOT_SETTINGS = {
 }
 
 FILE_SUFFIXES = {"md", "py", "proto", "yaml", "yml", "json", "jsonl", "png", "jinja", "out"}
-KEY = re.compile(r"(?<![\w.$/:-])((?:" + "|".join(SECTIONS) + r")(?:\.[A-Za-z_]\w*)+)(?![\w{*])")
+# Not a key: one that goes on with an index (a tensor's name, ``model.layers.0.mlp``).
+KEY = re.compile(
+    r"(?<![\w.$/:-])((?:" + "|".join(SECTIONS) + r")(?:\.[A-Za-z_]\w*)+)(?![\w{*]|\.\d)"
+)
 OVERRIDE = re.compile(
     r"(?<![\w.$/:-])((?:" + "|".join(SECTIONS) + r")(?:\.\w+)*)=(\[[^\]\s]*\]|[^\s`'\"),]*)"
 )
@@ -130,7 +133,7 @@ def test_the_key_scan_finds_keys_and_skips_what_is_not_one() -> None:
     text = (
         "set `model.lora.rank=8` and trainer.ppo.rejection.lower; see rollout.vllm.* and\n"
         "launcher.ray_* or trainer.{lr,grad_clip}; areal_grpc.tinker, outputs/model.x, "
-        "model.generate\n"
+        "model.generate, model.layers.0.mlp.up_proj.weight\n"
     )
     assert named_keys(text) == {"model.lora.rank", "trainer.ppo.rejection.lower", "rollout.vllm"}
     assert overrides("`model.lora.rank=8` 'launcher.attach.rollout_addresses=[a:1,b:2]'") == {
