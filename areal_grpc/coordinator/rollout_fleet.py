@@ -44,6 +44,7 @@ from areal_grpc.server_config import max_new_tokens
 __all__ = [
     "Endpoint",
     "EpisodeSettings",
+    "EpisodesFailing",
     "RolloutFleet",
     "RolloutFleetLost",
     "RolloutLike",
@@ -64,8 +65,19 @@ RESTART_BACKOFF_MAX_S = 30.0
 REPLACE_GRACE_S = 2.0
 
 
+# Failed episodes in a row, none accepted in between, after which the run stops. The same
+# error on every episode (a reward function or workflow that raises on every item) would
+# otherwise go through the dataset forever, flooding the log; an error now and then (a judge
+# that timed out) is forgotten at the next accepted group.
+FAILED_IN_A_ROW = 64
+
+
 class RolloutFleetLost(RuntimeError):
     """No rollout server was in rotation for ``fault_tolerance.rollout.no_server_timeout_s``."""
+
+
+class EpisodesFailing(RolloutFleetLost):
+    """:data:`FAILED_IN_A_ROW` episodes in a row failed: the run cannot make progress."""
 
 
 class StreamLike(Protocol):
@@ -204,6 +216,8 @@ class RolloutFleet:
         # Set (with the error) when the run cannot go on: no server for too long.
         self._fatal = asyncio.Event()
         self._fatal_error: BaseException | None = None
+        # Episodes that failed since the last accepted one (see FAILED_IN_A_ROW).
+        self.failed_in_a_row = 0
 
     # -- membership --------------------------------------------------------------------------
 
@@ -353,6 +367,7 @@ class RolloutFleet:
                     # maybe to another server), so what is still buffered here is not ours.
                     break
                 if res.outcome == rollout_pb2.EPISODE_OUTCOME_ACCEPTED:
+                    self.failed_in_a_row = 0
                     self.pool.finish(res.task_id, res.group, ep.address)
                 elif res.outcome == rollout_pb2.EPISODE_OUTCOME_CANCELLED:
                     self.pool.requeue(res.task_id, ep.address)
@@ -361,6 +376,7 @@ class RolloutFleet:
                         log.warning(
                             "episode %s failed on %s: %s", res.task_id, ep.address, res.reason
                         )
+                        self.episode_failed(ep.address, res.reason)
                     self.pool.reject(res.task_id, res.reason or "rejected", ep.address)
         except grpc.aio.AioRpcError as exc:
             if not self.stopping:
@@ -370,6 +386,17 @@ class RolloutFleet:
         # The stream is gone: its tasks will never report.
         if ep.stream is stream:
             self.take_out(ep)
+
+    def episode_failed(self, address: str, reason: str) -> None:
+        """Counts a failed episode; at :data:`FAILED_IN_A_ROW` in a row the run stops with
+        :class:`EpisodesFailing`, naming the last error."""
+        self.failed_in_a_row += 1
+        if self.failed_in_a_row >= FAILED_IN_A_ROW and not self._fatal.is_set():
+            self._fatal_error = EpisodesFailing(
+                f"{self.failed_in_a_row} episodes in a row failed and none was accepted; the "
+                f"last, on {address}: {reason} (the rollout server's log has the traceback)"
+            )
+            self._fatal.set()
 
     def take_out(self, ep: Endpoint) -> None:
         """Leaves a server out of rotation, re-queues its tasks, and tries to bring it back."""
@@ -415,6 +442,10 @@ class RolloutFleet:
         """Sends prompts to the least-loaded server in rotation while capacity allows."""
         while not self.stopping:
             await self.open.wait()
+            if self._fatal.is_set():
+                # The run is ending (unless_lost raises in its step): nothing more to send,
+                # which also lets an evaluation in progress finish on idle servers.
+                return
             live = self.in_rotation()
             if not live:
                 await self.pool.wait_change(0.5)
@@ -530,10 +561,12 @@ class RolloutFleet:
             await asyncio.wait({task, fatal}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for t in (task, fatal):
-                if not t.done():
+                # Cancelled until it is done: asyncio.wait_for before Python 3.12 may swallow
+                # a cancel that arrives as its inner wait completes (the pool's wait_change,
+                # whose event fires on every result), and the call would then run on forever.
+                while not t.done():
                     t.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await t
+                    await asyncio.wait({t}, timeout=1.0)
         if task.done() and not task.cancelled():
             return task.result()
         assert self._fatal_error is not None

@@ -153,3 +153,30 @@ def test_a_wrong_reward_path_stops_the_run_at_start_naming_the_setting(
     assert "rollout.reward: module 'examples.custom_reward' has no attribute 'partial_credt'" in log
     # Not a single episode ran with it.
     assert "failed on" not in log
+
+
+def test_a_reward_that_raises_on_every_sample_stops_the_run_naming_the_error(
+    tmp_path, coordinator_command, monkeypatch
+) -> None:
+    from areal_grpc.coordinator.rollout_fleet import FAILED_IN_A_ROW
+
+    module = tmp_path / "mods" / "broken_reward.py"
+    module.parent.mkdir()
+    module.write_text(
+        "def score(prompt, completion, prompt_ids, completion_ids, item):\n"
+        "    return item['no_such_key']\n"
+    )
+    monkeypatch.chdir(ROOT)
+    code, log = coordinator_command.run(
+        tmp_path / "run",
+        "data.task=echo",
+        "rollout.reward=broken_reward:score",
+        *SHORT,
+        env={"PYTHONPATH": str(module.parent)},
+        timeout=180,
+    )
+    assert code == 1, log
+    assert f"error: {FAILED_IN_A_ROW} episodes in a row failed and none was accepted" in log
+    assert "KeyError: 'no_such_key'" in log
+    # It stopped there instead of going through the dataset: no step was trained.
+    assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
