@@ -15,7 +15,8 @@
    service's gRPC API, in process, each from its own adapter with its own seeds, the service
    batching their calls (one mixed-adapter batch) and, in alternating windows, running one
    call at a time. ``ratio = batched tokens/s / one-at-a-time tokens/s``; it also checks that
-   the same seeds gave the same tokens both ways.
+   the same seeds gave the same tokens both ways. ``tinker_forward_batched_<n>``: the same
+   for forward-only calls (``--tokens`` long datums), and the log-probs' largest difference.
 
     .venv/bin/python bench/tinker_service.py [--model smollm2-135m-instruct] [--rank 16]
         [--batch 4] [--tokens 64] [--steps 6] [--batch-tenants 8] [--only sdk|batching]
@@ -119,6 +120,7 @@ class _Case:
     channel: grpc.Channel
     stub: Any
     keys: dict[str, str]
+    runs: dict[str, str]
     samplers: dict[str, str]
     done: Callable[[str, pb.Operation], pb.Operation]  # awaits a tenant's operation
 
@@ -147,7 +149,7 @@ def _grpc_case_setup(model: str, n: int, rank: int) -> _Case:
             raise RuntimeError(f"{op.name}: {op.error}")
         return op
 
-    samplers = {}
+    runs, samplers = {}, {}
     vocab = servicer.engine.vocab_size
     for i, tenant in enumerate(keys):
         meta = _auth(keys[tenant])
@@ -157,7 +159,7 @@ def _grpc_case_setup(model: str, n: int, rank: int) -> _Case:
             ),
             metadata=meta,
         ).operation
-        run = done(tenant, created).training_run.name
+        run = runs[tenant] = done(tenant, created).training_run.name
         seq = batch(1, 16, vocab, seed=i)[0]
         datum = pb.Datum(input_tokens=seq[:-1], target_tokens=seq[1:], weights=[1.0] * 16)
         fb = stub.ForwardBackward(
@@ -179,7 +181,7 @@ def _grpc_case_setup(model: str, n: int, rank: int) -> _Case:
             metadata=meta,
         ).operation
         samplers[tenant] = done(tenant, saved).checkpoint.name
-    return _Case(servicer, bg, channel, stub, keys, samplers, done)
+    return _Case(servicer, bg, channel, stub, keys, runs, samplers, done)
 
 
 def _auth(key: str) -> list[tuple[str, str]]:
@@ -213,56 +215,118 @@ def _sampling_window(
             for c in done(name, op).sample.completions:
                 got.setdefault(name, []).append(list(c.output_ids))
 
-    threads = [threading.Thread(target=tenant, args=(i, name)) for i, name in enumerate(samplers)]
+    elapsed = _in_threads(tenant, list(samplers))
+    tokens = sum(len(c) for cs in got.values() for c in cs)
+    return tokens / elapsed, got
+
+
+def _forward_window(case: _Case, args: argparse.Namespace) -> tuple[float, dict[str, list[float]]]:
+    """Every tenant makes ``--batch-calls`` forward-only calls at once (2 datums of unequal
+    length); (tokens per second, each tenant's log-probs)."""
+    vocab = case.servicer.engine.vocab_size
+    got: dict[str, list[float]] = {}
+
+    def tenant(i: int, name: str) -> None:
+        for k in range(args.batch_calls):
+            data = [
+                pb.Datum(input_tokens=s[:-1], target_tokens=s[1:], weights=[1.0] * (len(s) - 1))
+                for s in (
+                    batch(1, args.tokens, vocab, seed=10 * i + k)[0],
+                    batch(1, args.tokens // 2 + i, vocab, seed=10 * i + k + 5)[0],
+                )
+            ]
+            op = case.stub.ForwardBackward(
+                pb.ForwardBackwardRequest(
+                    training_run=case.runs[name],
+                    data=data,
+                    loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY,
+                    forward_only=True,
+                ),
+                metadata=_auth(case.keys[name]),
+            ).operation
+            for out in case.done(name, op).forward_backward.outputs:
+                got.setdefault(name, []).extend(out.logprobs)
+
+    elapsed = _in_threads(tenant, list(case.runs))
+    return sum(len(v) for v in got.values()) / elapsed, got
+
+
+def _in_threads(target: Callable[[int, str], None], tenants: list[str]) -> float:
+    """Runs ``target(i, tenant)`` for every tenant at once; the seconds it took."""
+    threads = [threading.Thread(target=target, args=(i, t)) for i, t in enumerate(tenants)]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(c) for cs in got.values() for c in cs)
-    return tokens / elapsed, got
+    return time.perf_counter() - start
+
+
+def _alternate(
+    case: _Case, args: argparse.Namespace, window: Callable[..., tuple[float, dict[str, Any]]]
+) -> tuple[dict[bool, list[float]], dict[bool, dict[str, Any]]]:
+    """A warm-up, then ``--batch-repeats`` pairs of windows, one call at a time and batched:
+    (rates, the last outputs) by batching."""
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    seen: dict[bool, dict[str, Any]] = {}
+    case.servicer.batching = True
+    window(case, args)
+    for _ in range(args.batch_repeats):
+        for batching in (False, True):
+            case.servicer.batching = batching
+            rate, seen[batching] = window(case, args)
+            rates[batching].append(rate)
+            mode = "batched" if batching else "one at a time"
+            print(f"  {window.__name__} window, {mode}: {rate:.1f} tokens/s", flush=True)
+    return rates, seen
+
+
+def _report(bench: str, what: str, rates: dict[bool, list[float]], same: str) -> None:
+    for batching in (False, True):
+        r = rates[batching]
+        print(
+            f"{what}, {'batched' if batching else 'one at a time'}: median "
+            f"{statistics.median(r):.1f} tokens/s (range {min(r):.1f}-{max(r):.1f} over "
+            f"{len(r)} windows)",
+            flush=True,
+        )
+    ratios = [b / u for b, u in zip(rates[True], rates[False], strict=True)]
+    print(f"per-window ratio {min(ratios):.2f}-{max(ratios):.2f}; {same}", flush=True)
+    value, base = statistics.median(rates[True]), statistics.median(rates[False])
+    result(bench, value, "tokens/s", base, "none")
 
 
 def batching_case(args: argparse.Namespace) -> None:
     """``tinker_sample_batched_<n>``: n tenants sample at once (each its own adapter, seeded,
-    prompts of unequal length), with the service batching their calls and one call at a
-    time, in alternating windows; ratio = batched tokens/s / one-at-a-time tokens/s."""
+    prompts of unequal length); ``tinker_forward_batched_<n>``: they make forward-only calls
+    at once. Each with the service batching their calls and one call at a time, in
+    alternating windows; ratio = batched tokens/s / one-at-a-time tokens/s."""
     n = args.batch_tenants
     case = _grpc_case_setup(args.model, n, args.rank)
-    servicer = case.servicer
     try:
-        rates: dict[bool, list[float]] = {False: [], True: []}
-        seen: dict[bool, dict[str, list[list[int]]]] = {}
-        servicer.batching = True
-        _sampling_window(case, args)  # warm-up
-        for _ in range(args.batch_repeats):
-            for batching in (False, True):
-                servicer.batching = batching
-                rate, seen[batching] = _sampling_window(case, args)
-                rates[batching].append(rate)
-                mode = "batched" if batching else "one at a time"
-                print(f"  window, {mode}: {rate:.1f} tokens/s", flush=True)
+        rates, seen = _alternate(case, args, _sampling_window)
         same = seen[False] == seen[True]
-        for batching in (False, True):
-            r = rates[batching]
-            print(
-                f"{n} tenants sampling, {'batched' if batching else 'one at a time'}: "
-                f"median {statistics.median(r):.1f} tokens/s (range {min(r):.1f}-{max(r):.1f} "
-                f"over {len(r)} windows)",
-                flush=True,
-            )
-        ratios = [b / u for b, u in zip(rates[True], rates[False], strict=True)]
-        print(
-            f"per-window ratio {min(ratios):.2f}-{max(ratios):.2f}; the same seeds gave the "
-            f"same tokens batched and alone: {same}",
-            flush=True,
+        _report(
+            f"tinker_sample_batched_{n}",
+            f"{n} tenants sampling",
+            rates,
+            f"the same seeds gave the same tokens batched and alone: {same}",
         )
-        value, base = statistics.median(rates[True]), statistics.median(rates[False])
-        result(f"tinker_sample_batched_{n}", value, "tokens/s", base, "none")
+        rates, seen = _alternate(case, args, _forward_window)
+        worst = max(
+            abs(a - b)
+            for t in seen[False]
+            for a, b in zip(seen[False][t], seen[True][t], strict=True)
+        )
+        _report(
+            f"tinker_forward_batched_{n}",
+            f"{n} tenants' forward passes",
+            rates,
+            f"log-probs batched vs alone differ by at most {worst:.2g}",
+        )
     finally:
         case.channel.close()
-        case.server.call(servicer.stop())
+        case.server.call(case.servicer.stop())
         case.server.stop()
 
 
