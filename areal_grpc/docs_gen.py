@@ -209,11 +209,26 @@ class _Renderer:
         full = f"{f.package}.{s.name}"
         self.heading(3, full, f"service `{s.name}`")
         self.paragraph(comments, (_FILE_SERVICE, i))
-        for j, m in enumerate(s.method):
+        signatures = []
+        for m in s.method:
             request = ("stream " if m.client_streaming else "") + self.link(m.input_type)
             response = ("stream " if m.server_streaming else "") + self.link(m.output_type)
+            signatures.append((request, response))
+        # A summary first: every RPC of the service on one screen.
+        self.out += ["| RPC | request | response |", "|---|---|---|"]
+        for m, (request, response) in zip(s.method, signatures, strict=True):
+            link = f"[`{m.name}`](#{anchor(f'{full}.{m.name}')})"
+            self.out.append(f"| {link} | {request} | {response} |")
+        self.out.append("")
+        for j, (m, (request, response)) in enumerate(zip(s.method, signatures)):
             self.heading(4, f"{full}.{m.name}", f"`{s.name}.{m.name}`")
-            self.out += [f"{request} → {response}", ""]
+            line = f"{request} → {response}"
+            level = m.options.idempotency_level
+            if level:
+                # The retry contract a client may rely on (descriptor.proto's MethodOptions).
+                words = {1: "no side effects", 2: "idempotent"}.get(level, "")
+                line += f" · {words}" if words else ""
+            self.out += [line, ""]
             self.paragraph(comments, (_FILE_SERVICE, i, _SERVICE_METHOD, j))
 
     def message(

@@ -59,7 +59,12 @@ def test_every_rpc_is_documented_with_its_types_and_streaming(
                 heading = f"#### `{s.name}.{m.name}`"
                 assert heading in page
                 signature = page.split(heading, 1)[1].split("\n\n", 2)[1]
+                signature, _, idempotency = signature.partition(" · ")
                 request, response = signature.split(" → ")
+                level = {"": 0, "no side effects": 1, "idempotent": 2}[idempotency]
+                assert level == m.options.idempotency_level, heading
+                # And in the service's summary table.
+                assert f"#{anchor(f'{f.package}.{s.name}.{m.name}')}) | {request} | " in page
                 assert request.startswith("stream ") == m.client_streaming, signature
                 assert response.startswith("stream ") == m.server_streaming, signature
                 assert f"#{anchor(m.input_type.lstrip('.'))})" in request
@@ -95,6 +100,8 @@ def test_tables_are_well_formed_and_every_link_has_its_target(page: str) -> None
             width = 3
         elif line.startswith("| file |"):
             width = 2
+        elif line.startswith("| RPC |"):
+            width = 3
         if line.startswith("|"):
             cells = re.split(r"(?<!\\)\|", line)[1:-1]
             assert len(cells) == width, line
