@@ -220,7 +220,7 @@ class _Renderer:
             link = f"[`{m.name}`](#{anchor(f'{full}.{m.name}')})"
             self.out.append(f"| {link} | {request} | {response} |")
         self.out.append("")
-        for j, (m, (request, response)) in enumerate(zip(s.method, signatures)):
+        for j, (m, (request, response)) in enumerate(zip(s.method, signatures, strict=True)):
             self.heading(4, f"{full}.{m.name}", f"`{s.name}.{m.name}`")
             line = f"{request} → {response}"
             level = m.options.idempotency_level
