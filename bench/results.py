@@ -125,6 +125,15 @@ def machine() -> str:
     return words
 
 
+def load_average() -> float | None:
+    """The machine's 1-minute load average when the line is recorded (None where the OS has
+    none): on a shared machine it says how much else was running."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def _finite(x: float) -> float | None:
     """JSON has no NaN or infinity: such a figure is stored as null."""
     return float(x) if math.isfinite(x) else None
@@ -137,8 +146,8 @@ def record(
     now: dt.datetime | None = None,
     argv: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Appends one RESULT line's fields, with the commit, date (UTC), machine and command, to
-    the results file as one JSON object; returns it."""
+    """Appends one RESULT line's fields, with the commit, date (UTC), machine, load average
+    and command, to the results file as one JSON object; returns it."""
     when = (now or dt.datetime.now(dt.timezone.utc)).astimezone(dt.timezone.utc)
     entry = {
         "bench": str(line["bench"]),
@@ -150,6 +159,7 @@ def record(
         "commit": commit(),
         "date": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": machine(),
+        "load": load_average(),
         "command": shlex.join(["python", *(sys.argv if argv is None else argv)]),
     }
     path = path or results_file()
@@ -210,7 +220,9 @@ def markdown(entries: Iterable[Mapping[str, Any]]) -> str:
         "machine: run a bench with `AREAL_BENCH_RECORD=1` to add its lines, then "
         "`./scripts/gen-docs`. `ratio` is value / baseline unless the bench says otherwise; "
         "`target` is the ratio the bench aims for (`none`: it gates nothing). A commit ending "
-        "in `+changes` was measured on a tree with uncommitted changes.",
+        "in `+changes` was measured on a tree with uncommitted changes; `load` is the "
+        "machine's 1-minute load average when the line was recorded (above its core count, "
+        "other work shared the machine and the figures are low).",
         "",
     ]
     if not by_bench:
@@ -227,10 +239,15 @@ def markdown(entries: Iterable[Mapping[str, Any]]) -> str:
     out += ["", "## History", ""]
     for bench, runs in sorted(by_bench.items()):
         out += [f'<a id="{anchor(bench)}"></a>', "", f"### `{bench}`", ""]
-        out += ["| " + header.removeprefix("| ") + " machine | command |", rule + "---|---|"]
+        out += [
+            "| " + header.removeprefix("| ") + " machine | load | command |",
+            rule + "---|---|---|",
+        ]
         for e in reversed(runs):
             m = machines.index(e["machine"]) + 1
-            out.append(_row(e, name=False) + f" {m} | `{_cell(e['command'])}` |")
+            # Lines recorded before the load was kept have none.
+            load = _num(e.get("load"))
+            out.append(_row(e, name=False) + f" {m} | {load} | `{_cell(e['command'])}` |")
         out.append("")
     out += ["## Machines", ""]
     out += [f"{i}. {_cell(m)}" for i, m in enumerate(machines, 1)]
