@@ -859,6 +859,12 @@ class TinkerConfig:
     retry_after_s: float = setting(
         1.0, help="The retry delay a quota refusal names (RetryInfo, Retry-After).", gt=0.0
     )
+    batch_calls: bool = setting(
+        True,
+        help="Queued sample and forward-only calls of different runs go through the base model "
+        "as one batch, each row with its own adapter, in round-robin order; each call gets "
+        "what it gets alone (false: one call at a time).",
+    )
 
 
 @dataclass

@@ -286,12 +286,10 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         root: Path,
         base_model_names: Sequence[str],
         tokenizer_id: str = "",
-        *,
-        batching: bool = True,
     ) -> None:
         self.engine = engine
-        # Whether calls that change nothing may share a batch (off: one call at a time).
-        self.batching = batching
+        # Whether calls that change nothing may share a batch (tinker.batch_calls).
+        self.batching = cfg.batch_calls
         self.cfg = cfg
         self.tenants = tenants
         self.root = root
