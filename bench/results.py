@@ -103,7 +103,10 @@ def commit() -> str:
     head = _git("rev-parse", "--short=12", "HEAD")
     if not head:
         return "unknown"
-    changed = _git("status", "--porcelain", "--untracked-files=no")
+    # The results file itself changes with every recorded line: not a change of the tree.
+    changed = _git(
+        "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results.jsonl"
+    )
     return f"{head}+changes" if changed else head
 
 
