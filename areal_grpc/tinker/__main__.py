@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -30,6 +31,7 @@ import uvicorn
 from areal_clients.tinker.app import Face, create_app
 from areal_servers.lora_training.__main__ import SECTIONS, tinker_root
 
+from areal_grpc.cli import run_channel_options
 from areal_grpc.config import RunConfig, load_config, preflight
 from areal_grpc.errors import FieldError
 from areal_grpc.launch import (
@@ -42,6 +44,7 @@ from areal_grpc.launch import (
 )
 from areal_grpc.ports import http_listener
 from areal_grpc.security import is_loopback
+from areal_grpc.server import set_default_channel_options
 from areal_grpc.server_config import add_run_config_args, config_argv
 
 DEFAULT_SOURCE = "smollm2-135m-instruct"
@@ -58,13 +61,14 @@ def config_from_args(argv: Sequence[str] | None) -> RunConfig:
     defaults = json.dumps({"model": {"source": DEFAULT_SOURCE}})
     cfg = load_config([defaults, *(args.config or [])], args.overrides, sections=SECTIONS)
     preflight(cfg, SECTIONS)
-    if not is_loopback(cfg.tinker.host) and not cfg.security.allow_plaintext:
+    tls = bool(cfg.security.tls_cert and cfg.security.tls_key)
+    if not tls and not is_loopback(cfg.tinker.host) and not cfg.security.allow_plaintext:
         # API keys travel in every request: not in the clear beyond this machine by accident.
         raise FieldError(
             "tinker.host",
-            f"{cfg.tinker.host} is not loopback and the service speaks plaintext HTTP and gRPC "
-            "(no TLS yet): bind 127.0.0.1, or set security.allow_plaintext=true behind a "
-            "TLS-terminating proxy",
+            f"{cfg.tinker.host} is not loopback and the service would speak plaintext HTTP "
+            "and gRPC: set security.tls_cert, tls_key and tls_ca (HTTPS and TLS), bind "
+            "127.0.0.1, or set security.allow_plaintext=true behind a TLS-terminating proxy",
         )
     return cfg
 
@@ -127,9 +131,22 @@ async def serve(cfg: RunConfig) -> None:
         Path(cfg.output.dir).resolve() / "logs",
     )
     child = await asyncio.to_thread(service.start)
+    sec = cfg.security
+    # The face's channel to the service speaks the run's TLS; a tenant's API key, not the
+    # run's token, is each call's credential.
+    set_default_channel_options(dataclasses.replace(run_channel_options(sec), auth_token=None))
     app = create_app(child.address)
     sock, address = http_listener(t.host, t.port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    tls = bool(sec.tls_cert and sec.tls_key)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="on",
+            ssl_certfile=sec.tls_cert if tls else None,
+            ssl_keyfile=sec.tls_key if tls else None,
+        )
+    )
     # Stopped here, so that the training service is stopped after the face.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
@@ -138,7 +155,7 @@ async def serve(cfg: RunConfig) -> None:
     # LISTENING first: launchers (areal_grpc.launch.start_child) wait for it.
     print(f"{LISTENING}{address}", flush=True)
     print(f"GRPC {child.address}", flush=True)
-    print(f"TINKER http://{address}", flush=True)
+    print(f"TINKER {'https' if tls else 'http'}://{address}", flush=True)
     supervisor = asyncio.create_task(supervise(service, app.state.face, server))
     try:
         await server.serve(sockets=[sock])

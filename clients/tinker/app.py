@@ -34,6 +34,7 @@ from google.rpc import error_details_pb2
 
 from areal_grpc.durations import duration
 from areal_grpc.errors import field_violations, retry_delay_s
+from areal_grpc.server import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +258,8 @@ class Face:
     @property
     def stub(self) -> pb_grpc.LoraTrainingServiceStub:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            # The process's channel options: the run's TLS (see areal_grpc.tinker).
+            self._channel = aio_channel(self.address)
         return pb_grpc.LoraTrainingServiceStub(self._channel)
 
     async def close(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -20,12 +21,13 @@ from areal_servers.lora_training.engine import LoraEngine
 from areal_servers.lora_training.service import LoraTrainingServicer, Tenants
 from arealgrpc.v1 import lora_training_pb2, lora_training_pb2_grpc
 
+from areal_grpc.cli import run_server_options
 from areal_grpc.config import RunConfig, read_tenants
 from areal_grpc.errors import FieldError
 from areal_grpc.launch import LISTENING
 from areal_grpc.model import resolve_source
 from areal_grpc.paths import write_marker
-from areal_grpc.server import ServerOptions, serve_until_signal, service, start_server
+from areal_grpc.server import serve_until_signal, service, start_server
 from areal_grpc.server_config import add_run_config_args, run_config_from_args
 
 SECTIONS = ("model", "output", "security", "tinker")
@@ -68,7 +70,8 @@ async def serve(run: RunConfig) -> None:
                 lora_training_pb2,
             )
         ],
-        ServerOptions(host=t.host, port=t.grpc_port, allow_plaintext=run.security.allow_plaintext),
+        # The run's TLS; not its bearer token: a tenant's API key is every call's credential.
+        dataclasses.replace(run_server_options(run.security, t.host, t.grpc_port), auth_token=None),
     )
     await servicer.start()
     print(f"{LISTENING}{running.address}", flush=True)

@@ -29,6 +29,14 @@ def test_plaintext_beyond_loopback_is_refused_unless_allowed():
     assert allowed.tinker.host == "0.0.0.0"
 
 
+def test_tls_serves_beyond_loopback(pki: dict[str, str]):
+    tls = [
+        f"security.{k}={pki[v]}"
+        for k, v in (("tls_cert", "server_cert"), ("tls_key", "server_key"), ("tls_ca", "ca"))
+    ]
+    assert config_from_args(["tinker.host=0.0.0.0", *tls]).tinker.host == "0.0.0.0"
+
+
 def test_a_missing_tenants_file_is_named_at_launch(tmp_path: Path):
     with pytest.raises(FieldError) as err:
         config_from_args([f"tinker.tenants_file={tmp_path / 'none.json'}"])

@@ -1,0 +1,69 @@
+"""The Tinker-compatible service under the run's TLS: HTTPS for the SDK, TLS for its gRPC hop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from areal_grpc.launch import python_module_argv, start_child, stop_children
+
+MODEL = "builtin:tiny"
+KEY = "tml-tls-0123456789abcdefgh"
+SEQ = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def test_the_sdk_trains_over_https_and_nothing_answers_in_plaintext(
+    pki: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """With security.tls_* the face serves HTTPS with the run's certificate (and the gRPC
+    service behind it TLS): the unchanged SDK, trusting the run's CA, trains a run; plain
+    HTTP and a client that does not trust the CA get no answer."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tls": KEY}))
+    child = start_child(
+        "tinker-tls",
+        python_module_argv(
+            "areal_grpc.tinker",
+            f"model.source={MODEL}",
+            f"output.dir={tmp_path / 'run'}",
+            f"tinker.tenants_file={tenants}",
+            f"security.tls_cert={pki['server_cert']}",
+            f"security.tls_key={pki['server_key']}",
+            f"security.tls_ca={pki['ca']}",
+        ),
+        log_dir=tmp_path / "logs",
+    )
+    try:
+        url = f"https://{child.address}"
+        out = (tmp_path / "logs" / "tinker-tls.log").read_text()
+        assert f"TINKER {url}" in out
+        # Plain HTTP to the same port: the TLS handshake fails it, no answer comes.
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://{child.address}/api/v1/healthz", timeout=10)
+        # A client that does not trust the run's CA is refused by the handshake.
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/api/v1/healthz", timeout=10)
+        monkeypatch.setenv("SSL_CERT_FILE", pki["ca"])
+        tc = (
+            tinker.ServiceClient(base_url=url, api_key=KEY)
+            .create_lora_training_client(base_model=MODEL, rank=4, seed=1)
+            .result()
+        )
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(SEQ[:-1]),
+            loss_fn_inputs={"target_tokens": SEQ[1:], "weights": [1.0] * (len(SEQ) - 1)},
+        )
+        losses = []
+        for _ in range(5):
+            fb = tc.forward_backward([datum], "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+            losses.append(fb.result().metrics["loss:sum"])
+        assert losses[-1] < losses[0]
+    finally:
+        stop_children([child])
