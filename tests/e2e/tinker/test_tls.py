@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -41,8 +42,12 @@ def test_the_sdk_trains_over_https_and_nothing_answers_in_plaintext(
     )
     try:
         url = f"https://{child.address}"
-        out = (tmp_path / "logs" / "tinker-tls.log").read_text()
-        assert f"TINKER {url}" in out
+        # Printed just after LISTENING, which start_child waits for.
+        log = tmp_path / "logs" / "tinker-tls.log"
+        deadline = time.monotonic() + 30
+        while f"TINKER {url}" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert f"TINKER {url}" in log.read_text()
         # Plain HTTP to the same port: the TLS handshake fails it, no answer comes.
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://{child.address}/api/v1/healthz", timeout=10)
