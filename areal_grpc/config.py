@@ -703,6 +703,13 @@ class RolloutSupervision:
         "forever.",
         gt=0,
     )
+    max_failed_episodes: int = setting(
+        64,
+        help="Episodes failed in a row, none accepted in between, after which the run stops "
+        "with the last error (a reward or workflow that raises on every item); one now and "
+        "then is forgotten at the next accepted group.",
+        ge=1,
+    )
 
 
 @dataclass

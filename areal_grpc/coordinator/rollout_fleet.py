@@ -65,19 +65,14 @@ RESTART_BACKOFF_MAX_S = 30.0
 REPLACE_GRACE_S = 2.0
 
 
-# Failed episodes in a row, none accepted in between, after which the run stops. The same
-# error on every episode (a reward function or workflow that raises on every item) would
-# otherwise go through the dataset forever, flooding the log; an error now and then (a judge
-# that timed out) is forgotten at the next accepted group.
-FAILED_IN_A_ROW = 64
-
-
 class RolloutFleetLost(RuntimeError):
     """No rollout server was in rotation for ``fault_tolerance.rollout.no_server_timeout_s``."""
 
 
 class EpisodesFailing(RolloutFleetLost):
-    """:data:`FAILED_IN_A_ROW` episodes in a row failed: the run cannot make progress."""
+    """``fault_tolerance.rollout.max_failed_episodes`` episodes in a row failed: the run
+    cannot make progress (the same error on every episode would otherwise go through the
+    dataset forever, flooding the log)."""
 
 
 class StreamLike(Protocol):
@@ -216,7 +211,7 @@ class RolloutFleet:
         # Set (with the error) when the run cannot go on: no server for too long.
         self._fatal = asyncio.Event()
         self._fatal_error: BaseException | None = None
-        # Episodes that failed since the last accepted one (see FAILED_IN_A_ROW).
+        # Episodes that failed since the last accepted one (see max_failed_episodes).
         self.failed_in_a_row = 0
 
     # -- membership --------------------------------------------------------------------------
@@ -388,10 +383,10 @@ class RolloutFleet:
             self.take_out(ep)
 
     def episode_failed(self, address: str, reason: str) -> None:
-        """Counts a failed episode; at :data:`FAILED_IN_A_ROW` in a row the run stops with
+        """Counts a failed episode; at ``max_failed_episodes`` in a row the run stops with
         :class:`EpisodesFailing`, naming the last error."""
         self.failed_in_a_row += 1
-        if self.failed_in_a_row >= FAILED_IN_A_ROW and not self._fatal.is_set():
+        if self.failed_in_a_row >= self.cfg.max_failed_episodes and not self._fatal.is_set():
             self._fatal_error = EpisodesFailing(
                 f"{self.failed_in_a_row} episodes in a row failed and none was accepted; the "
                 f"last, on {address}: {reason} (the rollout server's log has the traceback)"

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from areal_grpc.config import RolloutSupervision
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.data import load_file
 from areal_grpc.model import load_tokenizer
@@ -158,7 +159,7 @@ def test_a_wrong_reward_path_stops_the_run_at_start_naming_the_setting(
 def test_a_reward_that_raises_on_every_sample_stops_the_run_naming_the_error(
     tmp_path, coordinator_command, monkeypatch
 ) -> None:
-    from areal_grpc.coordinator.rollout_fleet import FAILED_IN_A_ROW
+    bound = RolloutSupervision().max_failed_episodes
 
     module = tmp_path / "mods" / "broken_reward.py"
     module.parent.mkdir()
@@ -176,7 +177,7 @@ def test_a_reward_that_raises_on_every_sample_stops_the_run_naming_the_error(
         timeout=180,
     )
     assert code == 1, log
-    assert f"error: {FAILED_IN_A_ROW} episodes in a row failed and none was accepted" in log
+    assert f"error: {bound} episodes in a row failed and none was accepted" in log
     assert "KeyError: 'no_such_key'" in log
     # It stopped there instead of going through the dataset: no step was trained.
     assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]

@@ -10,10 +10,13 @@ import itertools
 import pytest
 from arealgrpc.v1 import rollout_pb2
 
-from areal_grpc.coordinator.rollout_fleet import FAILED_IN_A_ROW, EpisodesFailing
+from areal_grpc.coordinator.rollout_fleet import EpisodesFailing
 from tests.support import fakes
 from tests.support.coordinator import small_run, trained_groups
 from tests.support.fakes import FakeMesh
+
+# fault_tolerance.rollout.max_failed_episodes for these runs (the default, 64, takes longer).
+BOUND = 16
 
 
 def answer_failed_when(monkeypatch: pytest.MonkeyPatch, fails) -> None:
@@ -40,11 +43,15 @@ def test_an_error_on_every_episode_stops_the_run_naming_it(tmp_path, monkeypatch
     answer_failed_when(monkeypatch, lambda: True)
     mesh = FakeMesh(rollouts=2)
     with pytest.raises(EpisodesFailing, match=r"KeyError: 'no_such_key'") as err:
-        mesh.run(small_run(tmp_path, "total_steps=5"))
-    assert f"{FAILED_IN_A_ROW} episodes in a row failed" in str(err.value)
+        mesh.run(
+            small_run(
+                tmp_path, "total_steps=5", f"fault_tolerance.rollout.max_failed_episodes={BOUND}"
+            )
+        )
+    assert f"{BOUND} episodes in a row failed" in str(err.value)
     # It stopped soon after the bound: what was in flight then, not the dataset.
     sent = sum(len(s.received) for s in mesh.rollouts.values())
-    assert FAILED_IN_A_ROW <= sent < 2 * FAILED_IN_A_ROW
+    assert BOUND <= sent < 2 * BOUND
 
 
 def test_an_error_now_and_then_does_not_stop_the_run(tmp_path, monkeypatch):
@@ -52,7 +59,13 @@ def test_an_error_now_and_then_does_not_stop_the_run(tmp_path, monkeypatch):
     # in a row.
     flips = itertools.cycle([True, False])
     answer_failed_when(monkeypatch, lambda: next(flips))
-    steps = FAILED_IN_A_ROW  # 2 groups a step: as many failures as the bound over the run
+    steps = 2 * BOUND  # 2 groups a step: twice as many failures as the bound over the run
     mesh = FakeMesh(rollouts=1)
-    mesh.run(small_run(tmp_path, f"total_steps={steps}"))
+    mesh.run(
+        small_run(
+            tmp_path,
+            f"total_steps={steps}",
+            f"fault_tolerance.rollout.max_failed_episodes={BOUND}",
+        )
+    )
     assert len(trained_groups(tmp_path / "run")) == 2 * steps
