@@ -115,6 +115,8 @@ class Recovery:
         restart, while ``fault_tolerance.trainer.max_restarts`` allows.
         """
         failed_at = self.pool.global_step
+        # This recovery answers a failure reported by a server's rejoin too.
+        self.fleet.clear_trainer_failure()
         while True:
             if self.restarts >= self.max_restarts:
                 raise TrainerGroupFailed(

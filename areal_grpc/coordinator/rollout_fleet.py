@@ -211,6 +211,11 @@ class RolloutFleet:
         # Set (with the error) when the run cannot go on: no server for too long.
         self._fatal = asyncio.Event()
         self._fatal_error: BaseException | None = None
+        # Set (with the error) when the trainer group failed while bringing a server back:
+        # the step waiting for rollouts raises it, so that the group is recovered (with no
+        # server in rotation no step reaches the ranks to find out otherwise).
+        self._trainers_failed = asyncio.Event()
+        self._trainers_error: BaseException | None = None
         # Episodes that failed since the last accepted one (see max_failed_episodes).
         self.failed_in_a_row = 0
 
@@ -547,15 +552,27 @@ class RolloutFleet:
             self._fatal.set()
         return since, said
 
+    def trainer_group_failed(self, error: BaseException) -> None:
+        """The trainer group failed outside a step (see :meth:`unless_lost`)."""
+        self._trainers_error = error
+        self._trainers_failed.set()
+
+    def clear_trainer_failure(self) -> None:
+        """Forgets a reported trainer group failure (a recovery is under way)."""
+        self._trainers_error = None
+        self._trainers_failed.clear()
+
     async def unless_lost(self, call: Awaitable[T]) -> T:
         """Awaits ``call``, unless the fleet is lost meanwhile (then raises
-        :class:`RolloutFleetLost`)."""
+        :class:`RolloutFleetLost`) or the trainer group failed while bringing a server back
+        (then raises that failure, for the caller's recovery)."""
         task = asyncio.ensure_future(call)
         fatal = asyncio.ensure_future(self._fatal.wait())
+        trainers = asyncio.ensure_future(self._trainers_failed.wait())
         try:
-            await asyncio.wait({task, fatal}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, fatal, trainers}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (task, fatal):
+            for t in (task, fatal, trainers):
                 # Cancelled until it is done: asyncio.wait_for before Python 3.12 may swallow
                 # a cancel that arrives as its inner wait completes (the pool's wait_change,
                 # whose event fires on every result), and the call would then run on forever.
@@ -564,8 +581,12 @@ class RolloutFleet:
                     await asyncio.wait({t}, timeout=1.0)
         if task.done() and not task.cancelled():
             return task.result()
-        assert self._fatal_error is not None
-        raise self._fatal_error
+        if self._fatal_error is not None and self._fatal.is_set():
+            raise self._fatal_error
+        error = self._trainers_error
+        assert error is not None
+        self.clear_trainer_failure()
+        raise error
 
     # -- bringing servers back ---------------------------------------------------------------
 

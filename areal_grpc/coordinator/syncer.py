@@ -156,17 +156,24 @@ class WeightSyncer:
                         return False
                     # Every rank publishes its current weights, which are the run's version:
                     # the lock keeps us between a step's TrainStep and its sync.
-                    outcome = await self.update(
-                        self.trainers.addresses,
-                        [ep.address],
-                        list(self.cfg.methods),
-                        self.cfg.timeout_s,
-                        self.health_timeout_s,
+                    # Watched as a step's sync is: a rank that dies during the publish would
+                    # otherwise hold the others in their collective until the update's
+                    # timeout, with no step to find it out while no server is in rotation.
+                    outcome = await self.trainers.watched(
+                        self.update(
+                            self.trainers.addresses,
+                            [ep.address],
+                            list(self.cfg.methods),
+                            self.cfg.timeout_s,
+                            self.health_timeout_s,
+                        )
                     )
                     if ep.address in outcome.failed or outcome.version != self.pool.version:
                         return False
             except Exception as exc:
                 log.warning("rollout server %s could not rejoin: %s", ep.address, exc)
+                if TrainerGroup.is_group_failure(exc):
+                    fleet.trainer_group_failed(exc)
                 return False
             fleet.open_stream(ep)
             self.pool.notify()

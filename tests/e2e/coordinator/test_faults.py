@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,52 @@ def test_a_lost_trainer_rank_restarts_the_group_from_the_checkpoint_and_the_run_
     )
     for b in read_jsonl(out / "batches.jsonl"):
         assert all(g["min_version"] >= b["version"] - 1 for g in b["groups"]), b
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_while_no_rollout_server_serves_is_found_when_one_rejoins(tmp_path):
+    """The only rollout server freezes (out of rotation), a trainer rank dies, the server
+    thaws: with no step running, only its rejoin reaches the ranks. Its weight update must
+    find the lost rank (and the run recover) instead of waiting in the survivor's collective
+    until weight_sync.timeout_s (seen in CI: the run stalled for minutes)."""
+    steps = ECHO_PROMPTS // 2
+    cfg = small_run(
+        tmp_path,
+        f"total_steps={steps}",
+        "checkpoint.every_steps=3",
+        "fault_tolerance.trainer.health_interval_s=1",
+        "fault_tolerance.trainer.health_timeout_s=2",
+        "fault_tolerance.rollout.health_interval_s=1",
+        "fault_tolerance.rollout.health_timeout_s=2",
+        "weight_sync.timeout_s=600",
+    )
+    out = Path(cfg.output.dir)
+    fired: list[bool] = []
+    with local_mesh(cfg, tmp_path) as mesh:
+        rollout = next(c for c in mesh.children if c.name.startswith("rollout-"))
+        trainer = next(c for c in mesh.children if c.name == "trainer-1")
+
+        def chaos() -> None:
+            rollout.process.send_signal(signal.SIGSTOP)
+            time.sleep(5.0)  # its health checks fail: out of rotation, no batch comes
+            trainer.process.send_signal(signal.SIGKILL)
+            time.sleep(1.0)
+            rollout.process.send_signal(signal.SIGCONT)
+
+        def after_step_4(record: dict[str, Any]) -> None:
+            if record["step"] == 4 and not fired:
+                fired.append(True)
+                threading.Thread(target=chaos, daemon=True).start()
+
+        async def restart(addresses: Sequence[str]) -> list[str]:
+            return await asyncio.to_thread(mesh.restart_trainers, cfg)
+
+        result, served = run_to_the_end(cfg, mesh, after_step_4, restart)
+
+    assert fired and result.steps == steps and result.trainer_restarts == 1
+    [recovery] = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "recovery"]
+    assert recovery["failed_at_step"] >= 4
+    assert served == [result.version]
 
 
 @pytest.mark.slow
