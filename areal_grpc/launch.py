@@ -233,6 +233,30 @@ async def check_health(address: str, service: str = "", timeout_s: float = 5.0) 
     return await asyncio.to_thread(health_status, address, service, timeout_s)
 
 
+# Run as ``python -c _PDEATHSIG_EXEC <parent pid> argv...``: asks the kernel to SIGKILL this
+# process when its parent dies, then becomes the real program (the setting survives exec).
+# The parent check closes the race of a parent dying before prctl.
+_PDEATHSIG_EXEC = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):
+    pass  # not Linux: the parent's own stop is the only clean-up
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def dies_with_this_process(argv: Sequence[str]) -> list[str]:
+    """``argv`` (an interpreter first) wrapped so that the child is killed when this process
+    dies, even by SIGKILL, which leaves no chance to stop it (Linux; elsewhere as is).
+
+    The kernel ties the child to the thread that starts it: start it from a thread that
+    lives as long as this process (the main one, or a pool's worker)."""
+    return [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *argv]
+
+
 def stop_children(children: Sequence[Child], grace_s: float = 15.0) -> dict[str, int]:
     """SIGTERM every child, wait up to ``grace_s``, SIGKILL stragglers; returns exit codes.
 

@@ -58,6 +58,7 @@ from areal_grpc.launch import (
     Child,
     LaunchError,
     child_env,
+    dies_with_this_process,
     start_child,
     stop_children,
 )
@@ -68,19 +69,6 @@ __all__ = ["RayMesh", "ServerActor", "bundle_layout", "start_ray_mesh"]
 
 log = logging.getLogger(__name__)
 
-# Run as ``python -c _PDEATHSIG_EXEC <parent pid> argv...``: asks the kernel to SIGKILL this
-# process when its parent (the actor) dies, then becomes the real server (the setting
-# survives exec). The parent check closes the race of a parent dying before prctl.
-_PDEATHSIG_EXEC = """\
-import ctypes, os, signal, sys
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-except (AttributeError, OSError):
-    pass  # not Linux: the actor's stop() is the only clean-up
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(1)
-os.execv(sys.argv[2], sys.argv[2:])
-"""
 
 # Grace period for SIGTERM before SIGKILL, per server.
 STOP_GRACE_S = 15.0
@@ -110,7 +98,7 @@ class ServerActor:
         """Starts ``argv`` (with this node's interpreter); returns address and pid."""
         # The driver's interpreter path may not exist here; the module and arguments do.
         real = [sys.executable, *argv[1:]]
-        wrapped = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *real]
+        wrapped = dies_with_this_process(real)
         self.child = start_child(
             name, wrapped, log_dir=Path(log_dir), env=env, ready_timeout_s=timeout_s
         )

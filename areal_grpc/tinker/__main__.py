@@ -38,6 +38,7 @@ from areal_grpc.launch import (
     LISTENING,
     Child,
     LaunchError,
+    dies_with_this_process,
     python_module_argv,
     start_child,
     stop_children,
@@ -127,7 +128,10 @@ async def serve(cfg: RunConfig) -> None:
         cfg.tinker.tenants_file = str(tenants)
         print(f"TENANT default key {key}", flush=True)
     service = Supervised(
-        python_module_argv("areal_servers.lora_training", *config_argv(cfg)),
+        # The service holds the model: it must not outlive this process, even a kill -9 of it.
+        dies_with_this_process(
+            python_module_argv("areal_servers.lora_training", *config_argv(cfg))
+        ),
         Path(cfg.output.dir).resolve() / "logs",
     )
     child = await asyncio.to_thread(service.start)
@@ -143,6 +147,8 @@ async def serve(cfg: RunConfig) -> None:
             app,
             log_level="warning",
             lifespan="on",
+            # SDK clients keep their connections open: a stop waits this long, not for them.
+            timeout_graceful_shutdown=5,
             ssl_certfile=sec.tls_cert if tls else None,
             ssl_keyfile=sec.tls_key if tls else None,
         )
