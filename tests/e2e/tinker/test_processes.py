@@ -3,7 +3,6 @@ stopped while SDK clients hold connections, not when it is killed with SIGKILL."
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -13,7 +12,8 @@ from pathlib import Path
 import pytest
 import tinker
 
-from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
+from areal_grpc.launch import Child, stop_children
+from tests.support.tinker import start_tinker
 
 MODEL = "builtin:tiny"
 KEY = "tml-proc-0123456789abcdefgh"
@@ -21,18 +21,7 @@ KEY = "tml-proc-0123456789abcdefgh"
 
 def start_service(tmp_path: Path) -> tuple[Child, int]:
     """The service on the tiny model; the pid of its training service child."""
-    tenants = tmp_path / "tenants.json"
-    tenants.write_text(json.dumps({"proc": KEY}))
-    child = start_child(
-        "tinker",
-        python_module_argv(
-            "areal_grpc.tinker",
-            f"model.source={MODEL}",
-            f"output.dir={tmp_path / 'run'}",
-            f"tinker.tenants_file={tenants}",
-        ),
-        log_dir=tmp_path / "logs",
-    )
+    child = start_tinker(tmp_path, {"proc": KEY}, MODEL)
     found = re.search(
         r"lora-training listening on \S+ \(pid (\d+)\)",
         (tmp_path / "logs" / "tinker.log").read_text(),

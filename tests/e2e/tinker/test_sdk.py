@@ -4,7 +4,6 @@ refusals of what is not served."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -17,7 +16,8 @@ import pytest
 import tinker
 from tinker import types
 
-from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
+from areal_grpc.launch import Child, stop_children
+from tests.support.tinker import start_tinker
 
 MODEL = "builtin:tiny"
 KEYS = {
@@ -46,19 +46,12 @@ class Service:
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     os.environ["TINKER_TELEMETRY"] = "0"
     out = tmp_path_factory.mktemp("tinker")
-    tenants = out / "tenants.json"
-    tenants.write_text(json.dumps(KEYS))
-    child = start_child(
-        "tinker",
-        python_module_argv(
-            "areal_grpc.tinker",
-            f"model.source={MODEL}",
-            f"output.dir={out / 'run'}",
-            f"tinker.tenants_file={tenants}",
-            f"tinker.max_runs_per_tenant={MAX_RUNS}",
-            "tinker.retry_after_s=3",
-        ),
-        log_dir=out / "logs",
+    child = start_tinker(
+        out,
+        KEYS,
+        MODEL,
+        f"tinker.max_runs_per_tenant={MAX_RUNS}",
+        "tinker.retry_after_s=3",
     )
     try:
         yield Service(child, f"http://{child.address}", out / "run" / "tinker")
@@ -293,18 +286,7 @@ def test_a_killed_training_service_fails_its_calls_clearly_and_is_restarted(
     happened (not minutes of retries), a new run works on the restarted service, and a state
     saved before the kill loads into it."""
     out = tmp_path_factory.mktemp("tinker-kill")
-    tenants = out / "tenants.json"
-    tenants.write_text(json.dumps(KEYS))
-    child = start_child(
-        "tinker",
-        python_module_argv(
-            "areal_grpc.tinker",
-            f"model.source={MODEL}",
-            f"output.dir={out / 'run'}",
-            f"tinker.tenants_file={tenants}",
-        ),
-        log_dir=out / "logs",
-    )
+    child = start_tinker(out, KEYS, MODEL)
     try:
         svc = Service(child, f"http://{child.address}", out / "run" / "tinker")
         sc = svc.client("alice")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -11,7 +10,8 @@ import pytest
 import tinker
 from tinker import types
 
-from areal_grpc.launch import python_module_argv, start_child, stop_children
+from areal_grpc.launch import stop_children
+from tests.support.tinker import start_tinker
 
 MODEL = "builtin:tiny"
 KEY = "tml-tls-0123456789abcdefgh"
@@ -25,20 +25,14 @@ def test_the_sdk_trains_over_https_and_nothing_answers_in_plaintext(
     service behind it TLS): the unchanged SDK, trusting the run's CA, trains a run; plain
     HTTP and a client that does not trust the CA get no answer."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    tenants = tmp_path / "tenants.json"
-    tenants.write_text(json.dumps({"tls": KEY}))
-    child = start_child(
-        "tinker-tls",
-        python_module_argv(
-            "areal_grpc.tinker",
-            f"model.source={MODEL}",
-            f"output.dir={tmp_path / 'run'}",
-            f"tinker.tenants_file={tenants}",
-            f"security.tls_cert={pki['server_cert']}",
-            f"security.tls_key={pki['server_key']}",
-            f"security.tls_ca={pki['ca']}",
-        ),
-        log_dir=tmp_path / "logs",
+    child = start_tinker(
+        tmp_path,
+        {"tls": KEY},
+        MODEL,
+        f"security.tls_cert={pki['server_cert']}",
+        f"security.tls_key={pki['server_key']}",
+        f"security.tls_ca={pki['ca']}",
+        name="tinker-tls",
     )
     try:
         url = f"https://{child.address}"
