@@ -29,7 +29,8 @@ The engine contract, and how vLLM is made to keep it:
   Either way every token carries the version it was generated under.
 * Weight updates: socket, stream and distributed hand :meth:`load_weights` a state dict; it
   is checked against the checkpoint's names and shapes (nothing changes on a mismatch),
-  written once as a safetensors file in shared memory, and loaded by our worker extension
+  staged in a safetensors file in shared memory that the next version is received straight
+  into (:mod:`areal_servers.rollout.weight_staging`), and loaded by our worker extension
   (:mod:`areal_servers.rollout.vllm_worker`) through vLLM's layerwise reload. Disk and shared
   memory updates arrive as safetensors files: :meth:`load_weight_files` checks their headers
   and the worker reads them directly.
@@ -73,14 +74,15 @@ from areal_servers.rollout.engine import (
     TokenEvent,
     TopLogprobs,
 )
+from areal_servers.rollout.weight_staging import StagedFile
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from areal_grpc.config import LoraSettings, VllmSettings
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.model import load_model, load_tokenizer, resolve_source
 from areal_grpc.model_source import is_builtin
 from areal_grpc.paths import remove_owned
+from areal_grpc.shared_memory import own_root
 
 __all__ = ["EXIT_ENGINE_DEAD", "VLLMEngine", "vllm_available"]
 
@@ -98,7 +100,6 @@ CPU_STEP_TOKENS = 4096
 # vLLM's LoRA slots take one of these ranks (vllm/config/lora.py, MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Shared memory for the weight file when it has room, else the temporary directory.
-SHM = Path("/dev/shm")
 WORKER_EXTENSION = "areal_servers.rollout.vllm_worker.WorkerExtension"
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
@@ -153,8 +154,9 @@ class VLLMEngine(InferenceEngine):
         self._adapters = AdapterBook()
         self._adapter_ids: dict[str, int] = {}
         self._unloads: set[asyncio.Task[None]] = set()
-        # Weight files being removed in the background (off the update's path).
-        self._removals: set[asyncio.Future[None]] = set()
+        # The file full updates are staged in (see weight_staging), and its directory.
+        self._staged: StagedFile | None = None
+        self._staging: Path | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._failure: str | None = None
         self._closed = False
@@ -167,6 +169,8 @@ class VLLMEngine(InferenceEngine):
         self.end_token_ids: frozenset[int] = frozenset()
         # Seconds the last full update took: writing its file, and vLLM's reload of it.
         self.last_load_s: tuple[float, float] = (0.0, 0.0)
+        # Bytes the last full update copied into its staged file (0: received in place).
+        self.last_staged_bytes = 0
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -283,7 +287,6 @@ class VLLMEngine(InferenceEngine):
         """Stops vLLM's processes and removes what this engine wrote."""
         self._closed = True
         self._gate.open()
-        await asyncio.gather(*list(self._removals), return_exceptions=True)
         tasks = [t for t in (self._watchdog, *self._unloads) if t is not None]
         for t in tasks:
             t.cancel()
@@ -300,6 +303,9 @@ class VLLMEngine(InferenceEngine):
                     await handler
             # vLLM sends SIGTERM, then kills what has not exited within its default 5 s.
             await asyncio.to_thread(llm.shutdown)
+        if self._staged is not None:
+            self._staged.path.unlink(missing_ok=True)
+            self._staged = None
         for path in self._owned:
             shutil.rmtree(path, ignore_errors=True)
         self._owned.clear()
@@ -532,8 +538,12 @@ class VLLMEngine(InferenceEngine):
                 return {}
             tensors = self._checked(state_dict)
             async with self._swapping(version):
-                await self._reload(tensors, version)
-        return dict(state_dict) if owned else {}
+                staged = await self._reload(tensors, version)
+        if not owned:
+            return {}
+        # The next version is received into the staged file itself.
+        staged.lent = set(staged.views)
+        return {**state_dict, **staged.views}
 
     def _check_newer(self, version: int) -> None:
         if version <= self._version:
@@ -621,36 +631,47 @@ class VLLMEngine(InferenceEngine):
         )
         return int(count[0]) if isinstance(count, list) else int(count)
 
-    async def _reload(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Writes the tensors once as a safetensors file and has the worker reload them."""
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        base = SHM if SHM.is_dir() and shutil.disk_usage(SHM).free > 2 * nbytes else None
-        scratch = Path(tempfile.mkdtemp(prefix="areal-vllm-weights-", dir=base))
-        path = scratch / f"v{version}.safetensors"
-        try:
-            start = time.perf_counter()
-            await asyncio.to_thread(
-                save_file, {n: t.detach().contiguous() for n, t in tensors.items()}, str(path)
-            )
-            written = time.perf_counter()
-            await self._llm.collective_rpc("areal_load_weights", args=(str(path),))
-            done = time.perf_counter()
-        finally:
-            # Off the update's path: freeing the file's pages (513 MiB for SmolLM2) takes
-            # 0.07 s here, which generation need not wait for.
-            removal = asyncio.ensure_future(
-                asyncio.to_thread(shutil.rmtree, scratch, ignore_errors=True)
-            )
-            self._removals.add(removal)
-            removal.add_done_callback(self._removals.discard)
+    async def _reload(self, tensors: dict[str, torch.Tensor], version: int) -> StagedFile:
+        """Puts the tensors in this engine's staged weight file (received there already when
+        they are its own views: see :mod:`weight_staging`) and has the worker reload it."""
+        start = time.perf_counter()
+        staged = self._staged
+        if staged is not None and staged.can_take(tensors):
+            copied = await asyncio.to_thread(staged.fill, tensors)
+        else:
+            # A new file: the old one's views may still be out receiving (they keep its
+            # memory until dropped), so it is never written again.
+            copied = sum(t.numel() * t.element_size() for t in tensors.values())
+            path = self._staging_dir(copied) / f"staged-v{version}.safetensors"
+            staged = await asyncio.to_thread(StagedFile.write, path, tensors)
+            old, self._staged = self._staged, staged
+            if old is not None:
+                old.path.unlink(missing_ok=True)
+        written = time.perf_counter()
+        await self._llm.collective_rpc("areal_load_weights", args=(str(staged.path),))
+        done = time.perf_counter()
         self.last_load_s = (written - start, done - written)
+        self.last_staged_bytes = copied
         log.info(
             "vllm engine: version %d loaded: %.3f s writing %.0f MiB, %.3f s in vLLM's reload",
             version,
             written - start,
-            nbytes / 2**20,
+            copied / 2**20,
             done - written,
         )
+        return staged
+
+    def _staging_dir(self, nbytes: int) -> Path:
+        """Where the staged weight file lives: this process's shared-memory directory
+        (removed at exit, and swept after a kill -9), else a directory on disk."""
+        if self._staging is None:
+            own = own_root()
+            if own is not None and shutil.disk_usage(own[0]).free > 2 * nbytes:
+                self._staging = own[0]
+            else:
+                self._staging = Path(tempfile.mkdtemp(prefix="areal-vllm-weights-"))
+                self._owned.append(self._staging)
+        return self._staging
 
     async def _load_adapter(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Loads the adapters as vLLM's run-time adapter for ``version``; new requests use it,

@@ -11,7 +11,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from arealgrpc.v1 import common_pb2, rollout_pb2, weight_sync_pb2
 from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_model
+from areal_grpc.shared_memory import own_root
 from areal_grpc.weight_disk import write_version
 from tests.support.vllm import RPC_TIMEOUT, SETTINGS, TINY, VllmServer, start_vllm_server
 from tests.support.weightsync import push_messages
@@ -383,9 +383,46 @@ def test_keep_mode_holds_a_request_across_an_update_with_each_tokens_version(
         server.close()
 
 
+def staged_files() -> list[Path]:
+    """The vllm engine's staged weight files (in this process's shared-memory directory: the
+    test's server runs in this process)."""
+    own = own_root()
+    assert own is not None
+    return sorted(own[0].glob("staged-v*.safetensors"))
+
+
+def test_updates_are_received_into_the_staged_file_which_vllm_does_not_serve_from(
+    vllm_server: VllmServer,
+):
+    """The second of two streamed updates lands in the staged file itself (nothing copied),
+    and vLLM keeps its own copy: rewriting the file after a load changes nothing served."""
+    v = vllm_server.version()
+    new = {k: t * 1.01 for k, t in initial_weights().items()}
+    vllm_server.push(new, v + 1)
+    vllm_server.push(new, v + 2)
+    assert vllm_server.engine.last_staged_bytes == 0
+    before = vllm_server.greedy(PROMPT)
+    [staged] = staged_files()
+    size = staged.stat().st_size
+    with staged.open("r+b") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        f.seek(8 + header_len)
+        f.write(b"\xff" * (size - 8 - header_len))  # every float a NaN
+    after = vllm_server.greedy(PROMPT)
+    assert list(after.output_ids) == list(before.output_ids)
+    assert list(after.output_logprobs) == list(before.output_logprobs)
+    # The next update overwrites the file whole, and serves what it sent.
+    vllm_server.push(initial_weights(), v + 3)
+    assert vllm_server.engine.last_staged_bytes == 0
+    restored = vllm_server.greedy(PROMPT)
+    assert all(x == x for x in restored.output_logprobs)
+    assert [staged] == staged_files()
+
+
 def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
-    """200 full updates (each one a fresh file and a layerwise reload in vLLM's worker): the
-    resident memory of the server's vLLM processes stays put after the first few."""
+    """200 full updates (each one copied into the staged file and a layerwise reload in
+    vLLM's worker): the resident memory of the server's vLLM processes stays put after the
+    first few."""
     import psutil
 
     engine = vllm_server.engine
@@ -406,12 +443,6 @@ def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
 
         vllm_server.server.call(run(), timeout_s=900)
 
-    def weight_files() -> set[Path]:
-        roots = (Path(tempfile.gettempdir()), Path("/dev/shm"))
-        return {d for r in roots if r.is_dir() for d in r.glob("areal-vllm-weights-*")}
-
-    # Left by other runs (a server killed with SIGKILL mid-update cannot remove its own).
-    earlier = weight_files()
     update(20)  # allocator and page cache settle
     before = rss()
     update(200)
@@ -421,11 +452,8 @@ def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
     assert grown < 10 * nbytes, f"vLLM grew {grown / 2**20:.0f} MiB over 200 updates"
     assert vllm_server.greedy(PROMPT).output_ids
     assert vllm_server.fatal == []
-    # Each update's file is removed in the background: none of the 220 is left behind.
-    deadline = time.monotonic() + 60
-    while left := weight_files() - earlier:
-        assert time.monotonic() < deadline, f"weight files left behind: {sorted(left)[:3]}"
-        time.sleep(0.1)
+    # Every update went through the one staged file.
+    assert len(staged_files()) == 1
 
 
 def test_an_idle_worker_gives_its_core_back(vllm_server: VllmServer):
