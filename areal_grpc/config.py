@@ -408,6 +408,18 @@ class RolloutConfig:
         help="Sampling of the run's own rollouts (a request's own parameters override them).",
     )
     vllm: VllmSettings = setting(factory=VllmSettings, help="The vllm engine's own settings.")
+    max_adapters: int = setting(
+        16,
+        help="Named LoRA adapters (RolloutService.LoadAdapter) each rollout server holds at most "
+        "beside the run's own policy; 0: none. One more is refused with RESOURCE_EXHAUSTED.",
+        ge=0,
+    )
+    max_adapter_mib: float = setting(
+        1024.0,
+        help="Memory each rollout server gives named LoRA adapters' tensors, in MiB; a load "
+        "beyond it is refused with RESOURCE_EXHAUSTED.",
+        gt=0,
+    )
     max_concurrent_rollouts: int | None = setting(
         None,
         help="Prompts generating at once over all servers; None: staleness.batch_size (AReaL's "

@@ -56,6 +56,23 @@ class DeadlineError(RuntimeError):
     """Something awaited did not arrive in time: DEADLINE_EXCEEDED."""
 
 
+class NotFoundError(LookupError):
+    """A request names something the server does not hold (``field`` names where): NOT_FOUND."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ExhaustedError(RuntimeError):
+    """A cap is reached; the caller may retry after ``retry_after_s`` (once something is
+    freed): RESOURCE_EXHAUSTED with ``google.rpc.RetryInfo``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 def _status(code: grpc.StatusCode, message: str, details: Iterable[object] = ()) -> grpc.Status:
     packed = []
     for detail in details:
@@ -119,6 +136,12 @@ def status_for_exception(exc: BaseException) -> grpc.Status:
         return status(grpc.StatusCode.PERMISSION_DENIED, str(exc))
     if isinstance(exc, DeadlineError):
         return status(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+    if isinstance(exc, NotFoundError):
+        return status(grpc.StatusCode.NOT_FOUND, str(exc))
+    if isinstance(exc, ExhaustedError):
+        return resource_exhausted(str(exc), exc.retry_after_s)
+    if isinstance(exc, NotImplementedError):
+        return status(grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented")
     if isinstance(exc, ValueError):
         return status(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, FileNotFoundError):
@@ -231,7 +254,9 @@ __all__ = [
     "DataLossError",
     "DeadlineError",
     "DeniedError",
+    "ExhaustedError",
     "FieldError",
+    "NotFoundError",
     "PreconditionError",
     "UnavailableError",
     "abort_for",

@@ -15,8 +15,8 @@ admitted and results are read in completion order. Example::
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -25,12 +25,31 @@ from google.protobuf import struct_pb2
 from areal_grpc import tracing
 from areal_grpc.server import aio_channel
 
-__all__ = ["EpisodeStream", "RolloutClient", "item_struct"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["EpisodeStream", "RolloutClient", "adapter_requests", "item_struct"]
 
 # Unary calls (status, pause, resume) answer at once; a hung peer must not hang the loop.
 DEFAULT_TIMEOUT_S = 30.0
 
 _END = object()
+
+
+def adapter_requests(
+    name: str, tensors: Mapping[str, torch.Tensor], rank: int, alpha: float
+) -> Iterator[rollout_pb2.LoadAdapterRequest]:
+    """A ``LoadAdapter`` stream: the header, then ``tensors`` as chunks (1 MiB each)."""
+    # Imported here: the chunker imports torch, which this client's other users never need.
+    from areal_grpc.chunks import iter_chunks
+
+    yield rollout_pb2.LoadAdapterRequest(
+        header=rollout_pb2.AdapterHeader(
+            name=name, rank=rank, alpha=alpha, tensor_count=len(tensors)
+        )
+    )
+    for chunk in iter_chunks(tensors):
+        yield rollout_pb2.LoadAdapterRequest(chunk=chunk)
 
 
 def item_struct(item: Mapping[str, Any]) -> struct_pb2.Struct:
@@ -142,12 +161,14 @@ class RolloutClient:
         *,
         trace_context: common_pb2.TraceContext | None = None,
         request_id: str = "",
+        adapter: str = "",
     ) -> rollout_pb2.GenerateResponse:
         """Token-in / token-out generation of ``sampling.n_samples`` completions.
 
         The request carries ``trace_context`` (default: the lease this asyncio task took last
         with ``CoordinatorClient.acquire``, else the current span), so the server's generate
-        span joins the producer's trace; ``request_id`` (default: that lease's id) labels it.
+        span joins the producer's trace; ``request_id`` (default: that lease's id) labels it;
+        ``adapter``: the named adapter (:meth:`load_adapter`) that generates, "" the run's own.
         """
         return await self.stub.Generate(
             rollout_pb2.GenerateRequest(
@@ -155,6 +176,7 @@ class RolloutClient:
                 sampling=sampling or common_pb2.SamplingParams(),
                 request_id=request_id or tracing.carried_task_id(),
                 trace_context=tracing.outgoing(trace_context),
+                adapter=adapter,
             ),
             timeout=timeout_s,
         )
@@ -167,6 +189,7 @@ class RolloutClient:
         *,
         trace_context: common_pb2.TraceContext | None = None,
         request_id: str = "",
+        adapter: str = "",
     ) -> AsyncIterator[rollout_pb2.GenerateStreamResponse]:
         """One completion as it decodes (``GenerateStream``; cancel the iteration to stop it)."""
         return self.stub.GenerateStream(
@@ -175,8 +198,31 @@ class RolloutClient:
                 sampling=sampling or common_pb2.SamplingParams(),
                 request_id=request_id or tracing.carried_task_id(),
                 trace_context=tracing.outgoing(trace_context),
+                adapter=adapter,
             ),
             timeout=timeout_s,
+        )
+
+    async def load_adapter(
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        rank: int,
+        alpha: float,
+        timeout_s: float | None = None,
+    ) -> rollout_pb2.LoadAdapterResponse:
+        """Has the server hold a LoRA adapter as ``name`` (``LoadAdapter``): ``tensors`` by
+        peft's saved names ("<module>.lora_A.weight", ...), streamed in chunks."""
+        return await self.stub.LoadAdapter(
+            adapter_requests(name, tensors, rank, alpha), timeout=timeout_s
+        )
+
+    async def remove_adapter(
+        self, name: str, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> rollout_pb2.RemoveAdapterResponse:
+        """Has the server stop serving the named adapter ``name``."""
+        return await self.stub.RemoveAdapter(
+            rollout_pb2.RemoveAdapterRequest(name=name), timeout=timeout_s
         )
 
     def episodes(self) -> EpisodeStream:

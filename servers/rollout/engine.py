@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from arealgrpc.v1 import common_pb2, rollout_pb2
 
-from areal_grpc.errors import FieldError
+from areal_grpc.errors import FieldError, NotFoundError
 from areal_grpc.sampling import MIN_TEMPERATURE
 
 
@@ -181,6 +181,16 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
+class AdapterLoad:
+    """What loading a named adapter did."""
+
+    name: str
+    nbytes: int
+    adapted_layers: int
+    replaced: bool
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """Load and version numbers of an engine."""
 
@@ -208,21 +218,30 @@ class InferenceEngine(abc.ABC):
     pad_token_id: int | None = None
     #: Weight updates bring LoRA adapters only; the base weights stay as loaded.
     adapters_only: bool = False
+    #: Bytes the engine gives named adapters (:meth:`load_adapter`); 0: it serves none.
+    max_adapter_bytes: int = 0
 
     @abc.abstractmethod
     def stream(
-        self, input_ids: Sequence[int], params: SamplingConfig
+        self, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
     ) -> AsyncGenerator[TokenEvent, None]:
         """Generates one sample, yielding tokens as decoded; the last event has ``finish``.
 
-        Closing the iterator early (or cancelling the consuming task) cancels the request
-        and frees its slot.
+        ``adapter``: the named adapter (:meth:`load_adapter`) that generates it; "" the run's
+        own policy. Closing the iterator early (or cancelling the consuming task) cancels the
+        request and frees its slot.
         """
 
-    async def generate(self, input_ids: Sequence[int], params: SamplingConfig) -> GenerationResult:
+    async def generate(
+        self, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
+    ) -> GenerationResult:
         """Generates one sample and returns it whole (an interrupted one ends INTERRUPTED)."""
         result = GenerationResult()
-        stream = self.stream(input_ids, params)
+        # Engines without named adapters need not take the argument (check_adapter refuses
+        # any name for them first).
+        stream = (
+            self.stream(input_ids, params, adapter) if adapter else self.stream(input_ids, params)
+        )
         try:
             async for event in stream:
                 result.extend(event)
@@ -231,10 +250,10 @@ class InferenceEngine(abc.ABC):
         return result
 
     async def generate_n(
-        self, input_ids: Sequence[int], params: SamplingConfig
+        self, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
     ) -> list[GenerationResult]:
         """``params.n_samples`` independent samples, decoded concurrently (a seeded request's
-        sample i uses seed + i)."""
+        sample i uses seed + i), by the named ``adapter`` ("": the run's own policy)."""
         seeds = [
             None if params.seed is None else (params.seed + i) % 2**64
             for i in range(params.n_samples)
@@ -242,7 +261,7 @@ class InferenceEngine(abc.ABC):
         return list(
             await asyncio.gather(
                 *(
-                    self.generate(input_ids, params.with_updates(n_samples=1, seed=seed))
+                    self.generate(input_ids, params.with_updates(n_samples=1, seed=seed), adapter)
                     for seed in seeds
                 )
             )
@@ -297,6 +316,32 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Cancels everything in flight and releases resources."""
+
+    # ---------------------------------------------------------------- named adapters
+
+    def adapters(self) -> list[str]:
+        """Names of the named adapters held (:meth:`load_adapter`), sorted; none by default."""
+        return []
+
+    def check_adapter(self, name: str, field: str = "adapter") -> None:
+        """NotFoundError naming ``field`` unless ``name`` is "" (the run's own policy) or a
+        named adapter the engine holds."""
+        if name and name not in self.adapters():
+            raise NotFoundError(field, f"no adapter {name!r} is loaded")
+
+    async def load_adapter(
+        self, name: str, tensors: Mapping[str, torch.Tensor], rank: int, alpha: float
+    ) -> AdapterLoad:
+        """Holds the LoRA adapter ``tensors`` (peft's saved names) as ``name`` from now on,
+        replacing a load of that name (requests running on it finish on it). FieldError for a
+        bad name or tensors that do not match the model, ExhaustedError at the caps.
+        Engines without named adapters raise NotImplementedError."""
+        raise NotImplementedError(f"the {self.kind or 'this'} engine serves no named adapters")
+
+    async def remove_adapter(self, name: str) -> int:
+        """Stops serving ``name`` (requests running on it finish on it); returns the bytes held
+        for named adapters once those are freed. NotFoundError when ``name`` is not held."""
+        raise NotFoundError("name", f"no adapter {name!r} is loaded")
 
     def check_prompt(
         self,
@@ -369,7 +414,7 @@ class PauseGate:
 
 
 async def generate_resumable(
-    engine: InferenceEngine, input_ids: Sequence[int], params: SamplingConfig
+    engine: InferenceEngine, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
 ) -> GenerationResult:
     """Generates one sample to completion across pauses (AReaL's ``RemoteInfEngine.agenerate``).
 
@@ -384,6 +429,7 @@ async def generate_resumable(
         chunk = await engine.generate(
             prompt + result.output_ids,
             params.with_updates(max_new_tokens=budget - len(result.output_ids)),
+            adapter,
         )
         result.extend(
             TokenEvent(
@@ -403,6 +449,7 @@ async def generate_resumable(
 
 
 __all__ = [
+    "AdapterLoad",
     "EngineStatus",
     "FinishReason",
     "GenerationResult",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import torch
 from areal_servers.rollout.engine import InferenceEngine, SamplingConfig, top_logprobs_proto
 from areal_servers.rollout.workflows import (
     AcceptFn,
@@ -31,8 +32,15 @@ from google.protobuf import json_format, struct_pb2
 from transformers import PreTrainedTokenizerBase
 
 from areal_grpc import tracing
+from areal_grpc.chunks import StateDictAssembler
 from areal_grpc.durations import duration
-from areal_grpc.errors import FieldError, abort_for
+from areal_grpc.errors import ExhaustedError, FieldError, abort_for
+from areal_grpc.tensor_codec import (
+    DEFAULT_MAX_BYTES,
+    checked_nbytes,
+    dtype_from_proto,
+    tensor_label,
+)
 from areal_grpc.trajectory import validate_group
 
 log = logging.getLogger(__name__)
@@ -307,6 +315,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             cfg = self._sampling(request.sampling)
             self.engine.check_prompt(request.input_ids, cfg)
+            self.engine.check_adapter(request.adapter)
             log.debug(
                 "generate %s traceparent=%s", request.request_id, request.trace_context.traceparent
             )
@@ -321,7 +330,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     "areal.samples": cfg.n_samples,
                 },
             ) as span:
-                results = await self.engine.generate_n(list(request.input_ids), cfg)
+                results = await self.engine.generate_n(
+                    list(request.input_ids), cfg, request.adapter
+                )
                 span.set_attribute(
                     tracing.TOKENS, len(request.input_ids) + sum(len(r.output_ids) for r in results)
                 )
@@ -340,10 +351,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             if cfg.n_samples != 1:
                 raise FieldError("sampling.n_samples", f"must be 0 or 1, got {cfg.n_samples}")
             self.engine.check_prompt(request.input_ids, cfg)
+            self.engine.check_adapter(request.adapter)
         except Exception as exc:
             await abort_for(context, exc)
             return
-        stream = self.engine.stream(list(request.input_ids), cfg)
+        stream = (
+            self.engine.stream(list(request.input_ids), cfg, request.adapter)
+            if request.adapter
+            else self.engine.stream(list(request.input_ids), cfg)
+        )
         # Parented like Generate's span; it covers the whole stream (the handler is one task,
         # so the span's context stays attached across the yields).
         with tracing.span(
@@ -403,7 +419,87 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             model=self.engine.model_name,
             vocab_size=self.engine.vocab_size,
             generated_tokens=st.generated_tokens,
+            adapters=self.engine.adapters(),
         )
+
+    # --------------------------------------------------------------------- named adapters
+
+    async def LoadAdapter(
+        self,
+        request_iterator: AsyncIterator[rollout_pb2.LoadAdapterRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> rollout_pb2.LoadAdapterResponse:
+        """Reads the header and the adapter's tensors, then has the engine hold them."""
+        try:
+            header, tensors = await _read_adapter(request_iterator, self.engine.max_adapter_bytes)
+            loaded = await self.engine.load_adapter(header.name, tensors, header.rank, header.alpha)
+        except Exception as exc:
+            await _drain(request_iterator)
+            await abort_for(context, exc)
+        return rollout_pb2.LoadAdapterResponse(
+            name=loaded.name,
+            adapter_bytes=loaded.nbytes,
+            adapted_layers=loaded.adapted_layers,
+            replaced=loaded.replaced,
+        )
+
+    async def RemoveAdapter(
+        self, request: rollout_pb2.RemoveAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.RemoveAdapterResponse:
+        """Stops serving a named adapter."""
+        try:
+            held = await self.engine.remove_adapter(request.name)
+        except Exception as exc:
+            await abort_for(context, exc)
+        return rollout_pb2.RemoveAdapterResponse(adapter_bytes=held)
+
+
+async def _read_adapter(
+    requests: AsyncIterator[rollout_pb2.LoadAdapterRequest], max_bytes: int
+) -> tuple[rollout_pb2.AdapterHeader, dict[str, torch.Tensor]]:
+    """The header and the tensors of a LoadAdapter stream, every message checked on arrival:
+    FieldError naming the field, ExhaustedError once the tensors outgrow ``max_bytes`` (the
+    engine's whole adapter budget), NotImplementedError for an engine without adapters."""
+    first = await anext(aiter(requests), None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise FieldError("header", "the stream must start with the adapter's header")
+    header = first.header
+    if max_bytes <= 0:
+        raise NotImplementedError("this rollout server's engine serves no named adapters")
+    if header.tensor_count < 1:
+        raise FieldError("header.tensor_count", "must be >= 1")
+    asm = StateDictAssembler(expected_tensors=header.tensor_count, max_total_bytes=max_bytes)
+    async for msg in requests:
+        if msg.WhichOneof("kind") != "chunk":
+            raise FieldError("header", "only the stream's first message may be a header")
+        chunk = msg.chunk
+        if chunk.chunk_index == 0:
+            # Refused before anything is allocated: more than the budget is the cap's answer,
+            # not a malformed tensor's.
+            dtype = dtype_from_proto(chunk.dtype, f"{tensor_label(chunk.name)}.dtype")
+            nbytes = checked_nbytes(
+                list(chunk.shape), dtype, f"{tensor_label(chunk.name)}.shape", DEFAULT_MAX_BYTES
+            )
+            if asm.total_bytes + nbytes > max_bytes:
+                raise ExhaustedError(
+                    f"adapter {header.name!r} outgrows the server's {max_bytes} bytes for named "
+                    "adapters (rollout.max_adapter_mib)"
+                )
+        asm.add(chunk)
+    return header, asm.finish()
+
+
+async def _drain(requests: AsyncIterator[object], limit: int = 1024) -> None:
+    """Reads what the client still sends before the call ends with an error: a grpc.aio client
+    still writing when the status arrives reports INTERNAL instead of it (grpc/grpc#36066)."""
+    count = 0
+    try:
+        async for _ in requests:
+            count += 1
+            if count >= limit:
+                return
+    except Exception:  # the stream is ending with our error anyway
+        return
 
 
 def item_to_struct(item: Mapping[str, Any]) -> struct_pb2.Struct:

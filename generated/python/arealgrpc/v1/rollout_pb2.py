@@ -23,11 +23,12 @@ _sym_db = _symbol_database.Default()
 
 
 from arealgrpc.v1 import common_pb2 as arealgrpc_dot_v1_dot_common__pb2
+from arealgrpc.v1 import tensor_pb2 as arealgrpc_dot_v1_dot_tensor__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61realgrpc/v1/rollout.proto\x12\x0c\x61realgrpc.v1\x1a\x19\x61realgrpc/v1/common.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\"v\n\x12RunEpisodesRequest\x12)\n\x04task\x18\x01 \x01(\x0b\x32\x19.arealgrpc.v1.EpisodeTaskH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.arealgrpc.v1.CancelEpisodeH\x00\x42\x06\n\x04kind\"\x8e\x02\n\x0b\x45pisodeTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12%\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08workflow\x18\x03 \x01(\t\x12\x30\n\x0fworkflow_params\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x0c\n\x04\x65val\x18\x07 \x01(\x08\x12\x31\n\rtrace_context\x18\x08 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\" \n\rCancelEpisode\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"\xd6\x01\n\x13RunEpisodesResponse\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12-\n\x07outcome\x18\x02 \x01(\x0e\x32\x1c.arealgrpc.v1.EpisodeOutcome\x12,\n\x05group\x18\x03 \x01(\x0b\x32\x1d.arealgrpc.v1.TrajectoryGroup\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x15\n\rstart_version\x18\x05 \x01(\x03\x12*\n\x07\x65lapsed\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x9b\x01\n\x0fGenerateRequest\x12\x11\n\tinput_ids\x18\x01 \x03(\x05\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x31\n\rtrace_context\x18\x04 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\"\xbd\x01\n\nCompletion\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x02 \x03(\x02\x12\x17\n\x0foutput_versions\x18\x03 \x03(\x03\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.arealgrpc.v1.FinishReason\x12\x36\n\x13output_top_logprobs\x18\x05 \x03(\x0b\x32\x19.arealgrpc.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"Y\n\x10GenerateResponse\x12-\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x18.arealgrpc.v1.Completion\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\xa1\x01\n\x15GenerateStreamRequest\x12\x11\n\tinput_ids\x18\x01 \x03(\x05\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x31\n\rtrace_context\x18\x04 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\"\xc9\x01\n\x16GenerateStreamResponse\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x02 \x03(\x02\x12\x17\n\x0foutput_versions\x18\x03 \x03(\x03\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.arealgrpc.v1.FinishReason\x12\x36\n\x13output_top_logprobs\x18\x05 \x03(\x0b\x32\x19.arealgrpc.v1.TopLogprobs\"4\n\x16PauseGenerationRequest\x12\x1a\n\x12return_immediately\x18\x01 \x01(\x08\"O\n\x17PauseGenerationResponse\x12\x1c\n\x14interrupted_requests\x18\x01 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x19\n\x17ResumeGenerationRequest\"2\n\x18ResumeGenerationResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x19\n\x17GetRolloutStatusRequest\"\xf9\x01\n\x18GetRolloutStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x18\n\x10running_requests\x18\x02 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\x05\x12\x18\n\x10running_episodes\x18\x04 \x01(\x05\x12\x0e\n\x06paused\x18\x05 \x01(\x08\x12+\n\x06\x65ngine\x18\x06 \x01(\x0e\x32\x1b.arealgrpc.v1.RolloutEngine\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x18\n\x10generated_tokens\x18\t \x01(\x03*\xa8\x01\n\x0e\x45pisodeOutcome\x12\x1f\n\x1b\x45PISODE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45PISODE_OUTCOME_ACCEPTED\x10\x01\x12\x1c\n\x18\x45PISODE_OUTCOME_REJECTED\x10\x02\x12\x1a\n\x16\x45PISODE_OUTCOME_FAILED\x10\x03\x12\x1d\n\x19\x45PISODE_OUTCOME_CANCELLED\x10\x04*a\n\rRolloutEngine\x12\x1e\n\x1aROLLOUT_ENGINE_UNSPECIFIED\x10\x00\x12\x15\n\x11ROLLOUT_ENGINE_HF\x10\x01\x12\x19\n\x15ROLLOUT_ENGINE_SGLANG\x10\x02\x32\xc7\x04\n\x0eRolloutService\x12V\n\x0bRunEpisodes\x12 .arealgrpc.v1.RunEpisodesRequest\x1a!.arealgrpc.v1.RunEpisodesResponse(\x01\x30\x01\x12I\n\x08Generate\x12\x1d.arealgrpc.v1.GenerateRequest\x1a\x1e.arealgrpc.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.arealgrpc.v1.GenerateStreamRequest\x1a$.arealgrpc.v1.GenerateStreamResponse0\x01\x12\x63\n\x0fPauseGeneration\x12$.arealgrpc.v1.PauseGenerationRequest\x1a%.arealgrpc.v1.PauseGenerationResponse\"\x03\x90\x02\x02\x12\x66\n\x10ResumeGeneration\x12%.arealgrpc.v1.ResumeGenerationRequest\x1a&.arealgrpc.v1.ResumeGenerationResponse\"\x03\x90\x02\x02\x12\x66\n\x10GetRolloutStatus\x12%.arealgrpc.v1.GetRolloutStatusRequest\x1a&.arealgrpc.v1.GetRolloutStatusResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61realgrpc/v1/rollout.proto\x12\x0c\x61realgrpc.v1\x1a\x19\x61realgrpc/v1/common.proto\x1a\x19\x61realgrpc/v1/tensor.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\"v\n\x12RunEpisodesRequest\x12)\n\x04task\x18\x01 \x01(\x0b\x32\x19.arealgrpc.v1.EpisodeTaskH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.arealgrpc.v1.CancelEpisodeH\x00\x42\x06\n\x04kind\"\x8e\x02\n\x0b\x45pisodeTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12%\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08workflow\x18\x03 \x01(\t\x12\x30\n\x0fworkflow_params\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x0c\n\x04\x65val\x18\x07 \x01(\x08\x12\x31\n\rtrace_context\x18\x08 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\" \n\rCancelEpisode\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"\xd6\x01\n\x13RunEpisodesResponse\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12-\n\x07outcome\x18\x02 \x01(\x0e\x32\x1c.arealgrpc.v1.EpisodeOutcome\x12,\n\x05group\x18\x03 \x01(\x0b\x32\x1d.arealgrpc.v1.TrajectoryGroup\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x15\n\rstart_version\x18\x05 \x01(\x03\x12*\n\x07\x65lapsed\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xac\x01\n\x0fGenerateRequest\x12\x11\n\tinput_ids\x18\x01 \x03(\x05\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x31\n\rtrace_context\x18\x04 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\"\xbd\x01\n\nCompletion\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x02 \x03(\x02\x12\x17\n\x0foutput_versions\x18\x03 \x03(\x03\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.arealgrpc.v1.FinishReason\x12\x36\n\x13output_top_logprobs\x18\x05 \x03(\x0b\x32\x19.arealgrpc.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"Y\n\x10GenerateResponse\x12-\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x18.arealgrpc.v1.Completion\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\xb2\x01\n\x15GenerateStreamRequest\x12\x11\n\tinput_ids\x18\x01 \x03(\x05\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.arealgrpc.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x31\n\rtrace_context\x18\x04 \x01(\x0b\x32\x1a.arealgrpc.v1.TraceContext\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\"\xc9\x01\n\x16GenerateStreamResponse\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x02 \x03(\x02\x12\x17\n\x0foutput_versions\x18\x03 \x03(\x03\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.arealgrpc.v1.FinishReason\x12\x36\n\x13output_top_logprobs\x18\x05 \x03(\x0b\x32\x19.arealgrpc.v1.TopLogprobs\"4\n\x16PauseGenerationRequest\x12\x1a\n\x12return_immediately\x18\x01 \x01(\x08\"O\n\x17PauseGenerationResponse\x12\x1c\n\x14interrupted_requests\x18\x01 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x19\n\x17ResumeGenerationRequest\"2\n\x18ResumeGenerationResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x19\n\x17GetRolloutStatusRequest\"\x8b\x02\n\x18GetRolloutStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x18\n\x10running_requests\x18\x02 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\x05\x12\x18\n\x10running_episodes\x18\x04 \x01(\x05\x12\x0e\n\x06paused\x18\x05 \x01(\x08\x12+\n\x06\x65ngine\x18\x06 \x01(\x0e\x32\x1b.arealgrpc.v1.RolloutEngine\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x18\n\x10generated_tokens\x18\t \x01(\x03\x12\x10\n\x08\x61\x64\x61pters\x18\n \x03(\t\"w\n\x12LoadAdapterRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.arealgrpc.v1.AdapterHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.arealgrpc.v1.TensorChunkH\x00\x42\x06\n\x04kind\"P\n\rAdapterHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05\x61lpha\x18\x03 \x01(\x02\x12\x14\n\x0ctensor_count\x18\x04 \x01(\r\"d\n\x13LoadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\radapter_bytes\x18\x02 \x01(\x03\x12\x16\n\x0e\x61\x64\x61pted_layers\x18\x03 \x01(\x05\x12\x10\n\x08replaced\x18\x04 \x01(\x08\"$\n\x14RemoveAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\".\n\x15RemoveAdapterResponse\x12\x15\n\radapter_bytes\x18\x01 \x01(\x03*\xa8\x01\n\x0e\x45pisodeOutcome\x12\x1f\n\x1b\x45PISODE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45PISODE_OUTCOME_ACCEPTED\x10\x01\x12\x1c\n\x18\x45PISODE_OUTCOME_REJECTED\x10\x02\x12\x1a\n\x16\x45PISODE_OUTCOME_FAILED\x10\x03\x12\x1d\n\x19\x45PISODE_OUTCOME_CANCELLED\x10\x04*a\n\rRolloutEngine\x12\x1e\n\x1aROLLOUT_ENGINE_UNSPECIFIED\x10\x00\x12\x15\n\x11ROLLOUT_ENGINE_HF\x10\x01\x12\x19\n\x15ROLLOUT_ENGINE_SGLANG\x10\x02\x32\xf7\x05\n\x0eRolloutService\x12V\n\x0bRunEpisodes\x12 .arealgrpc.v1.RunEpisodesRequest\x1a!.arealgrpc.v1.RunEpisodesResponse(\x01\x30\x01\x12I\n\x08Generate\x12\x1d.arealgrpc.v1.GenerateRequest\x1a\x1e.arealgrpc.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.arealgrpc.v1.GenerateStreamRequest\x1a$.arealgrpc.v1.GenerateStreamResponse0\x01\x12\x63\n\x0fPauseGeneration\x12$.arealgrpc.v1.PauseGenerationRequest\x1a%.arealgrpc.v1.PauseGenerationResponse\"\x03\x90\x02\x02\x12\x66\n\x10ResumeGeneration\x12%.arealgrpc.v1.ResumeGenerationRequest\x1a&.arealgrpc.v1.ResumeGenerationResponse\"\x03\x90\x02\x02\x12\x66\n\x10GetRolloutStatus\x12%.arealgrpc.v1.GetRolloutStatusRequest\x1a&.arealgrpc.v1.GetRolloutStatusResponse\"\x03\x90\x02\x01\x12T\n\x0bLoadAdapter\x12 .arealgrpc.v1.LoadAdapterRequest\x1a!.arealgrpc.v1.LoadAdapterResponse(\x01\x12X\n\rRemoveAdapter\x12\".arealgrpc.v1.RemoveAdapterRequest\x1a#.arealgrpc.v1.RemoveAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,42 +41,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTSERVICE'].methods_by_name['ResumeGeneration']._serialized_options = b'\220\002\002'
   _globals['_ROLLOUTSERVICE'].methods_by_name['GetRolloutStatus']._loaded_options = None
   _globals['_ROLLOUTSERVICE'].methods_by_name['GetRolloutStatus']._serialized_options = b'\220\002\001'
-  _globals['_EPISODEOUTCOME']._serialized_start=2132
-  _globals['_EPISODEOUTCOME']._serialized_end=2300
-  _globals['_ROLLOUTENGINE']._serialized_start=2302
-  _globals['_ROLLOUTENGINE']._serialized_end=2399
-  _globals['_RUNEPISODESREQUEST']._serialized_start=133
-  _globals['_RUNEPISODESREQUEST']._serialized_end=251
-  _globals['_EPISODETASK']._serialized_start=254
-  _globals['_EPISODETASK']._serialized_end=524
-  _globals['_CANCELEPISODE']._serialized_start=526
-  _globals['_CANCELEPISODE']._serialized_end=558
-  _globals['_RUNEPISODESRESPONSE']._serialized_start=561
-  _globals['_RUNEPISODESRESPONSE']._serialized_end=775
-  _globals['_GENERATEREQUEST']._serialized_start=778
-  _globals['_GENERATEREQUEST']._serialized_end=933
-  _globals['_COMPLETION']._serialized_start=936
-  _globals['_COMPLETION']._serialized_end=1125
-  _globals['_TOPLOGPROBS']._serialized_start=1127
-  _globals['_TOPLOGPROBS']._serialized_end=1177
-  _globals['_GENERATERESPONSE']._serialized_start=1179
-  _globals['_GENERATERESPONSE']._serialized_end=1268
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1271
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1432
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1435
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1636
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1638
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1690
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1692
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1771
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1773
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1798
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1800
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1850
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=1852
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=1877
-  _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_start=1880
-  _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_end=2129
-  _globals['_ROLLOUTSERVICE']._serialized_start=2402
-  _globals['_ROLLOUTSERVICE']._serialized_end=2985
+  _globals['_EPISODEOUTCOME']._serialized_start=2602
+  _globals['_EPISODEOUTCOME']._serialized_end=2770
+  _globals['_ROLLOUTENGINE']._serialized_start=2772
+  _globals['_ROLLOUTENGINE']._serialized_end=2869
+  _globals['_RUNEPISODESREQUEST']._serialized_start=160
+  _globals['_RUNEPISODESREQUEST']._serialized_end=278
+  _globals['_EPISODETASK']._serialized_start=281
+  _globals['_EPISODETASK']._serialized_end=551
+  _globals['_CANCELEPISODE']._serialized_start=553
+  _globals['_CANCELEPISODE']._serialized_end=585
+  _globals['_RUNEPISODESRESPONSE']._serialized_start=588
+  _globals['_RUNEPISODESRESPONSE']._serialized_end=802
+  _globals['_GENERATEREQUEST']._serialized_start=805
+  _globals['_GENERATEREQUEST']._serialized_end=977
+  _globals['_COMPLETION']._serialized_start=980
+  _globals['_COMPLETION']._serialized_end=1169
+  _globals['_TOPLOGPROBS']._serialized_start=1171
+  _globals['_TOPLOGPROBS']._serialized_end=1221
+  _globals['_GENERATERESPONSE']._serialized_start=1223
+  _globals['_GENERATERESPONSE']._serialized_end=1312
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1315
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1493
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1496
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1697
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1699
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1751
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1753
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1832
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1834
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1859
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1861
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1911
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=1913
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=1938
+  _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_start=1941
+  _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_end=2208
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2210
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2329
+  _globals['_ADAPTERHEADER']._serialized_start=2331
+  _globals['_ADAPTERHEADER']._serialized_end=2411
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2413
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2513
+  _globals['_REMOVEADAPTERREQUEST']._serialized_start=2515
+  _globals['_REMOVEADAPTERREQUEST']._serialized_end=2551
+  _globals['_REMOVEADAPTERRESPONSE']._serialized_start=2553
+  _globals['_REMOVEADAPTERRESPONSE']._serialized_end=2599
+  _globals['_ROLLOUTSERVICE']._serialized_start=2872
+  _globals['_ROLLOUTSERVICE']._serialized_end=3631
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 import datetime
 
 from arealgrpc.v1 import common_pb2 as _common_pb2
+from arealgrpc.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
@@ -85,16 +86,18 @@ class RunEpisodesResponse(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., outcome: _Optional[_Union[EpisodeOutcome, str]] = ..., group: _Optional[_Union[_common_pb2.TrajectoryGroup, _Mapping]] = ..., reason: _Optional[str] = ..., start_version: _Optional[int] = ..., elapsed: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("input_ids", "sampling", "request_id", "trace_context")
+    __slots__ = ("input_ids", "sampling", "request_id", "trace_context", "adapter")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     request_id: str
     trace_context: _common_pb2.TraceContext
-    def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("output_ids", "output_logprobs", "output_versions", "finish_reason", "output_top_logprobs")
@@ -127,16 +130,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("input_ids", "sampling", "request_id", "trace_context")
+    __slots__ = ("input_ids", "sampling", "request_id", "trace_context", "adapter")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     request_id: str
     trace_context: _common_pb2.TraceContext
-    def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("output_ids", "output_logprobs", "output_versions", "finish_reason", "output_top_logprobs")
@@ -181,7 +186,7 @@ class GetRolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetRolloutStatusResponse(_message.Message):
-    __slots__ = ("policy_version", "running_requests", "queued_requests", "running_episodes", "paused", "engine", "model", "vocab_size", "generated_tokens")
+    __slots__ = ("policy_version", "running_requests", "queued_requests", "running_episodes", "paused", "engine", "model", "vocab_size", "generated_tokens", "adapters")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +196,7 @@ class GetRolloutStatusResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     running_requests: int
     queued_requests: int
@@ -200,4 +206,49 @@ class GetRolloutStatusResponse(_message.Message):
     model: str
     vocab_size: int
     generated_tokens: int
-    def __init__(self, policy_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_episodes: _Optional[int] = ..., paused: _Optional[bool] = ..., engine: _Optional[_Union[RolloutEngine, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, policy_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_episodes: _Optional[int] = ..., paused: _Optional[bool] = ..., engine: _Optional[_Union[RolloutEngine, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: AdapterHeader
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, header: _Optional[_Union[AdapterHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class AdapterHeader(_message.Message):
+    __slots__ = ("name", "rank", "alpha", "tensor_count")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rank: int
+    alpha: float
+    tensor_count: int
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., tensor_count: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("name", "adapter_bytes", "adapted_layers", "replaced")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTED_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    adapter_bytes: int
+    adapted_layers: int
+    replaced: bool
+    def __init__(self, name: _Optional[str] = ..., adapter_bytes: _Optional[int] = ..., adapted_layers: _Optional[int] = ..., replaced: _Optional[bool] = ...) -> None: ...
+
+class RemoveAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RemoveAdapterResponse(_message.Message):
+    __slots__ = ("adapter_bytes",)
+    ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    adapter_bytes: int
+    def __init__(self, adapter_bytes: _Optional[int] = ...) -> None: ...

@@ -67,6 +67,16 @@ class RolloutServiceStub:
                 request_serializer=arealgrpc_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.SerializeToString,
                 response_deserializer=arealgrpc_dot_v1_dot_rollout__pb2.GetRolloutStatusResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.stream_unary(
+                '/arealgrpc.v1.RolloutService/LoadAdapter',
+                request_serializer=arealgrpc_dot_v1_dot_rollout__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=arealgrpc_dot_v1_dot_rollout__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.RemoveAdapter = channel.unary_unary(
+                '/arealgrpc.v1.RolloutService/RemoveAdapter',
+                request_serializer=arealgrpc_dot_v1_dot_rollout__pb2.RemoveAdapterRequest.SerializeToString,
+                response_deserializer=arealgrpc_dot_v1_dot_rollout__pb2.RemoveAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -127,6 +137,29 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request_iterator, context):
+        """Loads a LoRA adapter under a name, beside the served model, for the requests that name it
+        (GenerateRequest.adapter): one base model serves many adapters, each request its own, rows
+        of different adapters decoded in one batch. The stream is a header, then the adapter's
+        tensors as TensorChunks (so an adapter of any size fits the message limits). Loading a
+        name that is loaded replaces it; requests running on the old adapter finish on it.
+        INVALID_ARGUMENT (google.rpc.BadRequest naming the field) for a bad name, header or chunk,
+        or tensors that do not match the served model; RESOURCE_EXHAUSTED (with RetryInfo) when
+        the server holds rollout.max_adapters adapters or the new one would exceed
+        rollout.max_adapter_mib; UNIMPLEMENTED for an engine without named adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveAdapter(self, request, context):
+        """Removes a named adapter: requests that name it from now on get NOT_FOUND, requests
+        running on it finish on it. NOT_FOUND for a name that is not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +192,16 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetRolloutStatus,
                     request_deserializer=arealgrpc_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.FromString,
                     response_serializer=arealgrpc_dot_v1_dot_rollout__pb2.GetRolloutStatusResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=arealgrpc_dot_v1_dot_rollout__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=arealgrpc_dot_v1_dot_rollout__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'RemoveAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveAdapter,
+                    request_deserializer=arealgrpc_dot_v1_dot_rollout__pb2.RemoveAdapterRequest.FromString,
+                    response_serializer=arealgrpc_dot_v1_dot_rollout__pb2.RemoveAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -326,6 +369,60 @@ class RolloutService:
             '/arealgrpc.v1.RolloutService/GetRolloutStatus',
             arealgrpc_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.SerializeToString,
             arealgrpc_dot_v1_dot_rollout__pb2.GetRolloutStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/arealgrpc.v1.RolloutService/LoadAdapter',
+            arealgrpc_dot_v1_dot_rollout__pb2.LoadAdapterRequest.SerializeToString,
+            arealgrpc_dot_v1_dot_rollout__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/arealgrpc.v1.RolloutService/RemoveAdapter',
+            arealgrpc_dot_v1_dot_rollout__pb2.RemoveAdapterRequest.SerializeToString,
+            arealgrpc_dot_v1_dot_rollout__pb2.RemoveAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,9 @@ import {
   type ClientOptions,
   type ClientReadableStream,
   type ClientUnaryCall,
+  type ClientWritableStream,
   type handleBidiStreamingCall,
+  type handleClientStreamingCall,
   type handleServerStreamingCall,
   type handleUnaryCall,
   makeGenericClientConstructor,
@@ -32,6 +34,7 @@ import {
   TraceContext,
   TrajectoryGroup,
 } from "./common";
+import { TensorChunk } from "./tensor";
 
 export const protobufPackage = "arealgrpc.v1";
 
@@ -214,7 +217,14 @@ export interface GenerateRequest {
   /** Optional caller identifier, echoed in logs and traces. */
   requestId: string;
   /** Trace context of the caller's span. */
-  traceContext: TraceContext | undefined;
+  traceContext:
+    | TraceContext
+    | undefined;
+  /**
+   * The named adapter (LoadAdapter) that generates this request; empty: the run's own policy.
+   * NOT_FOUND for a name the server does not hold.
+   */
+  adapter: string;
 }
 
 /** One generated completion. */
@@ -264,7 +274,14 @@ export interface GenerateStreamRequest {
   /** Optional caller identifier, echoed in logs and traces. */
   requestId: string;
   /** Trace context of the caller's span. */
-  traceContext: TraceContext | undefined;
+  traceContext:
+    | TraceContext
+    | undefined;
+  /**
+   * The named adapter (LoadAdapter) that generates this request; empty: the run's own policy.
+   * NOT_FOUND for a name the server does not hold.
+   */
+  adapter: string;
 }
 
 /** Newly decoded tokens of a streaming generation. */
@@ -337,6 +354,64 @@ export interface GetRolloutStatusResponse {
   vocabSize: number;
   /** Tokens generated since the server started. */
   generatedTokens: number;
+  /** Names of the adapters loaded with LoadAdapter (and not removed), sorted. */
+  adapters: string[];
+}
+
+/** One message on the LoadAdapter request stream: the header first, then the tensors. */
+export interface LoadAdapterRequest {
+  /** The adapter's name and LoRA config: the first message of the stream, and only it. */
+  header?:
+    | AdapterHeader
+    | undefined;
+  /**
+   * A piece of one of the adapter's tensors, by the TensorChunk rules (tensors in order,
+   * each as its chunks in order). Tensors are named as peft saves them: for each adapted
+   * linear layer of the base model, "<module>.lora_A.weight" ([rank, in_features]) and
+   * "<module>.lora_B.weight" ([out_features, rank]), <module> being the layer's name in the
+   * base model (e.g. "model.layers.0.self_attn.q_proj"; peft's "base_model.model." prefix is
+   * accepted too).
+   */
+  chunk?: TensorChunk | undefined;
+}
+
+/** The name and LoRA config of an adapter being loaded. */
+export interface AdapterHeader {
+  /**
+   * The name requests give (GenerateRequest.adapter): 1 to 64 letters, digits, ".", "_" or
+   * "-", starting with a letter or digit.
+   */
+  name: string;
+  /** LoRA rank r (>= 1); every lora_A is [r, in_features] and every lora_B [out_features, r]. */
+  rank: number;
+  /** LoRA alpha (> 0): the adapter adds (alpha / rank) * B A x to each adapted layer. */
+  alpha: number;
+  /** Number of tensors the stream carries (two per adapted layer). */
+  tensorCount: number;
+}
+
+/** The adapter LoadAdapter loaded. */
+export interface LoadAdapterResponse {
+  /** Its name. */
+  name: string;
+  /** Bytes its tensors take on the server (what rollout.max_adapter_mib bounds). */
+  adapterBytes: number;
+  /** Linear layers of the base model it adapts. */
+  adaptedLayers: number;
+  /** True when an adapter of that name was loaded already and this one replaced it. */
+  replaced: boolean;
+}
+
+/** Request to remove a named adapter. */
+export interface RemoveAdapterRequest {
+  /** The adapter's name, as loaded. */
+  name: string;
+}
+
+/** Result of removing an adapter. */
+export interface RemoveAdapterResponse {
+  /** Bytes the server holds for named adapters once those running requests use are freed. */
+  adapterBytes: number;
 }
 
 function createBaseRunEpisodesRequest(): RunEpisodesRequest {
@@ -873,7 +948,7 @@ export const RunEpisodesResponse: MessageFns<RunEpisodesResponse> = {
 };
 
 function createBaseGenerateRequest(): GenerateRequest {
-  return { inputIds: [], sampling: undefined, requestId: "", traceContext: undefined };
+  return { inputIds: [], sampling: undefined, requestId: "", traceContext: undefined, adapter: "" };
 }
 
 export const GenerateRequest: MessageFns<GenerateRequest> = {
@@ -893,6 +968,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     }
     if (message.traceContext !== undefined) {
       TraceContext.encode(message.traceContext, writer.uint32(34).fork()).join();
+    }
+    if (message.adapter !== "") {
+      writer.uint32(42).string(message.adapter);
     }
     return writer;
   },
@@ -952,6 +1030,14 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
             message.traceContext = TraceContext.decode(reader, reader.uint32());
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.adapter = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -982,6 +1068,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
         : isSet(object.trace_context)
         ? TraceContext.fromJSON(object.trace_context)
         : undefined,
+      adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
     };
   },
 
@@ -999,6 +1086,9 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     if (message.traceContext !== undefined) {
       obj.traceContext = TraceContext.toJSON(message.traceContext);
     }
+    if (message.adapter !== "") {
+      obj.adapter = message.adapter;
+    }
     return obj;
   },
 
@@ -1015,6 +1105,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.traceContext = (object.traceContext !== undefined && object.traceContext !== null)
       ? TraceContext.fromPartial(object.traceContext)
       : undefined;
+    message.adapter = object.adapter ?? "";
     return message;
   },
 };
@@ -1423,7 +1514,7 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
 };
 
 function createBaseGenerateStreamRequest(): GenerateStreamRequest {
-  return { inputIds: [], sampling: undefined, requestId: "", traceContext: undefined };
+  return { inputIds: [], sampling: undefined, requestId: "", traceContext: undefined, adapter: "" };
 }
 
 export const GenerateStreamRequest: MessageFns<GenerateStreamRequest> = {
@@ -1443,6 +1534,9 @@ export const GenerateStreamRequest: MessageFns<GenerateStreamRequest> = {
     }
     if (message.traceContext !== undefined) {
       TraceContext.encode(message.traceContext, writer.uint32(34).fork()).join();
+    }
+    if (message.adapter !== "") {
+      writer.uint32(42).string(message.adapter);
     }
     return writer;
   },
@@ -1502,6 +1596,14 @@ export const GenerateStreamRequest: MessageFns<GenerateStreamRequest> = {
             message.traceContext = TraceContext.decode(reader, reader.uint32());
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.adapter = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1532,6 +1634,7 @@ export const GenerateStreamRequest: MessageFns<GenerateStreamRequest> = {
         : isSet(object.trace_context)
         ? TraceContext.fromJSON(object.trace_context)
         : undefined,
+      adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
     };
   },
 
@@ -1549,6 +1652,9 @@ export const GenerateStreamRequest: MessageFns<GenerateStreamRequest> = {
     if (message.traceContext !== undefined) {
       obj.traceContext = TraceContext.toJSON(message.traceContext);
     }
+    if (message.adapter !== "") {
+      obj.adapter = message.adapter;
+    }
     return obj;
   },
 
@@ -1565,6 +1671,7 @@ export const GenerateStreamRequest: MessageFns<GenerateStreamRequest> = {
     message.traceContext = (object.traceContext !== undefined && object.traceContext !== null)
       ? TraceContext.fromPartial(object.traceContext)
       : undefined;
+    message.adapter = object.adapter ?? "";
     return message;
   },
 };
@@ -2118,6 +2225,7 @@ function createBaseGetRolloutStatusResponse(): GetRolloutStatusResponse {
     model: "",
     vocabSize: 0,
     generatedTokens: 0,
+    adapters: [],
   };
 }
 
@@ -2149,6 +2257,9 @@ export const GetRolloutStatusResponse: MessageFns<GetRolloutStatusResponse> = {
     }
     if (message.generatedTokens !== 0) {
       writer.uint32(72).int64(message.generatedTokens);
+    }
+    for (const v of message.adapters) {
+      writer.uint32(82).string(v!);
     }
     return writer;
   },
@@ -2238,6 +2349,14 @@ export const GetRolloutStatusResponse: MessageFns<GetRolloutStatusResponse> = {
             message.generatedTokens = longToNumber(reader.int64());
             continue;
           }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.adapters.push(reader.string());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2285,6 +2404,9 @@ export const GetRolloutStatusResponse: MessageFns<GetRolloutStatusResponse> = {
         : isSet(object.generated_tokens)
         ? globalThis.Number(object.generated_tokens)
         : 0,
+      adapters: globalThis.Array.isArray(object?.adapters)
+        ? object.adapters.map((e: any) => globalThis.String(e))
+        : [],
     };
   },
 
@@ -2317,6 +2439,9 @@ export const GetRolloutStatusResponse: MessageFns<GetRolloutStatusResponse> = {
     if (message.generatedTokens !== 0) {
       obj.generatedTokens = Math.round(message.generatedTokens);
     }
+    if (message.adapters?.length) {
+      obj.adapters = message.adapters;
+    }
     return obj;
   },
 
@@ -2334,6 +2459,482 @@ export const GetRolloutStatusResponse: MessageFns<GetRolloutStatusResponse> = {
     message.model = object.model ?? "";
     message.vocabSize = object.vocabSize ?? 0;
     message.generatedTokens = object.generatedTokens ?? 0;
+    message.adapters = object.adapters?.map((e) => e) || [];
+    return message;
+  },
+};
+
+function createBaseLoadAdapterRequest(): LoadAdapterRequest {
+  return { header: undefined, chunk: undefined };
+}
+
+export const LoadAdapterRequest: MessageFns<LoadAdapterRequest> = {
+  encode(message: LoadAdapterRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.header !== undefined) {
+      AdapterHeader.encode(message.header, writer.uint32(10).fork()).join();
+    }
+    if (message.chunk !== undefined) {
+      TensorChunk.encode(message.chunk, writer.uint32(18).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): LoadAdapterRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseLoadAdapterRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.header = AdapterHeader.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.chunk = TensorChunk.decode(reader, reader.uint32());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): LoadAdapterRequest {
+    return {
+      header: isSet(object.header) ? AdapterHeader.fromJSON(object.header) : undefined,
+      chunk: isSet(object.chunk) ? TensorChunk.fromJSON(object.chunk) : undefined,
+    };
+  },
+
+  toJSON(message: LoadAdapterRequest): unknown {
+    const obj: any = {};
+    if (message.header !== undefined) {
+      obj.header = AdapterHeader.toJSON(message.header);
+    }
+    if (message.chunk !== undefined) {
+      obj.chunk = TensorChunk.toJSON(message.chunk);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<LoadAdapterRequest>, I>>(base?: I): LoadAdapterRequest {
+    return LoadAdapterRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<LoadAdapterRequest>, I>>(object: I): LoadAdapterRequest {
+    const message = createBaseLoadAdapterRequest();
+    message.header = (object.header !== undefined && object.header !== null)
+      ? AdapterHeader.fromPartial(object.header)
+      : undefined;
+    message.chunk = (object.chunk !== undefined && object.chunk !== null)
+      ? TensorChunk.fromPartial(object.chunk)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseAdapterHeader(): AdapterHeader {
+  return { name: "", rank: 0, alpha: 0, tensorCount: 0 };
+}
+
+export const AdapterHeader: MessageFns<AdapterHeader> = {
+  encode(message: AdapterHeader, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.name !== "") {
+      writer.uint32(10).string(message.name);
+    }
+    if (message.rank !== 0) {
+      writer.uint32(16).int32(message.rank);
+    }
+    if (message.alpha !== 0) {
+      writer.uint32(29).float(message.alpha);
+    }
+    if (message.tensorCount !== 0) {
+      writer.uint32(32).uint32(message.tensorCount);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): AdapterHeader {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseAdapterHeader();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.rank = reader.int32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 29) {
+              break;
+            }
+
+            message.alpha = reader.float();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.tensorCount = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): AdapterHeader {
+    return {
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      rank: isSet(object.rank) ? globalThis.Number(object.rank) : 0,
+      alpha: isSet(object.alpha) ? globalThis.Number(object.alpha) : 0,
+      tensorCount: isSet(object.tensorCount)
+        ? globalThis.Number(object.tensorCount)
+        : isSet(object.tensor_count)
+        ? globalThis.Number(object.tensor_count)
+        : 0,
+    };
+  },
+
+  toJSON(message: AdapterHeader): unknown {
+    const obj: any = {};
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.rank !== 0) {
+      obj.rank = Math.round(message.rank);
+    }
+    if (message.alpha !== 0) {
+      obj.alpha = floatToJson(message.alpha);
+    }
+    if (message.tensorCount !== 0) {
+      obj.tensorCount = Math.round(message.tensorCount);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<AdapterHeader>, I>>(base?: I): AdapterHeader {
+    return AdapterHeader.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<AdapterHeader>, I>>(object: I): AdapterHeader {
+    const message = createBaseAdapterHeader();
+    message.name = object.name ?? "";
+    message.rank = object.rank ?? 0;
+    message.alpha = object.alpha ?? 0;
+    message.tensorCount = object.tensorCount ?? 0;
+    return message;
+  },
+};
+
+function createBaseLoadAdapterResponse(): LoadAdapterResponse {
+  return { name: "", adapterBytes: 0, adaptedLayers: 0, replaced: false };
+}
+
+export const LoadAdapterResponse: MessageFns<LoadAdapterResponse> = {
+  encode(message: LoadAdapterResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.name !== "") {
+      writer.uint32(10).string(message.name);
+    }
+    if (message.adapterBytes !== 0) {
+      writer.uint32(16).int64(message.adapterBytes);
+    }
+    if (message.adaptedLayers !== 0) {
+      writer.uint32(24).int32(message.adaptedLayers);
+    }
+    if (message.replaced !== false) {
+      writer.uint32(32).bool(message.replaced);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): LoadAdapterResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseLoadAdapterResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.adapterBytes = longToNumber(reader.int64());
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.adaptedLayers = reader.int32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.replaced = reader.bool();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): LoadAdapterResponse {
+    return {
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      adapterBytes: isSet(object.adapterBytes)
+        ? globalThis.Number(object.adapterBytes)
+        : isSet(object.adapter_bytes)
+        ? globalThis.Number(object.adapter_bytes)
+        : 0,
+      adaptedLayers: isSet(object.adaptedLayers)
+        ? globalThis.Number(object.adaptedLayers)
+        : isSet(object.adapted_layers)
+        ? globalThis.Number(object.adapted_layers)
+        : 0,
+      replaced: isSet(object.replaced) ? globalThis.Boolean(object.replaced) : false,
+    };
+  },
+
+  toJSON(message: LoadAdapterResponse): unknown {
+    const obj: any = {};
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.adapterBytes !== 0) {
+      obj.adapterBytes = Math.round(message.adapterBytes);
+    }
+    if (message.adaptedLayers !== 0) {
+      obj.adaptedLayers = Math.round(message.adaptedLayers);
+    }
+    if (message.replaced !== false) {
+      obj.replaced = message.replaced;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<LoadAdapterResponse>, I>>(base?: I): LoadAdapterResponse {
+    return LoadAdapterResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<LoadAdapterResponse>, I>>(object: I): LoadAdapterResponse {
+    const message = createBaseLoadAdapterResponse();
+    message.name = object.name ?? "";
+    message.adapterBytes = object.adapterBytes ?? 0;
+    message.adaptedLayers = object.adaptedLayers ?? 0;
+    message.replaced = object.replaced ?? false;
+    return message;
+  },
+};
+
+function createBaseRemoveAdapterRequest(): RemoveAdapterRequest {
+  return { name: "" };
+}
+
+export const RemoveAdapterRequest: MessageFns<RemoveAdapterRequest> = {
+  encode(message: RemoveAdapterRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.name !== "") {
+      writer.uint32(10).string(message.name);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RemoveAdapterRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRemoveAdapterRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): RemoveAdapterRequest {
+    return { name: isSet(object.name) ? globalThis.String(object.name) : "" };
+  },
+
+  toJSON(message: RemoveAdapterRequest): unknown {
+    const obj: any = {};
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<RemoveAdapterRequest>, I>>(base?: I): RemoveAdapterRequest {
+    return RemoveAdapterRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RemoveAdapterRequest>, I>>(object: I): RemoveAdapterRequest {
+    const message = createBaseRemoveAdapterRequest();
+    message.name = object.name ?? "";
+    return message;
+  },
+};
+
+function createBaseRemoveAdapterResponse(): RemoveAdapterResponse {
+  return { adapterBytes: 0 };
+}
+
+export const RemoveAdapterResponse: MessageFns<RemoveAdapterResponse> = {
+  encode(message: RemoveAdapterResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.adapterBytes !== 0) {
+      writer.uint32(8).int64(message.adapterBytes);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RemoveAdapterResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRemoveAdapterResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.adapterBytes = longToNumber(reader.int64());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): RemoveAdapterResponse {
+    return {
+      adapterBytes: isSet(object.adapterBytes)
+        ? globalThis.Number(object.adapterBytes)
+        : isSet(object.adapter_bytes)
+        ? globalThis.Number(object.adapter_bytes)
+        : 0,
+    };
+  },
+
+  toJSON(message: RemoveAdapterResponse): unknown {
+    const obj: any = {};
+    if (message.adapterBytes !== 0) {
+      obj.adapterBytes = Math.round(message.adapterBytes);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<RemoveAdapterResponse>, I>>(base?: I): RemoveAdapterResponse {
+    return RemoveAdapterResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RemoveAdapterResponse>, I>>(object: I): RemoveAdapterResponse {
+    const message = createBaseRemoveAdapterResponse();
+    message.adapterBytes = object.adapterBytes ?? 0;
     return message;
   },
 };
@@ -2431,6 +3032,40 @@ export const RolloutServiceService = {
       Buffer.from(GetRolloutStatusResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): GetRolloutStatusResponse => GetRolloutStatusResponse.decode(value),
   },
+  /**
+   * Loads a LoRA adapter under a name, beside the served model, for the requests that name it
+   * (GenerateRequest.adapter): one base model serves many adapters, each request its own, rows
+   * of different adapters decoded in one batch. The stream is a header, then the adapter's
+   * tensors as TensorChunks (so an adapter of any size fits the message limits). Loading a
+   * name that is loaded replaces it; requests running on the old adapter finish on it.
+   * INVALID_ARGUMENT (google.rpc.BadRequest naming the field) for a bad name, header or chunk,
+   * or tensors that do not match the served model; RESOURCE_EXHAUSTED (with RetryInfo) when
+   * the server holds rollout.max_adapters adapters or the new one would exceed
+   * rollout.max_adapter_mib; UNIMPLEMENTED for an engine without named adapters.
+   */
+  loadAdapter: {
+    path: "/arealgrpc.v1.RolloutService/LoadAdapter" as const,
+    requestStream: true as const,
+    responseStream: false as const,
+    requestSerialize: (value: LoadAdapterRequest): Buffer => Buffer.from(LoadAdapterRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): LoadAdapterRequest => LoadAdapterRequest.decode(value),
+    responseSerialize: (value: LoadAdapterResponse): Buffer => Buffer.from(LoadAdapterResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): LoadAdapterResponse => LoadAdapterResponse.decode(value),
+  },
+  /**
+   * Removes a named adapter: requests that name it from now on get NOT_FOUND, requests
+   * running on it finish on it. NOT_FOUND for a name that is not loaded.
+   */
+  removeAdapter: {
+    path: "/arealgrpc.v1.RolloutService/RemoveAdapter" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: RemoveAdapterRequest): Buffer => Buffer.from(RemoveAdapterRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): RemoveAdapterRequest => RemoveAdapterRequest.decode(value),
+    responseSerialize: (value: RemoveAdapterResponse): Buffer =>
+      Buffer.from(RemoveAdapterResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): RemoveAdapterResponse => RemoveAdapterResponse.decode(value),
+  },
 } as const;
 
 export interface RolloutServiceServer extends UntypedServiceImplementation {
@@ -2464,6 +3099,23 @@ export interface RolloutServiceServer extends UntypedServiceImplementation {
   resumeGeneration: handleUnaryCall<ResumeGenerationRequest, ResumeGenerationResponse>;
   /** Reports version, load, engine and model. */
   getRolloutStatus: handleUnaryCall<GetRolloutStatusRequest, GetRolloutStatusResponse>;
+  /**
+   * Loads a LoRA adapter under a name, beside the served model, for the requests that name it
+   * (GenerateRequest.adapter): one base model serves many adapters, each request its own, rows
+   * of different adapters decoded in one batch. The stream is a header, then the adapter's
+   * tensors as TensorChunks (so an adapter of any size fits the message limits). Loading a
+   * name that is loaded replaces it; requests running on the old adapter finish on it.
+   * INVALID_ARGUMENT (google.rpc.BadRequest naming the field) for a bad name, header or chunk,
+   * or tensors that do not match the served model; RESOURCE_EXHAUSTED (with RetryInfo) when
+   * the server holds rollout.max_adapters adapters or the new one would exceed
+   * rollout.max_adapter_mib; UNIMPLEMENTED for an engine without named adapters.
+   */
+  loadAdapter: handleClientStreamingCall<LoadAdapterRequest, LoadAdapterResponse>;
+  /**
+   * Removes a named adapter: requests that name it from now on get NOT_FOUND, requests
+   * running on it finish on it. NOT_FOUND for a name that is not loaded.
+   */
+  removeAdapter: handleUnaryCall<RemoveAdapterRequest, RemoveAdapterResponse>;
 }
 
 export interface RolloutServiceClient extends Client {
@@ -2565,6 +3217,52 @@ export interface RolloutServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: GetRolloutStatusResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Loads a LoRA adapter under a name, beside the served model, for the requests that name it
+   * (GenerateRequest.adapter): one base model serves many adapters, each request its own, rows
+   * of different adapters decoded in one batch. The stream is a header, then the adapter's
+   * tensors as TensorChunks (so an adapter of any size fits the message limits). Loading a
+   * name that is loaded replaces it; requests running on the old adapter finish on it.
+   * INVALID_ARGUMENT (google.rpc.BadRequest naming the field) for a bad name, header or chunk,
+   * or tensors that do not match the served model; RESOURCE_EXHAUSTED (with RetryInfo) when
+   * the server holds rollout.max_adapters adapters or the new one would exceed
+   * rollout.max_adapter_mib; UNIMPLEMENTED for an engine without named adapters.
+   */
+  loadAdapter(
+    callback: (error: ServiceError | null, response: LoadAdapterResponse) => void,
+  ): ClientWritableStream<LoadAdapterRequest>;
+  loadAdapter(
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: LoadAdapterResponse) => void,
+  ): ClientWritableStream<LoadAdapterRequest>;
+  loadAdapter(
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: LoadAdapterResponse) => void,
+  ): ClientWritableStream<LoadAdapterRequest>;
+  loadAdapter(
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: LoadAdapterResponse) => void,
+  ): ClientWritableStream<LoadAdapterRequest>;
+  /**
+   * Removes a named adapter: requests that name it from now on get NOT_FOUND, requests
+   * running on it finish on it. NOT_FOUND for a name that is not loaded.
+   */
+  removeAdapter(
+    request: RemoveAdapterRequest,
+    callback: (error: ServiceError | null, response: RemoveAdapterResponse) => void,
+  ): ClientUnaryCall;
+  removeAdapter(
+    request: RemoveAdapterRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: RemoveAdapterResponse) => void,
+  ): ClientUnaryCall;
+  removeAdapter(
+    request: RemoveAdapterRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: RemoveAdapterResponse) => void,
   ): ClientUnaryCall;
 }
 
