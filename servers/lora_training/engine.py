@@ -48,6 +48,7 @@ from safetensors.torch import load_file, save_file
 
 from areal_grpc.errors import FieldError
 from areal_grpc.model import load_model, load_tokenizer
+from areal_grpc.named_adapters import rows_adapters
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
@@ -1105,35 +1106,13 @@ class LoraEngine:
     @contextlib.contextmanager
     def _rows_use(self, names: list[str] | None) -> Iterator[None]:
         """Within it, row i of every forward pass computes adapter ``names[i]`` ("__base__":
-        none); None changes nothing.
-
-        This is peft's mixed-adapter batch (``adapter_names``): its LoRA layers read the
-        names from their forward kwargs. peft's own way of passing them (a model kwarg)
-        walks every module and re-registers these hooks at each call, a third of a decoding
-        step of a small model, so they are registered here once for all the steps.
-        """
+        none); None changes nothing (:func:`areal_grpc.named_adapters.rows_adapters`)."""
         if names is None:
             yield
             return
-        from peft.tuners.lora import LoraLayer
-
-        def inject(
-            module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            kwargs["adapter_names"] = names
-            return args, kwargs
-
         assert self._peft is not None
-        handles = [
-            module.register_forward_pre_hook(inject, with_kwargs=True)
-            for module in self._peft.modules()
-            if isinstance(module, LoraLayer)
-        ]
-        try:
+        with rows_adapters(self._peft, names):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def _generate(
         self, model: torch.nn.Module, plans: list[_SamplePlan], names: list[str] | None

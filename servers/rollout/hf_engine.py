@@ -25,7 +25,9 @@ import weakref
 from collections.abc import AsyncGenerator, Mapping, Sequence
 
 import torch
+from areal_servers.rollout.adapters import NamedAdapters
 from areal_servers.rollout.engine import (
+    AdapterLoad,
     EngineStatus,
     FinishReason,
     InferenceEngine,
@@ -38,6 +40,15 @@ from transformers import PreTrainedModel
 from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import adapter_names, is_lora, load_model, load_tokenizer
+from areal_grpc.named_adapters import (
+    BASE_ROWS,
+    CheckedAdapter,
+    add_adapter,
+    check_adapter,
+    check_adapter_name,
+    remove_adapter,
+)
+from areal_grpc.tensor_codec import MiB
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +129,20 @@ class HFEngine(InferenceEngine):
             max_context=self.max_context,
             seed=self.policy.seed,
         )
+        # Named adapters (LoadAdapter): which load each name serves, within the caps; the
+        # ones installed in the model; retired ones whose last request ended, which the decode
+        # loop drops between two steps.
+        self._named = NamedAdapters(
+            self.rollout.max_adapters, int(self.rollout.max_adapter_mib * MiB)
+        )
+        self.max_adapter_bytes = self._named.max_bytes if self._named.max_adapters else 0
+        self._installed: set[str] = set()
+        self._to_drop: list[str] = []
+        if self.adapters_only:
+            # The run's own rows compute the run's adapter in a mixed batch.
+            self._scheduler.own_adapter = str(self._model.active_adapter)  # type: ignore[union-attr]
+        else:
+            self._scheduler.own_adapter = BASE_ROWS
         # Set when the decode loop died: why, for every later request.
         self._failure: BaseException | None = None
         self._paused = False
@@ -158,11 +183,28 @@ class HFEngine(InferenceEngine):
             )
 
     async def stream(
-        self, input_ids: Sequence[int], params: SamplingConfig
+        self, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
     ) -> AsyncGenerator[TokenEvent, None]:
         """Generates one sample; see :meth:`InferenceEngine.stream`."""
         params.validate()
         self.check_prompt(input_ids, params)
+        # The named adapter's load is pinned until the request ends (a removal or a reload
+        # meanwhile lets it finish on the load it started on).
+        internal = self._named.acquire(adapter) if adapter else ""
+        try:
+            async for event in self._stream(input_ids, params, internal):
+                yield event
+        finally:
+            if internal:
+                idle = self._named.release(internal)
+                if idle:
+                    with self._cond:
+                        self._to_drop += idle
+                        self._cond.notify_all()
+
+    async def _stream(
+        self, input_ids: Sequence[int], params: SamplingConfig, internal: str
+    ) -> AsyncGenerator[TokenEvent, None]:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= self.end_token_ids
@@ -173,6 +215,7 @@ class HFEngine(InferenceEngine):
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
             stop_ids=frozenset(stops),
+            adapter=internal,
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
@@ -266,6 +309,61 @@ class HFEngine(InferenceEngine):
 
     def _load_blocking(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self._swap_weights(self._prepare_state_dict(state_dict), version)
+
+    # --------------------------------------------------------------------- named adapters
+
+    def adapters(self) -> list[str]:
+        """Names of the named adapters held, sorted."""
+        return self._named.names()
+
+    def check_adapter(self, name: str, field: str = "adapter") -> None:
+        """NotFoundError naming ``field`` unless ``name`` is "" or a named adapter held."""
+        if name:
+            self._named.check(name, field)
+
+    async def load_adapter(
+        self, name: str, tensors: Mapping[str, torch.Tensor], rank: int, alpha: float
+    ) -> AdapterLoad:
+        """Adds the adapter to the model (between two decoding steps) as ``name``; see
+        :meth:`InferenceEngine.load_adapter`."""
+        check_adapter_name(name, "header.name")
+        # Checked and copied off the event loop: an adapter can be tens of MiB.
+        checked = await asyncio.to_thread(check_adapter, self._model, tensors, rank, alpha)
+        internal = self._named.reserve(name, checked.nbytes)
+        try:
+            await asyncio.to_thread(self._install_adapter, internal, checked)
+        except BaseException:
+            self._named.unreserve(name)
+            raise
+        replaced, idle = self._named.install(name, internal)
+        if idle:
+            await asyncio.to_thread(self._drop_adapters, idle)
+        log.info("hf engine: adapter %r loaded (%d bytes)", name, checked.nbytes)
+        return AdapterLoad(name, checked.nbytes, len(checked.modules), replaced)
+
+    async def remove_adapter(self, name: str) -> int:
+        """Stops serving ``name``; its tensors go once no running request uses them."""
+        idle = self._named.remove(name)
+        if idle:
+            await asyncio.to_thread(self._drop_adapters, idle)
+        log.info("hf engine: adapter %r removed", name)
+        return self._named.held_bytes
+
+    def _install_adapter(self, internal: str, checked: CheckedAdapter) -> None:
+        with self._model_lock:
+            add_adapter(self._model, internal, checked)
+            self._installed.add(internal)
+            self._scheduler.mixed = True
+
+    def _drop_adapters(self, internals: Sequence[str]) -> None:
+        # Under the model lock: between two steps. A row of a cancelled request may still
+        # name a dropped adapter until it leaves the batch; peft skips names it lacks.
+        with self._model_lock:
+            for internal in internals:
+                if internal in self._installed:
+                    remove_adapter(self._model, internal)
+                    self._installed.discard(internal)
+            self._scheduler.mixed = bool(self._installed)
 
     async def close(self) -> None:
         """Stops the decode thread; outstanding requests end CANCELLED."""
@@ -400,10 +498,16 @@ class HFEngine(InferenceEngine):
                     self._interrupt_all_locked()
                     continue
                 scheduler.drop_finished_locked()
-                if not self._paused and scheduler.has_work_locked():
+                if self._to_drop or (not self._paused and scheduler.has_work_locked()):
                     break
                 self._cond.wait()
-            admitted = scheduler.admit_locked()
+            drop, self._to_drop = self._to_drop, []
+            run = not self._paused and scheduler.has_work_locked()
+            admitted = scheduler.admit_locked() if run else []
+        if drop:
+            self._drop_adapters(drop)
+        if not run:
+            return True
         with self._model_lock:
             version = self._version
             if admitted:

@@ -29,6 +29,8 @@ from areal_servers.rollout.engine import FinishReason, SamplingConfig, TokenEven
 from areal_servers.rollout.sampler import sample
 from transformers import DynamicCache, PreTrainedModel
 
+from areal_grpc.named_adapters import rows_adapters
+
 __all__ = ["EngineFailedError", "Request", "Scheduler", "slots"]
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class Request:
     generator: torch.Generator | None = None
     # Sampled but not yet fed through the model.
     pending_token: int = -1
+    # The peft adapter this row computes (a named adapter's engine-internal name); "": the
+    # run's own policy.
+    adapter: str = ""
     cancelled: bool = False
     done: bool = False
 
@@ -149,6 +154,16 @@ class Scheduler:
             if n > 0
         )
         self._warned_nonfinite = False
+        # Set while the model holds named adapters: every forward pass then names each row's
+        # adapter (peft's mixed-adapter batch), the run's own rows ``own_adapter``.
+        self.mixed = False
+        self.own_adapter = "__base__"
+
+    def _rows(self, reqs: list[Request]) -> list[str] | None:
+        """The peft adapter of each row, or None when the model computes one policy for all."""
+        if not self.mixed:
+            return None
+        return [r.adapter or self.own_adapter for r in reqs]
 
     # ------------------------------------------------------------------------- requests
 
@@ -246,7 +261,8 @@ class Scheduler:
             by_length.setdefault(len(req.prompt), []).append(req)
         for length, reqs in by_length.items():
             ids = torch.tensor([r.prompt for r in reqs], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=ids, use_cache=True)
+            with rows_adapters(self.model, self._rows(reqs)):
+                out = self.model(input_ids=ids, use_cache=True)
             logits = out.logits[:, -1, :].float()
             self.sample_and_emit(reqs, logits, version)
             kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
@@ -311,13 +327,14 @@ class Scheduler:
         cache = batch.cache
         if cache is None:
             cache = DynamicCache(ddp_cache_data=batch.kv, config=self.model.config)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        with rows_adapters(self.model, self._rows(batch.requests)):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
         kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         with self.cond:
             if self.batch is batch:

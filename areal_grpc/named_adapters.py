@@ -1,0 +1,244 @@
+"""Named LoRA adapters on one in-process base model, and rows of one batch each computing its
+own adapter.
+
+An inference engine that serves many adapters at once holds one copy of the base weights and,
+per adapter, a peft LoRA layer pair on each linear layer the adapter adapts. A batch row names
+the adapter it computes: peft's mixed-adapter forward (``adapter_names``) adds each adapter's
+update to its own rows only. :func:`rows_adapters` passes the names; :func:`check_adapter`,
+:func:`add_adapter` and :func:`remove_adapter` validate, install and drop an adapter's tensors.
+
+Adapters are added to the model's own modules (a plain linear layer is wrapped in peft's LoRA
+layer; one wrapped already, e.g. by the run's own LoRA, gains another adapter), so the model's
+state dict keys of the base weights stay what they were and a full weight update goes on
+working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from areal_grpc.errors import FieldError
+from areal_grpc.tensor_codec import tensor_label
+
+__all__ = [
+    "BASE_ROWS",
+    "NAME_PATTERN",
+    "CheckedAdapter",
+    "add_adapter",
+    "check_adapter",
+    "check_adapter_name",
+    "remove_adapter",
+    "rows_adapters",
+]
+
+# The name peft's mixed-adapter forward reads as "no adapter" for a row.
+BASE_ROWS = "__base__"
+
+# Names a caller may give an adapter (and nothing peft or the engines use themselves).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+# "<module>.lora_A.weight", with peft's saved prefix or not.
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_[AB])\.weight$")
+
+
+def check_adapter_name(name: str, field: str = "name") -> None:
+    """FieldError unless ``name`` is a name a caller may give an adapter."""
+    if not NAME_PATTERN.fullmatch(name):
+        raise FieldError(
+            field,
+            f"{name!r} is not 1 to 64 letters, digits, '.', '_' or '-' starting with a letter "
+            "or digit",
+        )
+
+
+@dataclass(frozen=True)
+class CheckedAdapter:
+    """An adapter's tensors matched to the base model: (A, B) per module name, in the model's
+    dtype and on its device."""
+
+    rank: int
+    alpha: float
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its tensors take."""
+        return sum(t.numel() * t.element_size() for pair in self.modules.values() for t in pair)
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (or ``model`` itself)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def _linear(module: torch.nn.Module) -> torch.nn.Linear | None:
+    """The linear layer ``module`` is, or wraps as a peft LoRA layer; None otherwise."""
+    from peft.tuners.lora import LoraLayer
+
+    if isinstance(module, LoraLayer):
+        module = module.get_base_layer()
+    return module if isinstance(module, torch.nn.Linear) else None
+
+
+def check_adapter(
+    model: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    *,
+    where: str = "header",
+) -> CheckedAdapter:
+    """Matches an adapter's tensors (peft's saved names) to ``model``'s linear layers.
+
+    FieldError naming the field for a rank or alpha out of range (``<where>.rank``), a tensor
+    whose name is no LoRA weight, names no linear layer of the model or has the wrong shape
+    (``tensor["..."]``), and a layer given only one of its A and B.
+    """
+    if rank < 1:
+        raise FieldError(f"{where}.rank", f"must be >= 1, got {rank}")
+    if not alpha > 0 or alpha == float("inf"):
+        raise FieldError(f"{where}.alpha", f"must be > 0 and finite, got {alpha}")
+    if not tensors:
+        raise FieldError("tensors", "an adapter needs at least one layer's lora_A and lora_B")
+    base = _base(model)
+    weight = next(base.parameters())
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    names: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        label = tensor_label(name)
+        match = _KEY.match(name)
+        if match is None:
+            raise FieldError(
+                label, "not a LoRA weight '<module>.lora_A.weight' or '<module>.lora_B.weight'"
+            )
+        module_name, part = match["module"], match["part"]
+        try:
+            linear = _linear(base.get_submodule(module_name))
+        except AttributeError:
+            linear = None
+        if linear is None:
+            raise FieldError(label, f"the model has no linear layer {module_name!r}")
+        want = (rank, linear.in_features) if part == "lora_A" else (linear.out_features, rank)
+        if tuple(tensor.shape) != want:
+            raise FieldError(
+                f"{label}.shape",
+                f"{list(tensor.shape)} does not fit {module_name} "
+                f"({linear.in_features} -> {linear.out_features}) at rank {rank}: needs "
+                f"{list(want)}",
+            )
+        if not tensor.is_floating_point():
+            raise FieldError(f"{label}.dtype", f"must be a floating type, got {tensor.dtype}")
+        if module_name in parts and part in parts[module_name]:
+            raise FieldError(label, f"{module_name} is given {part} twice")
+        parts.setdefault(module_name, {})[part] = tensor
+        names[module_name] = name
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module_name, pair in sorted(parts.items()):
+        missing = {"lora_A", "lora_B"} - set(pair)
+        if missing:
+            # Named as the caller names the tensor it gave (with peft's prefix or not).
+            given = next(iter(pair))
+            absent = names[module_name].replace(f".{given}.", f".{missing.pop()}.")
+            raise FieldError(tensor_label(absent), f"missing: {module_name} has only {given}")
+        a, b = (
+            pair[p].detach().to(device=weight.device, dtype=weight.dtype, copy=True)
+            for p in ("lora_A", "lora_B")
+        )
+        if not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise FieldError(tensor_label(f"{module_name}.lora_A.weight"), "holds inf or NaN")
+        modules[module_name] = (a, b)
+    return CheckedAdapter(rank=rank, alpha=float(alpha), modules=modules)
+
+
+def add_adapter(model: torch.nn.Module, internal: str, adapter: CheckedAdapter) -> None:
+    """Installs ``adapter`` in ``model`` under the peft adapter name ``internal`` (frozen).
+
+    Changes the model: call it between forward passes, never during one.
+    """
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    base = _base(model)
+    config = LoraConfig(
+        r=adapter.rank,
+        lora_alpha=adapter.alpha,
+        lora_dropout=0.0,
+        target_modules=sorted(adapter.modules),
+        inference_mode=True,
+    )
+    for module_name, (a, b) in adapter.modules.items():
+        parent_name, _, child = module_name.rpartition(".")
+        parent = base.get_submodule(parent_name) if parent_name else base
+        layer = getattr(parent, child)
+        if isinstance(layer, LoraLayer):
+            active = list(layer.active_adapters)
+            layer.update_layer(internal, adapter.rank, adapter.alpha, config)
+            # Adding an adapter must not change what the layer computes without row names.
+            layer.set_adapter(active)
+        else:
+            wrapped = LoraLinear(layer, internal, config, r=adapter.rank, lora_alpha=adapter.alpha)
+            # The wrapper computes nothing of its own adapters without row names.
+            wrapped.set_adapter([])
+            setattr(parent, child, wrapped)
+            layer = wrapped
+        with torch.no_grad():
+            layer.lora_A[internal].weight.copy_(a)
+            layer.lora_B[internal].weight.copy_(b)
+    for param in base.parameters():
+        param.requires_grad_(False)
+
+
+def remove_adapter(model: torch.nn.Module, internal: str) -> None:
+    """Drops the peft adapter ``internal`` from every layer that has it (between forwards)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in _base(model).modules():
+        if isinstance(module, LoraLayer) and internal in module.lora_A:
+            active = [n for n in module.active_adapters if n != internal]
+            module.delete_adapter(internal)
+            module.set_adapter(active)
+    for param in _base(model).parameters():
+        param.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def rows_adapters(model: torch.nn.Module, names: Sequence[str] | None) -> Iterator[None]:
+    """Within it, row i of every forward pass of ``model`` computes the peft adapter
+    ``names[i]`` (:data:`BASE_ROWS`: none); None changes nothing.
+
+    This is peft's mixed-adapter batch (``adapter_names``): its LoRA layers read the names
+    from their forward kwargs. peft's own way of passing them (a model kwarg) walks every
+    module and re-registers these hooks at each call, a third of a decoding step of a small
+    model, so they are registered here once for all the passes within.
+    """
+    if names is None:
+        yield
+        return
+    from peft.tuners.lora import LoraLayer
+
+    rows = list(names)
+
+    def inject(
+        module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        kwargs["adapter_names"] = rows
+        return args, kwargs
+
+    handles = [
+        module.register_forward_pre_hook(inject, with_kwargs=True)
+        for module in model.modules()
+        if isinstance(module, LoraLayer)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
