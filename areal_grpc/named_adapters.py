@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,8 @@ __all__ = [
     "add_adapter",
     "check_adapter",
     "check_adapter_name",
+    "check_adapter_shapes",
+    "peft_tensors",
     "remove_adapter",
     "rows_adapters",
 ]
@@ -95,11 +97,41 @@ def check_adapter(
     *,
     where: str = "header",
 ) -> CheckedAdapter:
-    """Matches an adapter's tensors (peft's saved names) to ``model``'s linear layers.
+    """Matches an adapter's tensors (peft's saved names) to ``model``'s linear layers; the
+    result holds copies in the model's dtype, on its device. Errors as
+    :func:`check_adapter_shapes`."""
+    base = _base(model)
+    weight = next(base.parameters())
+
+    def dims(module_name: str) -> tuple[int, int] | None:
+        try:
+            linear = _linear(base.get_submodule(module_name))
+        except AttributeError:
+            return None
+        return None if linear is None else (linear.in_features, linear.out_features)
+
+    return check_adapter_shapes(
+        tensors, rank, alpha, dims, dtype=weight.dtype, device=weight.device, where=where
+    )
+
+
+def check_adapter_shapes(
+    tensors: Mapping[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    dims: Callable[[str], tuple[int, int] | None],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    where: str = "header",
+) -> CheckedAdapter:
+    """Matches an adapter's tensors (peft's saved names) to a model's linear layers, whose
+    (in_features, out_features) ``dims`` gives by module name (None: no such linear layer).
+    The result holds copies (in ``dtype``, None: as given, on ``device``).
 
     FieldError naming the field for a rank or alpha out of range (``<where>.rank``), a tensor
-    whose name is no LoRA weight, names no linear layer of the model or has the wrong shape
-    (``tensor["..."]``), and a layer given only one of its A and B.
+    whose name is no LoRA weight, names no linear layer of the model, has the wrong shape or
+    holds inf or NaN (``tensor["..."]``), and a layer given only one of its A and B.
     """
     if rank < 1:
         raise FieldError(f"{where}.rank", f"must be >= 1, got {rank}")
@@ -107,8 +139,6 @@ def check_adapter(
         raise FieldError(f"{where}.alpha", f"must be > 0 and finite, got {alpha}")
     if not tensors:
         raise FieldError("tensors", "an adapter needs at least one layer's lora_A and lora_B")
-    base = _base(model)
-    weight = next(base.parameters())
     parts: dict[str, dict[str, torch.Tensor]] = {}
     names: dict[str, str] = {}
     for name, tensor in tensors.items():
@@ -119,22 +149,21 @@ def check_adapter(
                 label, "not a LoRA weight '<module>.lora_A.weight' or '<module>.lora_B.weight'"
             )
         module_name, part = match["module"], match["part"]
-        try:
-            linear = _linear(base.get_submodule(module_name))
-        except AttributeError:
-            linear = None
-        if linear is None:
+        shape = dims(module_name)
+        if shape is None:
             raise FieldError(label, f"the model has no linear layer {module_name!r}")
-        want = (rank, linear.in_features) if part == "lora_A" else (linear.out_features, rank)
+        fan_in, fan_out = shape
+        want = (rank, fan_in) if part == "lora_A" else (fan_out, rank)
         if tuple(tensor.shape) != want:
             raise FieldError(
                 f"{label}.shape",
-                f"{list(tensor.shape)} does not fit {module_name} "
-                f"({linear.in_features} -> {linear.out_features}) at rank {rank}: needs "
-                f"{list(want)}",
+                f"{list(tensor.shape)} does not fit {module_name} ({fan_in} -> {fan_out}) at "
+                f"rank {rank}: needs {list(want)}",
             )
         if not tensor.is_floating_point():
             raise FieldError(f"{label}.dtype", f"must be a floating type, got {tensor.dtype}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise FieldError(f"{label}.data", "holds inf or NaN")
         if module_name in parts and part in parts[module_name]:
             raise FieldError(label, f"{module_name} is given {part} twice")
         parts.setdefault(module_name, {})[part] = tensor
@@ -148,13 +177,21 @@ def check_adapter(
             absent = names[module_name].replace(f".{given}.", f".{missing.pop()}.")
             raise FieldError(tensor_label(absent), f"missing: {module_name} has only {given}")
         a, b = (
-            pair[p].detach().to(device=weight.device, dtype=weight.dtype, copy=True)
+            pair[p].detach().to(device=device, dtype=dtype or pair[p].dtype, copy=True)
             for p in ("lora_A", "lora_B")
         )
-        if not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise FieldError(tensor_label(f"{module_name}.lora_A.weight"), "holds inf or NaN")
         modules[module_name] = (a, b)
     return CheckedAdapter(rank=rank, alpha=float(alpha), modules=modules)
+
+
+def peft_tensors(adapter: CheckedAdapter) -> dict[str, torch.Tensor]:
+    """The adapter's tensors by peft's saved names ("base_model.model.<module>.lora_A.weight"),
+    as an adapter_model.safetensors file holds them."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, (a, b) in adapter.modules.items():
+        out[f"base_model.model.{module_name}.lora_A.weight"] = a.contiguous()
+        out[f"base_model.model.{module_name}.lora_B.weight"] = b.contiguous()
+    return out
 
 
 def add_adapter(model: torch.nn.Module, internal: str, adapter: CheckedAdapter) -> None:

@@ -191,10 +191,14 @@ class HFEngine(InferenceEngine):
         # The named adapter's load is pinned until the request ends (a removal or a reload
         # meanwhile lets it finish on the load it started on).
         internal = self._named.acquire(adapter) if adapter else ""
+        # Closed explicitly: closing this generator (a cancelled call) must cancel the
+        # request at once, not when the inner generator is collected.
+        inner = self._stream(input_ids, params, internal)
         try:
-            async for event in self._stream(input_ids, params, internal):
+            async for event in inner:
                 yield event
         finally:
+            await inner.aclose()
             if internal:
                 idle = self._named.release(internal)
                 if idle:

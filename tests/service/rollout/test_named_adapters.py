@@ -14,11 +14,11 @@ import functools
 import grpc
 import pytest
 import torch
+from areal_clients.rollout import adapter_requests
 from arealgrpc.v1 import common_pb2, rollout_pb2
 
 from areal_grpc.errors import field_violations, retry_delay_s
 from areal_grpc.model import load_model
-from clients.rollout import adapter_requests
 from tests.support.rollout import rollout_server
 
 # float32 throughout: the server decodes with a KV cache (and in a mixed batch, each adapter's
