@@ -20,11 +20,12 @@ TOK = load_tokenizer("builtin:micro")
 
 
 @contextlib.asynccontextmanager
-async def rollout_server(max_running_requests=256, **rollout):
-    """Serves an hf engine for the block: yields (RolloutService stub, servicer); ``rollout``:
-    further settings of the ``rollout`` section (e.g. max_adapters)."""
+async def rollout_server(max_running_requests=256, lora=None, **rollout):
+    """Serves an hf engine for the block: yields (RolloutService stub, servicer); ``lora``: the
+    run's LoraSettings; ``rollout``: further settings of the ``rollout`` section (e.g.
+    max_adapters)."""
     engine = HFEngine(
-        ModelConfig(source="builtin:micro", seed=0),
+        ModelConfig(source="builtin:micro", seed=0, **({"lora": lora} if lora else {})),
         RolloutConfig(max_running_requests=max_running_requests, **rollout),
     )
     servicer = RolloutServicer(engine, TOK, RolloutServiceConfig(default_max_new_tokens=4))

@@ -17,6 +17,7 @@ import torch
 from areal_clients.rollout import adapter_requests
 from arealgrpc.v1 import common_pb2, rollout_pb2
 
+from areal_grpc.config import LoraSettings
 from areal_grpc.errors import field_violations, retry_delay_s
 from areal_grpc.model import load_model
 from tests.support.rollout import rollout_server
@@ -285,3 +286,32 @@ async def test_adapter_caps_are_resource_exhausted_with_a_retry_delay():
         await load(stub, "a", A)
         st = await stub.GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest())
         assert list(st.adapters) == ["a"]
+
+
+async def test_in_a_lora_run_own_rows_compute_the_runs_adapter_and_named_rows_theirs():
+    """The run's own policy is its current LoRA adapter; a named adapter replaces it for its
+    rows (it is an adapter of the base model, not of the run's adapter)."""
+    torch.set_num_threads(1)
+    lora = LoraSettings(rank=A[1], alpha=2.0 * A[1], target_modules=list(ATTN))
+    async with rollout_server(lora=lora) as (stub, servicer):
+        engine = servicer.engine
+        # The run's version 1 is adapter A (peft names it "default" in the served model).
+        update = {
+            name: peft_adapter(*A)[1][name.replace(".default.", ".")]
+            for name in engine.model.state_dict()
+            if ".lora_" in name
+        }
+        await engine.load_weights(update, 1)
+        await load(stub, "b", B)
+        jobs = [(prompt, name) for prompt in PROMPTS for name in ("", "b")]
+        await stub.PauseGeneration(rollout_pb2.PauseGenerationRequest())
+        tasks = [asyncio.ensure_future(generate(stub, p, n)) for p, n in jobs]
+        await wait_status(stub, lambda st: st.queued_requests == len(jobs))
+        await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest())
+        batched = await asyncio.gather(*tasks)
+        for (prompt, name), got in zip(jobs, batched, strict=True):
+            assert_matches(got, A if name == "" else B, prompt)
+            assert set(got.output_versions) == {1}
+        # With the named adapter gone, the run's rows decode as before.
+        await stub.RemoveAdapter(rollout_pb2.RemoveAdapterRequest(name="b"))
+        assert_matches(await generate(stub, PROMPTS[0]), A, PROMPTS[0])
