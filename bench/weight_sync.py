@@ -600,7 +600,9 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                 if args.engine == "vllm":
                     # The server's own load of each measured version (write + reload), from
                     # its log; the transfer is the rest of the fleet update.
-                    loads = vllm_load_times(rollouts[0].log_path)[-args.reps :]
+                    writes, reloads = vllm_load_times(rollouts[0].log_path)
+                    writes, reloads = writes[-args.reps :], reloads[-args.reps :]
+                    loads = [w + r for w, r in zip(writes, reloads, strict=True)]
                     value = statistics.median(s - ld for s, ld in zip(syncs, loads, strict=True))
                 print(
                     f"{method}: unmeasured {[round(s, 3) for s in warm]} s, "
@@ -619,7 +621,9 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                     copy = statistics.median(memcpy_baseline(sd) for _ in range(args.reps))
                     load = statistics.median(loads)
                     print(
-                        f"  vllm load per version {[round(x, 3) for x in loads]} s",
+                        f"  vllm load per version {[round(x, 3) for x in loads]} s "
+                        f"(writing its file {[round(x, 3) for x in writes]} s, "
+                        f"vLLM's reload {[round(x, 3) for x in reloads]} s)",
                         flush=True,
                     )
                     result(f"weight_sync_vllm_load_{method}", load, "s", copy, "none")
@@ -629,14 +633,15 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
     return 0
 
 
-def vllm_load_times(log_path: Path | None) -> list[float]:
-    """Seconds of each version's load (file write + vLLM's reload) a vllm rollout server
-    logged, in order."""
+def vllm_load_times(log_path: Path | None) -> tuple[list[float], list[float]]:
+    """Seconds of each version's load a vllm rollout server logged, in order: writing its
+    file (0 for a file received in place or the update's own), and vLLM's reload."""
     import re
 
     text = log_path.read_text() if log_path is not None else ""
     pattern = r"loaded: ([0-9.]+) s writing .* MiB, ([0-9.]+) s in vLLM's reload"
-    return [float(a) + float(b) for a, b in re.findall(pattern, text)]
+    found = re.findall(pattern, text)
+    return [float(a) for a, _ in found], [float(b) for _, b in found]
 
 
 def _port() -> int:

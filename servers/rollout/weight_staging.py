@@ -52,6 +52,7 @@ class StagedFile:
             n
             for n, t in tensors.items()
             if n in views
+            and t.device == views[n].device
             and t.data_ptr() == views[n].data_ptr()
             and t.shape == views[n].shape
             and t.dtype == views[n].dtype
