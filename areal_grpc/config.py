@@ -345,6 +345,19 @@ class VllmSettings:
         "step of a running batch comes sooner than this, so generation does not wait on a "
         "wake-up.",
     )
+    max_adapter_rank: int = setting(
+        0,
+        help="Largest LoRA rank of the named adapters (RolloutService.LoadAdapter) vLLM serves; "
+        "0: vLLM serves none (its LoRA layers, which slow every step, are built only when the "
+        "run's own LoRA or this asks for them).",
+        ge=0,
+    )
+    max_loras: int = setting(
+        4,
+        help="Adapters vLLM computes in one step at most (vLLM's max_loras): the run's own "
+        "LoRA versions and the named adapters; a request of another waits for a slot.",
+        ge=1,
+    )
 
 
 @dataclass
@@ -877,6 +890,13 @@ class TinkerConfig:
     )
     retry_after_s: float = setting(
         1.0, help="The retry delay a quota refusal names (RetryInfo, Retry-After).", gt=0.0
+    )
+    rollout_addresses: list[str] = setting(
+        factory=list,
+        help="Rollout servers (host:port, serving model.source with rollout.max_adapters > 0) "
+        "that every sampler checkpoint is loaded on as a named adapter; sample calls go to "
+        "them in turn (those with stop strings or prompt log-probs stay here). Empty: the "
+        "service samples on its own model.",
     )
     batch_calls: bool = setting(
         True,

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from arealgrpc.v1 import rollout_pb2
 
+from areal_grpc.chunks import iter_chunks
 from areal_grpc.errors import FieldError
 from areal_grpc.tensor_codec import tensor_label
 
@@ -30,6 +32,7 @@ __all__ = [
     "BASE_ROWS",
     "NAME_PATTERN",
     "CheckedAdapter",
+    "adapter_requests",
     "add_adapter",
     "check_adapter",
     "check_adapter_name",
@@ -279,3 +282,17 @@ def rows_adapters(model: torch.nn.Module, names: Sequence[str] | None) -> Iterat
     finally:
         for handle in handles:
             handle.remove()
+
+
+def adapter_requests(
+    name: str, tensors: Mapping[str, torch.Tensor], rank: int, alpha: float
+) -> Iterator[rollout_pb2.LoadAdapterRequest]:
+    """A ``RolloutService.LoadAdapter`` stream: the header, then ``tensors`` (peft's saved
+    names) as chunks of 1 MiB at most."""
+    yield rollout_pb2.LoadAdapterRequest(
+        header=rollout_pb2.AdapterHeader(
+            name=name, rank=rank, alpha=alpha, tensor_count=len(tensors)
+        )
+    )
+    for chunk in iter_chunks(tensors):
+        yield rollout_pb2.LoadAdapterRequest(chunk=chunk)

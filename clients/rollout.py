@@ -41,15 +41,9 @@ def adapter_requests(
 ) -> Iterator[rollout_pb2.LoadAdapterRequest]:
     """A ``LoadAdapter`` stream: the header, then ``tensors`` as chunks (1 MiB each)."""
     # Imported here: the chunker imports torch, which this client's other users never need.
-    from areal_grpc.chunks import iter_chunks
+    from areal_grpc.named_adapters import adapter_requests as requests
 
-    yield rollout_pb2.LoadAdapterRequest(
-        header=rollout_pb2.AdapterHeader(
-            name=name, rank=rank, alpha=alpha, tensor_count=len(tensors)
-        )
-    )
-    for chunk in iter_chunks(tensors):
-        yield rollout_pb2.LoadAdapterRequest(chunk=chunk)
+    return requests(name, tensors, rank, alpha)
 
 
 def item_struct(item: Mapping[str, Any]) -> struct_pb2.Struct:

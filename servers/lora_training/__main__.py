@@ -18,16 +18,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from areal_servers.lora_training.engine import LoraEngine
+from areal_servers.lora_training.fleet import SamplerFleet
 from areal_servers.lora_training.service import LoraTrainingServicer, Tenants
 from arealgrpc.v1 import lora_training_pb2, lora_training_pb2_grpc
 
-from areal_grpc.cli import run_server_options
+from areal_grpc.cli import run_channel_options, run_server_options
 from areal_grpc.config import RunConfig, read_tenants
 from areal_grpc.errors import FieldError
 from areal_grpc.launch import LISTENING
 from areal_grpc.model import resolve_source
 from areal_grpc.paths import write_marker
-from areal_grpc.server import serve_until_signal, service, start_server
+from areal_grpc.server import serve_until_signal, service, start_server, sync_channel
 from areal_grpc.server_config import add_run_config_args, run_config_from_args
 
 SECTIONS = ("model", "output", "security", "tinker")
@@ -59,8 +60,21 @@ async def serve(run: RunConfig) -> None:
     source = await asyncio.to_thread(resolve_source, run.model.source)
     engine = await asyncio.to_thread(LoraEngine, source, seed=run.model.seed)
     tokenizer_id = source if Path(source).is_dir() else ""
+    # The fleet's channels take the run's TLS and token, as the run's own servers do.
+    fleet_options = run_channel_options(run.security)
+    fleet = (
+        SamplerFleet(t.rollout_addresses, lambda a: sync_channel(a, fleet_options))
+        if t.rollout_addresses
+        else None
+    )
     servicer = LoraTrainingServicer(
-        engine, t, Tenants(keys), tinker_root(run), model_names(run.model.source), tokenizer_id
+        engine,
+        t,
+        Tenants(keys),
+        tinker_root(run),
+        model_names(run.model.source),
+        tokenizer_id,
+        fleet,
     )
     running = await start_server(
         [

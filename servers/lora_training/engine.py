@@ -899,6 +899,15 @@ class LoraEngine:
         self._snapshots[sampler_id] = _Snapshot(internal, run.spec, params, run_id)
         run.snapshots.add(sampler_id)
 
+    def snapshot_adapter(self, sampler_id: str) -> tuple[dict[str, torch.Tensor], int, float]:
+        """Sampler snapshot ``sampler_id`` as another engine loads it: its tensors by peft's
+        saved names (copies on the CPU), its rank and its alpha."""
+        snap = self._snapshots.get(sampler_id)
+        if snap is None:
+            raise UnknownIdError(f"unknown sampler {sampler_id!r}")
+        tensors = {k: p.detach().to("cpu", copy=True) for k, p in snap.params.items()}
+        return tensors, snap.spec.rank, LORA_ALPHA
+
     def delete_snapshot(self, sampler_id: str) -> None:
         """Frees sampler snapshot ``sampler_id``."""
         snap = self._snapshots.pop(sampler_id, None)

@@ -27,6 +27,7 @@ import math
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from areal_servers.lora_training.engine import (
     SampleJob,
     UnknownIdError,
 )
+from areal_servers.lora_training.fleet import SamplerFleet
 from arealgrpc.v1 import common_pb2, rollout_pb2
 from arealgrpc.v1 import lora_training_pb2 as pb
 from arealgrpc.v1 import lora_training_pb2_grpc as pb_grpc
@@ -286,8 +288,16 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         root: Path,
         base_model_names: Sequence[str],
         tokenizer_id: str = "",
+        fleet: SamplerFleet | None = None,
     ) -> None:
+        """``fleet``: the rollout servers samplers are loaded on and sampled on
+        (tinker.rollout_addresses); None: the engine samples them itself."""
         self.engine = engine
+        self.fleet = fleet
+        # Sample calls on the fleet, per tenant: they bypass the queue (the trainer's worker
+        # is not needed) but count against the tenant's queued calls.
+        self._fleet_calls: collections.Counter[str] = collections.Counter()
+        self._fleet_tasks: set[asyncio.Task[None]] = set()
         # Whether calls that change nothing may share a batch (tinker.batch_calls).
         self.batching = cfg.batch_calls
         self.cfg = cfg
@@ -316,6 +326,9 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
+        for task in list(self._fleet_tasks):
+            task.cancel()
+        await asyncio.gather(*self._fleet_tasks, return_exceptions=True)
         for op in self.ops.values():
             if not op.proto.done:
                 self._fail(op, grpc.StatusCode.UNAVAILABLE, "the service stopped")
@@ -409,7 +422,8 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         await abort_with(context, invalid_argument(FieldError(key, why)))
 
     async def _admit(self, context: grpc.aio.ServicerContext, tenant: str) -> None:
-        if self.queue.queued(tenant) >= self.cfg.max_queued_per_tenant:
+        queued = self.queue.queued(tenant) + self._fleet_calls[tenant]
+        if queued >= self.cfg.max_queued_per_tenant:
             await abort_with(
                 context,
                 resource_exhausted(
@@ -657,8 +671,16 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         run = await self._run(context, tenant, request.name)
         del self.runs[(tenant, run.id)]
         key = self._key(run)
+        samplers = [name_key(tenant, s) for s in run.samplers]
+
+        def work() -> None:
+            self.engine.delete(key)
+            if self.fleet is not None:
+                for sampler in samplers:
+                    self.fleet.remove(sampler)
+
         # Through the queue: the worker may be running one of its calls now.
-        op = self._operation(tenant, lambda: self.engine.delete(key), lambda _: None)
+        op = self._operation(tenant, work, lambda _: None)
         self.queue.put(op)
         await op.done.wait()
         return pb.DeleteTrainingRunResponse()
@@ -810,7 +832,16 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
                     key, directory, optimizer=kind == pb.CHECKPOINT_KIND_STATE
                 )
                 if kind == pb.CHECKPOINT_KIND_SAMPLER:
-                    self.engine.snapshot(key, name_key(tenant, name))
+                    sampler = name_key(tenant, name)
+                    self.engine.snapshot(key, sampler)
+                    if self.fleet is not None:
+                        try:
+                            self.fleet.load(sampler, *self.engine.snapshot_adapter(sampler))
+                        except BaseException:
+                            # Not a sampler of the run's then: nothing of it stays anywhere.
+                            self.engine.delete_snapshot(sampler)
+                            self._fleet_forget(sampler)
+                            raise
                 return nbytes
 
             def finish(nbytes: int) -> None:
@@ -832,7 +863,9 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
                     run.samplers.append(name)
                     # Older samplers leave memory (their files stay).
                     while len(run.samplers) > self.cfg.samplers_per_run:
-                        self.engine.delete_snapshot(name_key(tenant, run.samplers.popleft()))
+                        gone = name_key(tenant, run.samplers.popleft())
+                        self.engine.delete_snapshot(gone)
+                        self._fleet_forget(gone)
                 self._touch(run)
                 op.proto.checkpoint.CopyFrom(ckpt)
 
@@ -971,9 +1004,6 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
             "prompt_logprobs": request.prompt_logprobs,
         }
 
-        def work() -> Any:
-            return self.engine.sample(sampler, prompt, **kwargs)
-
         def finish(result: Any) -> None:
             sequences, prompt_lps = result
             op.proto.sample.CopyFrom(
@@ -993,11 +1023,46 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
                 )
             )
 
+        fleet = self.fleet
+        if fleet is not None and not request.stop and not request.prompt_logprobs:
+            # On the rollout fleet, with the sampler's adapter (stop strings and prompt
+            # log-probs, which Generate does not offer, stay with the engine).
+            on_fleet = {k: v for k, v in kwargs.items() if k not in ("stop", "prompt_logprobs")}
+            op = self._operation(tenant, lambda: fleet.sample(sampler, prompt, **on_fleet), finish)
+            self._fleet_calls[tenant] += 1
+            task = asyncio.create_task(self._on_fleet(op, tenant))
+            self._fleet_tasks.add(task)
+            task.add_done_callback(self._fleet_tasks.discard)
+            return pb.SampleResponse(operation=op.proto)
+
+        def work() -> Any:
+            return self.engine.sample(sampler, prompt, **kwargs)
+
         op = self._operation(tenant, work, finish)
         job = SampleJob(sampler, prompt, **kwargs)
         op.batch = Batchable("sample", job, job.num_samples, len(prompt) + s.max_new_tokens)
         self.queue.put(op)
         return pb.SampleResponse(operation=op.proto)
+
+    async def _on_fleet(self, op: Operation, tenant: str) -> None:
+        """Runs a sample call on the fleet (its blocking call on a thread of its own)."""
+        assert op.work is not None
+        try:
+            outcome: Any = await asyncio.to_thread(op.work)
+        except Exception as exc:
+            outcome = exc
+        finally:
+            self._fleet_calls[tenant] -= 1
+        self._complete(op, outcome)
+
+    def _fleet_forget(self, sampler: str) -> None:
+        """Removes a sampler's adapter from the fleet, off the caller's thread."""
+        fleet = self.fleet
+        if fleet is None:
+            return
+        threading.Thread(
+            target=fleet.remove, args=(sampler,), name="fleet-remove", daemon=True
+        ).start()
 
     # -- operations ----------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from areal_grpc.model import load_tokenizer
 from areal_grpc.security import ServerTls
 from areal_grpc.server import Service, service
 from areal_grpc.server_config import max_new_tokens, weights_root
+from areal_grpc.tensor_codec import MiB
 
 __all__ = [
     "check_run_workflow",
@@ -45,7 +46,14 @@ def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
     if r.engine == "vllm":
         from areal_servers.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(run.model.source, r.vllm, seed=run.model.seed, lora=run.model.lora)
+        return VLLMEngine(
+            run.model.source,
+            r.vllm,
+            seed=run.model.seed,
+            lora=run.model.lora,
+            max_adapters=r.max_adapters,
+            max_adapter_bytes=int(r.max_adapter_mib * MiB),
+        )
     if r.engine == "sglang":
         from areal_servers.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 

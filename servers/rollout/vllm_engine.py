@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -61,11 +62,14 @@ from typing import Any
 import torch
 from areal_servers.rollout.adapters import (
     AdapterBook,
+    NamedAdapters,
     check_adapter_update,
     write_adapter,
     write_checkpoint,
+    write_dir,
 )
 from areal_servers.rollout.engine import (
+    AdapterLoad,
     EngineStatus,
     FinishReason,
     InferenceEngine,
@@ -76,11 +80,18 @@ from areal_servers.rollout.engine import (
 )
 from areal_servers.rollout.weight_staging import StagedFile
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from areal_grpc.config import LoraSettings, VllmSettings
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.model import load_model, load_tokenizer, resolve_source
 from areal_grpc.model_source import is_builtin
+from areal_grpc.named_adapters import (
+    CheckedAdapter,
+    check_adapter_name,
+    check_adapter_shapes,
+    peft_tensors,
+)
 from areal_grpc.paths import remove_owned
 from areal_grpc.shared_memory import own_root
 
@@ -99,6 +110,8 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_STEP_TOKENS = 4096
 # vLLM's LoRA slots take one of these ranks (vllm/config/lora.py, MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM ids of named adapters start here, above any policy version (a run's adapter's id).
+NAMED_ADAPTER_IDS = 1 << 30
 # Shared memory for the weight file when it has room, else the temporary directory.
 WORKER_EXTENSION = "areal_servers.rollout.vllm_worker.WorkerExtension"
 
@@ -134,7 +147,11 @@ class VLLMEngine(InferenceEngine):
         seed: int = 0,
         lora: LoraSettings | None = None,
         on_fatal: Callable[[str], None] = _exit_server,
+        max_adapters: int = 16,
+        max_adapter_bytes: int = 1 << 30,
     ) -> None:
+        """Serves ``model`` with vLLM; ``max_adapters`` named adapters of ``max_adapter_bytes``
+        together at most (when ``settings.max_adapter_rank`` lets vLLM serve any)."""
         self.settings = settings or VllmSettings()
         self.model_name = model
         self.seed = seed
@@ -154,6 +171,14 @@ class VLLMEngine(InferenceEngine):
         self._adapters = AdapterBook()
         self._adapter_ids: dict[str, int] = {}
         self._unloads: set[asyncio.Task[None]] = set()
+        # Named adapters (LoadAdapter): vLLM's adapter id and directory of each load, by its
+        # internal name; ids above every policy version's (a run's adapters use the version).
+        self._named = NamedAdapters(max_adapters, max_adapter_bytes)
+        named = self.settings.max_adapter_rank > 0 and max_adapters > 0
+        self.max_adapter_bytes = max_adapter_bytes if named else 0
+        self._named_ids: dict[str, int] = {}
+        self._named_dirs: dict[str, Path] = {}
+        self._next_named_id = itertools.count(NAMED_ADAPTER_IDS)
         # The file full updates are staged in (see weight_staging), and its directory.
         self._staged: StagedFile | None = None
         self._staging: Path | None = None
@@ -248,14 +273,16 @@ class VLLMEngine(InferenceEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         lora: dict[str, Any] = {}
-        if self.adapters_only:
-            rank = next((r for r in LORA_RANKS if r >= self.lora.rank), None)
+        if self.adapters_only or self.max_adapter_bytes:
+            ranks = {"model.lora.rank": self.lora.rank}
+            if self.max_adapter_bytes:
+                ranks["rollout.vllm.max_adapter_rank"] = s.max_adapter_rank
+            key, wanted = max(ranks.items(), key=lambda kv: kv[1])
+            rank = next((r for r in LORA_RANKS if r >= wanted), None)
             if rank is None:
-                raise FieldError(
-                    "model.lora.rank", f"vLLM serves LoRA ranks up to {LORA_RANKS[-1]}"
-                )
-            # The current adapter and the ones requests still run on.
-            lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 4}
+                raise FieldError(key, f"vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
+            # The current adapter, the ones requests still run on, and named adapters.
+            lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": s.max_loras}
         scheduling: dict[str, Any] = {}
         if not torch.cuda.is_available():
             # After a partial (chunked) prefill vLLM rewinds the request's seeded generator,
@@ -394,15 +421,33 @@ class VLLMEngine(InferenceEngine):
         )
 
     async def stream(
-        self, input_ids: Sequence[int], params: SamplingConfig
+        self, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
     ) -> AsyncGenerator[TokenEvent, None]:
         """Generates one sample; see :meth:`InferenceEngine.stream` and the module's notes."""
         params.validate()
         self.check_sampling(params)
         self.check_prompt(input_ids, params)
+        self.check_adapter(adapter)
         self._check_alive()
         await self._gate.enter()
         self._check_alive()
+        # The named adapter's load is pinned until the request ends (see NamedAdapters).
+        named = self._named.acquire(adapter) if adapter else ""
+        # Closed explicitly: closing this generator (a cancelled call) must cancel the
+        # request at once, not when the inner generator is collected.
+        inner = self._stream(input_ids, params, named)
+        try:
+            async for event in inner:
+                yield event
+        finally:
+            await inner.aclose()
+            if named:
+                for internal in self._named.release(named):
+                    self._unload_named_later(internal)
+
+    async def _stream(
+        self, input_ids: Sequence[int], params: SamplingConfig, named: str
+    ) -> AsyncGenerator[TokenEvent, None]:
         from vllm.inputs import TokensPrompt
 
         adapter, adapter_version = self._adapters.acquire()
@@ -421,7 +466,7 @@ class VLLMEngine(InferenceEngine):
             TokensPrompt(prompt_token_ids=[int(t) for t in input_ids]),
             self._sampling_params(params),
             rid,
-            lora_request=self._lora_request(adapter),
+            lora_request=self._named_request(named) if named else self._lora_request(adapter),
         )
         try:
             async for out in outputs:
@@ -478,6 +523,114 @@ class VLLMEngine(InferenceEngine):
         from vllm.lora.request import LoRARequest
 
         return LoRARequest(adapter, self._adapter_ids[adapter], str(self._adapters.dirs[adapter]))
+
+    def _named_request(self, internal: str) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(internal, self._named_ids[internal], str(self._named_dirs[internal]))
+
+    # -------------------------------------------------------------------- named adapters
+
+    def adapters(self) -> list[str]:
+        """Names of the named adapters held, sorted."""
+        return self._named.names()
+
+    def check_adapter(self, name: str, field: str = "adapter") -> None:
+        """NotFoundError naming ``field`` unless ``name`` is "" or a named adapter held."""
+        if name:
+            self._named.check(name, field)
+
+    async def load_adapter(
+        self, name: str, tensors: Mapping[str, torch.Tensor], rank: int, alpha: float
+    ) -> AdapterLoad:
+        """Has vLLM hold the adapter as ``name`` (a peft directory it loads); see
+        :meth:`InferenceEngine.load_adapter`."""
+        if not self.max_adapter_bytes:
+            raise NotImplementedError(
+                "this vllm engine serves no named adapters (rollout.vllm.max_adapter_rank is 0)"
+            )
+        check_adapter_name(name, "header.name")
+        if rank > self.settings.max_adapter_rank:
+            raise FieldError(
+                "header.rank",
+                f"{rank} is above the rank vLLM serves here "
+                f"(rollout.vllm.max_adapter_rank = {self.settings.max_adapter_rank})",
+            )
+        self._check_alive()
+        checked = await asyncio.to_thread(
+            check_adapter_shapes, tensors, rank, alpha, self._linear_dims
+        )
+        internal = self._named.reserve(name, checked.nbytes)
+        try:
+            path = await asyncio.to_thread(self._write_named, internal, checked)
+            adapter_id = next(self._next_named_id)
+            from vllm.lora.request import LoRARequest
+
+            try:
+                await self._llm.add_lora(LoRARequest(internal, adapter_id, str(path)))
+            except Exception as exc:
+                await asyncio.to_thread(remove_owned, path)
+                raise FieldError("tensors", f"vLLM refused the adapter: {exc}") from exc
+        except BaseException:
+            self._named.unreserve(name)
+            raise
+        self._named_ids[internal] = adapter_id
+        self._named_dirs[internal] = path
+        replaced, idle = self._named.install(name, internal)
+        for old in idle:
+            await self._unload_named(old)
+        log.info("vllm engine: adapter %r loaded (%d bytes)", name, checked.nbytes)
+        return AdapterLoad(name, checked.nbytes, len(checked.modules), replaced)
+
+    async def remove_adapter(self, name: str) -> int:
+        """Stops serving ``name``; vLLM drops it once no running request uses it."""
+        for internal in self._named.remove(name):
+            await self._unload_named(internal)
+        log.info("vllm engine: adapter %r removed", name)
+        return self._named.held_bytes
+
+    def _linear_dims(self, module_name: str) -> tuple[int, int] | None:
+        """(in, out) features of a linear layer of the served checkpoint; None for anything
+        else (the embedding has a 2-d weight too, but no LoRA of vLLM's adapts it)."""
+        shape = self._expected.get(f"{module_name}.weight")
+        if shape is None or len(shape) != 2 or module_name.rsplit(".", 1)[-1] == "embed_tokens":
+            return None
+        return shape[1], shape[0]
+
+    def _write_named(self, internal: str, checked: CheckedAdapter) -> Path:
+        root = Path(tempfile.mkdtemp(prefix="areal-vllm-named-"))
+        self._owned.append(root)
+        path = root / internal
+
+        def fill(tmp: Path) -> None:
+            from peft import LoraConfig
+
+            save_file(peft_tensors(checked), str(tmp / "adapter_model.safetensors"))
+            LoraConfig(
+                r=checked.rank,
+                lora_alpha=checked.alpha,
+                lora_dropout=0.0,
+                target_modules=sorted({m.rsplit(".", 1)[-1] for m in checked.modules}),
+                task_type="CAUSAL_LM",
+            ).save_pretrained(str(tmp))
+
+        write_dir(path, fill, "adapter")
+        return path
+
+    def _unload_named_later(self, internal: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._unload_named(internal))
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
+
+    async def _unload_named(self, internal: str) -> None:
+        adapter_id = self._named_ids.pop(internal)
+        path = self._named_dirs.pop(internal)
+        try:
+            await self._llm.remove_lora(adapter_id)
+        except Exception as exc:
+            # Requests naming it get NOT_FOUND either way; a leftover costs vLLM memory only.
+            log.warning("removing named adapter %s from vLLM failed: %s", internal, exc)
+        await asyncio.to_thread(remove_owned, path)
 
     # ------------------------------------------------------------------ pause and weights
 

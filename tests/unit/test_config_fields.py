@@ -41,6 +41,7 @@ FREE_TEXT = {
     "tinker.host",
     "tinker.tenants_file",
     "tinker.root",
+    "tinker.rollout_addresses",
     "launcher.slurm.gres",
     "security.tls_cert",
     "security.tls_key",
