@@ -32,6 +32,7 @@ __all__ = [
     "BASE_ROWS",
     "NAME_PATTERN",
     "CheckedAdapter",
+    "RowAdapters",
     "adapter_requests",
     "add_adapter",
     "check_adapter",
@@ -249,39 +250,62 @@ def remove_adapter(model: torch.nn.Module, internal: str) -> None:
         param.requires_grad_(False)
 
 
-@contextlib.contextmanager
-def rows_adapters(model: torch.nn.Module, names: Sequence[str] | None) -> Iterator[None]:
-    """Within it, row i of every forward pass of ``model`` computes the peft adapter
-    ``names[i]`` (:data:`BASE_ROWS`: none); None changes nothing.
+class RowAdapters:
+    """Hooks on a model's LoRA layers that give every forward pass the adapter of each row
+    (:attr:`names`; None: the layers compute as they would without the hooks).
 
     This is peft's mixed-adapter batch (``adapter_names``): its LoRA layers read the names
     from their forward kwargs. peft's own way of passing them (a model kwarg) walks every
-    module and re-registers these hooks at each call, a third of a decoding step of a small
-    model, so they are registered here once for all the passes within.
+    module and registers these hooks again at each call (4 ms of a SmolLM2 decoding step), so
+    an engine installs them once, and again only when its LoRA layers change.
     """
+
+    def __init__(self) -> None:
+        #: Row i of the next forward passes computes adapter ``names[i]`` (BASE_ROWS: none).
+        self.names: list[str] | None = None
+        self._handles: list[Any] = []
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Hooks every LoRA layer ``model`` has now (and no longer the ones it had before)."""
+        from peft.tuners.lora import LoraLayer
+
+        self.remove()
+
+        def inject(
+            module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+            if self.names is None:
+                return None
+            kwargs["adapter_names"] = self.names
+            return args, kwargs
+
+        self._handles = [
+            module.register_forward_pre_hook(inject, with_kwargs=True)
+            for module in model.modules()
+            if isinstance(module, LoraLayer)
+        ]
+
+    def remove(self) -> None:
+        """Removes the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+@contextlib.contextmanager
+def rows_adapters(model: torch.nn.Module, names: Sequence[str] | None) -> Iterator[None]:
+    """Within it, row i of every forward pass of ``model`` computes the peft adapter
+    ``names[i]`` (:data:`BASE_ROWS`: none); None changes nothing (see :class:`RowAdapters`)."""
     if names is None:
         yield
         return
-    from peft.tuners.lora import LoraLayer
-
-    rows = list(names)
-
-    def inject(
-        module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        kwargs["adapter_names"] = rows
-        return args, kwargs
-
-    handles = [
-        module.register_forward_pre_hook(inject, with_kwargs=True)
-        for module in model.modules()
-        if isinstance(module, LoraLayer)
-    ]
+    rows = RowAdapters()
+    rows.install(model)
+    rows.names = list(names)
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        rows.remove()
 
 
 def adapter_requests(

@@ -357,6 +357,8 @@ class HFEngine(InferenceEngine):
         with self._model_lock:
             add_adapter(self._model, internal, checked)
             self._installed.add(internal)
+            # The adapter may have wrapped layers that had no LoRA before.
+            self._scheduler.row_adapters.install(self._model)
             self._scheduler.mixed = True
 
     def _drop_adapters(self, internals: Sequence[str]) -> None:
@@ -368,6 +370,8 @@ class HFEngine(InferenceEngine):
                     remove_adapter(self._model, internal)
                     self._installed.discard(internal)
             self._scheduler.mixed = bool(self._installed)
+            if not self._installed:
+                self._scheduler.row_adapters.remove()
 
     async def close(self) -> None:
         """Stops the decode thread; outstanding requests end CANCELLED."""

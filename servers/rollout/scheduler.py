@@ -21,6 +21,7 @@ import contextlib
 import logging
 import threading
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,7 @@ from areal_servers.rollout.engine import FinishReason, SamplingConfig, TokenEven
 from areal_servers.rollout.sampler import sample
 from transformers import DynamicCache, PreTrainedModel
 
-from areal_grpc.named_adapters import rows_adapters
+from areal_grpc.named_adapters import RowAdapters
 
 __all__ = ["EngineFailedError", "Request", "Scheduler", "slots"]
 
@@ -155,15 +156,24 @@ class Scheduler:
         )
         self._warned_nonfinite = False
         # Set while the model holds named adapters: every forward pass then names each row's
-        # adapter (peft's mixed-adapter batch), the run's own rows ``own_adapter``.
+        # adapter (peft's mixed-adapter batch), the run's own rows ``own_adapter``; the
+        # engine reinstalls the hooks whenever it adds or drops LoRA layers.
         self.mixed = False
         self.own_adapter = "__base__"
+        self.row_adapters = RowAdapters()
 
-    def _rows(self, reqs: list[Request]) -> list[str] | None:
-        """The peft adapter of each row, or None when the model computes one policy for all."""
+    @contextlib.contextmanager
+    def _rows(self, reqs: list[Request]) -> Iterator[None]:
+        """Within it, each row computes its request's adapter (nothing to do when the model
+        computes one policy for all)."""
         if not self.mixed:
-            return None
-        return [r.adapter or self.own_adapter for r in reqs]
+            yield
+            return
+        self.row_adapters.names = [r.adapter or self.own_adapter for r in reqs]
+        try:
+            yield
+        finally:
+            self.row_adapters.names = None
 
     # ------------------------------------------------------------------------- requests
 
@@ -261,7 +271,7 @@ class Scheduler:
             by_length.setdefault(len(req.prompt), []).append(req)
         for length, reqs in by_length.items():
             ids = torch.tensor([r.prompt for r in reqs], dtype=torch.long, device=self.device)
-            with rows_adapters(self.model, self._rows(reqs)):
+            with self._rows(reqs):
                 out = self.model(input_ids=ids, use_cache=True)
             logits = out.logits[:, -1, :].float()
             self.sample_and_emit(reqs, logits, version)
@@ -327,7 +337,7 @@ class Scheduler:
         cache = batch.cache
         if cache is None:
             cache = DynamicCache(ddp_cache_data=batch.kv, config=self.model.config)
-        with rows_adapters(self.model, self._rows(batch.requests)):
+        with self._rows(batch.requests):
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
