@@ -251,45 +251,109 @@ def remove_adapter(model: torch.nn.Module, internal: str) -> None:
 
 
 class RowAdapters:
-    """Hooks on a model's LoRA layers that give every forward pass the adapter of each row
-    (:attr:`names`; None: the layers compute as they would without the hooks).
+    """Hooks on a model's LoRA layers that make row i of every forward pass compute adapter
+    ``names[i]`` (:data:`BASE_ROWS`: none; ``names`` None: the layers compute as they would
+    without the hooks). An engine installs them once, and again when its LoRA layers change.
 
-    This is peft's mixed-adapter batch (``adapter_names``): its LoRA layers read the names
-    from their forward kwargs. peft's own way of passing them (a model kwarg) walks every
-    module and registers these hooks again at each call (4 ms of a SmolLM2 decoding step), so
-    an engine installs them once, and again only when its LoRA layers change.
+    The arithmetic is peft's mixed-adapter batch (``adapter_names``): each layer computes its
+    base output for every row, then for each adapter the update of that adapter's rows,
+    ``B(A(x[rows])) * scaling``, added to those rows. What differs is the bookkeeping: peft
+    rebuilds each adapter's row list in Python and indexes with it at every layer (an eighth
+    of a SmolLM2 decoding step for 8 rows of 4 adapters), and is told the names through hooks
+    registered anew at each call; here the row indices are built once per pass, as tensors,
+    and the hooks stay. Rows that all compute one adapter are one update of the whole batch,
+    as peft computes a single active adapter.
     """
 
     def __init__(self) -> None:
-        #: Row i of the next forward passes computes adapter ``names[i]`` (BASE_ROWS: none).
-        self.names: list[str] | None = None
+        self._names: list[str] | None = None
+        # (adapter, its rows; None: every row), built at the pass's first layer.
+        self._plan: list[tuple[str, torch.Tensor | None]] | None = None
+        self._layers: list[Any] = []
+        # Each layer's own disabled flag, kept while row names are set.
+        self._enabled: list[bool] = []
         self._handles: list[Any] = []
+
+    @property
+    def names(self) -> list[str] | None:
+        """Each row's adapter in the next forward passes (None: no row names)."""
+        return self._names
+
+    @names.setter
+    def names(self, names: Sequence[str] | None) -> None:
+        self._plan = None
+        # With row names a layer's own forward computes its base output alone (the hook adds
+        # the adapters' updates); without, it computes what it did before.
+        if names is not None and self._names is None:
+            self._enabled = [layer._disable_adapters for layer in self._layers]
+            for layer in self._layers:
+                layer._disable_adapters = True
+        elif names is None and self._names is not None:
+            for layer, disabled in zip(self._layers, self._enabled, strict=True):
+                layer._disable_adapters = disabled
+        self._names = None if names is None else list(names)
 
     def install(self, model: torch.nn.Module) -> None:
         """Hooks every LoRA layer ``model`` has now (and no longer the ones it had before)."""
         from peft.tuners.lora import LoraLayer
 
         self.remove()
-
-        def inject(
-            module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-            if self.names is None:
-                return None
-            kwargs["adapter_names"] = self.names
-            return args, kwargs
-
+        self._layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        for layer in self._layers:
+            if getattr(layer, "merged_adapters", None):
+                raise ValueError("row adapters need unmerged LoRA layers")
         self._handles = [
-            module.register_forward_pre_hook(inject, with_kwargs=True)
-            for module in model.modules()
-            if isinstance(module, LoraLayer)
+            layer.register_forward_hook(self._add_updates, with_kwargs=True)
+            for layer in self._layers
         ]
 
     def remove(self) -> None:
-        """Removes the hooks."""
+        """Removes the hooks (the layers compute their active adapters again)."""
+        self.names = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._layers = []
+
+    def _rows(self, device: torch.device) -> list[tuple[str, torch.Tensor | None]]:
+        if self._plan is None:
+            assert self._names is not None
+            rows: dict[str, list[int]] = {}
+            for i, name in enumerate(self._names):
+                rows.setdefault(name, []).append(i)
+            everyone = len(self._names)
+            self._plan = [
+                (name, None if len(ix) == everyone else torch.tensor(ix, device=device))
+                for name, ix in rows.items()
+                if name != BASE_ROWS
+            ]
+        return self._plan
+
+    def _add_updates(
+        self,
+        layer: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: torch.Tensor,
+    ) -> torch.Tensor | None:
+        if self._names is None:
+            return None
+        x = args[0] if args else next(iter(kwargs.values()))
+        for name, ix in self._rows(x.device):
+            if name not in layer.lora_A:
+                continue  # this adapter leaves the layer as it is
+            if name in getattr(layer, "lora_variant", {}):
+                raise ValueError(f"adapter {name!r} is a LoRA variant (DoRA...): not supported")
+            lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+            rows = x if ix is None else x.index_select(0, ix)
+            # peft's own update; dropout is the identity at inference.
+            update = lora_b(lora_a(rows.to(lora_a.weight.dtype))) * layer.scaling[name]
+            update = update.to(output.dtype)
+            if ix is None:
+                output = output + update
+            else:
+                output.index_add_(0, ix, update)
+        return output
 
 
 @contextlib.contextmanager
