@@ -25,7 +25,7 @@ from areal_grpc.model import load_model
 from tests.support.vllm import RPC_TIMEOUT, SETTINGS, TINY, VllmServer, start_vllm_server
 
 # vLLM's CPU kernels (its LoRA ones too) against transformers' eager fp32 forward.
-LOGPROB_TOL = 5e-4
+LOGPROB_TOL = 2e-4
 NEW_TOKENS = 8
 ATTN = ("q_proj", "v_proj")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
