@@ -31,12 +31,14 @@ log = logging.getLogger(__name__)
 
 # Generate and LoadAdapter answer within this on a fleet that is up.
 CALL_TIMEOUT_S = 600.0
+# Every sampler's adapter name starts with this (and nothing else this service loads).
+PREFIX = "tinker-"
 
 
 def adapter_name(sampler_key: str) -> str:
     """The fleet's adapter name of a sampler (its key holds the tenant and the checkpoint's
     path, which are no valid adapter name and are nobody else's business)."""
-    return "tinker-" + hashlib.sha256(sampler_key.encode()).hexdigest()[:40]
+    return PREFIX + hashlib.sha256(sampler_key.encode()).hexdigest()[:40]
 
 
 class SamplerFleet:
@@ -56,6 +58,22 @@ class SamplerFleet:
         self._stubs = [rollout_pb2_grpc.RolloutServiceStub(c) for c in self._channels]
         self._turn = itertools.count()
         self._lock = threading.Lock()
+
+    def forget_stale(self) -> list[str]:
+        """Removes every sampler adapter a previous service left on the fleet (its runs and
+        samplers died with it); returns their names. Other adapters stay."""
+        gone = []
+        for stub in self._stubs:
+            status = stub.GetRolloutStatus(
+                rollout_pb2.GetRolloutStatusRequest(), timeout=CALL_TIMEOUT_S
+            )
+            for name in status.adapters:
+                if name.startswith(PREFIX):
+                    stub.RemoveAdapter(
+                        rollout_pb2.RemoveAdapterRequest(name=name), timeout=CALL_TIMEOUT_S
+                    )
+                    gone.append(name)
+        return gone
 
     def load(
         self, sampler_key: str, tensors: Mapping[str, torch.Tensor], rank: int, alpha: float

@@ -318,7 +318,12 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
     # -- plumbing -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Starts the worker (on the server's event loop)."""
+        """Starts the worker (on the server's event loop), after removing the samplers a
+        previous service left on the fleet (they died with it)."""
+        if self.fleet is not None:
+            gone = await asyncio.to_thread(self.fleet.forget_stale)
+            if gone:
+                log.info("removed %d samplers a previous service left on the fleet", len(gone))
         self._worker = asyncio.create_task(self._work(), name="lora-training-worker")
 
     async def stop(self) -> None:
