@@ -315,3 +315,24 @@ async def test_in_a_lora_run_own_rows_compute_the_runs_adapter_and_named_rows_th
         # With the named adapter gone, the run's rows decode as before.
         await stub.RemoveAdapter(rollout_pb2.RemoveAdapterRequest(name="b"))
         assert_matches(await generate(stub, PROMPTS[0]), A, PROMPTS[0])
+
+
+async def test_loading_and_removing_adapters_while_requests_decode_leaves_their_tokens_alone():
+    """The first adapter switches every later forward pass to per-row adapters, and the last
+    one's removal back: requests decoding meanwhile get the tokens they get alone."""
+    torch.set_num_threads(1)
+    async with rollout_server() as (stub, _):
+        sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
+
+        async def run(prompt):
+            reply = await stub.Generate(
+                rollout_pb2.GenerateRequest(input_ids=prompt, sampling=sampling)
+            )
+            return list(reply.completions[0].output_ids)
+
+        alone = [await run(p) for p in PROMPTS]
+        tasks = [asyncio.ensure_future(run(p)) for p in PROMPTS]
+        await wait_status(stub, lambda st: st.running_requests == len(PROMPTS))
+        await load(stub, "a", A)
+        await stub.RemoveAdapter(rollout_pb2.RemoveAdapterRequest(name="a"))
+        assert await asyncio.gather(*tasks) == alone
