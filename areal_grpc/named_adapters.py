@@ -3,9 +3,10 @@ own adapter.
 
 An inference engine that serves many adapters at once holds one copy of the base weights and,
 per adapter, a peft LoRA layer pair on each linear layer the adapter adapts. A batch row names
-the adapter it computes: peft's mixed-adapter forward (``adapter_names``) adds each adapter's
-update to its own rows only. :func:`rows_adapters` passes the names; :func:`check_adapter`,
-:func:`add_adapter` and :func:`remove_adapter` validate, install and drop an adapter's tensors.
+the adapter it computes, and each adapter's update is added to its own rows only, as peft's
+mixed-adapter forward (``adapter_names``) computes it (:class:`RowAdapters`,
+:func:`rows_adapters`); :func:`check_adapter`, :func:`add_adapter` and :func:`remove_adapter`
+validate, install and drop an adapter's tensors.
 
 Adapters are added to the model's own modules (a plain linear layer is wrapped in peft's LoRA
 layer; one wrapped already, e.g. by the run's own LoRA, gains another adapter), so the model's
@@ -339,6 +340,8 @@ class RowAdapters:
         if self._names is None:
             return None
         x = args[0] if args else next(iter(kwargs.values()))
+        if x.shape[0] != len(self._names):
+            raise ValueError(f"{len(self._names)} row adapters for a batch of {x.shape[0]} rows")
         for name, ix in self._rows(x.device):
             if name not in layer.lora_A:
                 continue  # this adapter leaves the layer as it is
