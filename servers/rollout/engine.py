@@ -380,6 +380,39 @@ class InferenceEngine(abc.ABC):
             )
 
 
+class AdapterBound:
+    """An engine whose generations use one named adapter unless told another: what an episode's
+    workflow gets as its engine when the task names an adapter, so that every way a workflow
+    generates (generate, generate_n, stream, generate_resumable) uses it. Everything else is
+    the engine's."""
+
+    def __init__(self, engine: InferenceEngine, adapter: str) -> None:
+        """Generations on ``engine`` by ``adapter``."""
+        self._engine = engine
+        self.adapter = adapter
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def stream(
+        self, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """The engine's :meth:`InferenceEngine.stream` by the bound adapter."""
+        return self._engine.stream(input_ids, params, adapter or self.adapter)
+
+    async def generate(
+        self, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
+    ) -> GenerationResult:
+        """The engine's :meth:`InferenceEngine.generate` by the bound adapter."""
+        return await self._engine.generate(input_ids, params, adapter or self.adapter)
+
+    async def generate_n(
+        self, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
+    ) -> list[GenerationResult]:
+        """The engine's :meth:`InferenceEngine.generate_n` by the bound adapter."""
+        return await self._engine.generate_n(input_ids, params, adapter or self.adapter)
+
+
 class PauseGate:
     """The pause state of an engine backed by a server of its own: requests wait here while
     generation is paused, counted as queued, and go on at resume."""
@@ -449,6 +482,7 @@ async def generate_resumable(
 
 
 __all__ = [
+    "AdapterBound",
     "AdapterLoad",
     "EngineStatus",
     "FinishReason",

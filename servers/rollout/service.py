@@ -14,11 +14,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import torch
-from areal_servers.rollout.engine import InferenceEngine, SamplingConfig, top_logprobs_proto
+from areal_servers.rollout.engine import (
+    AdapterBound,
+    InferenceEngine,
+    SamplingConfig,
+    top_logprobs_proto,
+)
 from areal_servers.rollout.workflows import (
     AcceptFn,
     EpisodeContext,
@@ -34,7 +39,7 @@ from transformers import PreTrainedTokenizerBase
 from areal_grpc import tracing
 from areal_grpc.chunks import StateDictAssembler
 from areal_grpc.durations import duration
-from areal_grpc.errors import ExhaustedError, FieldError, abort_for
+from areal_grpc.errors import ExhaustedError, FieldError, NotFoundError, abort_for
 from areal_grpc.tensor_codec import (
     DEFAULT_MAX_BYTES,
     checked_nbytes,
@@ -82,6 +87,8 @@ def _failed(
 ) -> rollout_pb2.RunEpisodesResponse:
     if isinstance(exc, FieldError):
         reason = f"INVALID_ARGUMENT: {exc}"
+    elif isinstance(exc, NotFoundError):
+        reason = f"NOT_FOUND: {exc}"
     else:
         reason = f"{type(exc).__name__}: {exc}"
     return rollout_pb2.RunEpisodesResponse(
@@ -120,6 +127,7 @@ class EpisodeRunner:
             default_max_new_tokens=self.config.default_max_new_tokens,
             where="task.sampling",
         )
+        self.engine.check_adapter(task.adapter, "task.adapter")
         params: dict[str, Any] = dict(self.config.default_workflow_params)
         params.update(json_format.MessageToDict(task.workflow_params))
         accept_name = str(params.pop("accept", "all"))
@@ -160,7 +168,10 @@ class EpisodeRunner:
         self.running_episodes += 1
         try:
             ctx = EpisodeContext(
-                engine=self.engine,
+                # A task naming an adapter generates every sample with it.
+                engine=cast(InferenceEngine, AdapterBound(self.engine, task.adapter))
+                if task.adapter
+                else self.engine,
                 tokenizer=self.tokenizer,
                 task_id=task.task_id,
                 group_size=prepared.group_size,

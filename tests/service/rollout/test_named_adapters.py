@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 from areal_clients.rollout import adapter_requests
+from areal_servers.rollout.service import item_to_struct
 from arealgrpc.v1 import common_pb2, rollout_pb2
 
 from areal_grpc.config import LoraSettings
@@ -336,3 +337,35 @@ async def test_loading_and_removing_adapters_while_requests_decode_leaves_their_
         await load(stub, "a", A)
         await stub.RemoveAdapter(rollout_pb2.RemoveAdapterRequest(name="a"))
         assert await asyncio.gather(*tasks) == alone
+
+
+async def test_an_episode_task_naming_an_adapter_generates_every_sample_with_it():
+    torch.set_num_threads(1)
+    item = {"prompt": "abc=", "answer": "a"}
+
+    def task(task_id: str, adapter: str) -> rollout_pb2.RunEpisodesRequest:
+        return rollout_pb2.RunEpisodesRequest(
+            task=rollout_pb2.EpisodeTask(
+                task_id=task_id,
+                data=item_to_struct(item),
+                group_size=2,
+                sampling=greedy(),
+                adapter=adapter,
+            )
+        )
+
+    async with rollout_server() as (stub, _):
+        await load(stub, "a", A)
+        requests = [task("own", ""), task("a", "a"), task("nope", "nope")]
+        results = {r.task_id: r async for r in stub.RunEpisodes(iter(requests))}
+    assert results["nope"].outcome == rollout_pb2.EPISODE_OUTCOME_FAILED
+    assert results["nope"].reason.startswith("NOT_FOUND: task.adapter")
+    completions = {}
+    for task_id, which in (("own", None), ("a", A)):
+        assert results[task_id].outcome == rollout_pb2.EPISODE_OUTCOME_ACCEPTED
+        for traj in results[task_id].group.trajectories:
+            prompt = tuple(traj.token_ids[: traj.prompt_length])
+            completion = list(traj.token_ids[traj.prompt_length :])
+            assert completion == reference(which, prompt)[0]
+            completions[task_id] = completion
+    assert completions["own"] != completions["a"]

@@ -44,7 +44,7 @@ class RunEpisodesRequest(_message.Message):
     def __init__(self, task: _Optional[_Union[EpisodeTask, _Mapping]] = ..., cancel: _Optional[_Union[CancelEpisode, _Mapping]] = ...) -> None: ...
 
 class EpisodeTask(_message.Message):
-    __slots__ = ("task_id", "data", "workflow", "workflow_params", "group_size", "sampling", "eval", "trace_context")
+    __slots__ = ("task_id", "data", "workflow", "workflow_params", "group_size", "sampling", "eval", "trace_context", "adapter")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     WORKFLOW_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class EpisodeTask(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EVAL_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     data: _struct_pb2.Struct
     workflow: str
@@ -61,7 +62,8 @@ class EpisodeTask(_message.Message):
     sampling: _common_pb2.SamplingParams
     eval: bool
     trace_context: _common_pb2.TraceContext
-    def __init__(self, task_id: _Optional[str] = ..., data: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., workflow: _Optional[str] = ..., workflow_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eval: _Optional[bool] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, task_id: _Optional[str] = ..., data: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., workflow: _Optional[str] = ..., workflow_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eval: _Optional[bool] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class CancelEpisode(_message.Message):
     __slots__ = ("task_id",)

@@ -176,7 +176,15 @@ export interface EpisodeTask {
   /** True for evaluation episodes (workflows may, e.g., decode greedily). */
   eval: boolean;
   /** Trace context of the caller's span for this task. */
-  traceContext: TraceContext | undefined;
+  traceContext:
+    | TraceContext
+    | undefined;
+  /**
+   * The named adapter (LoadAdapter) that generates every sample of the episode; empty: the
+   * run's own policy. A name the server does not hold fails the task: its result has
+   * EPISODE_OUTCOME_FAILED and a reason starting "NOT_FOUND: task.adapter".
+   */
+  adapter: string;
 }
 
 /**
@@ -513,6 +521,7 @@ function createBaseEpisodeTask(): EpisodeTask {
     sampling: undefined,
     eval: false,
     traceContext: undefined,
+    adapter: "",
   };
 }
 
@@ -541,6 +550,9 @@ export const EpisodeTask: MessageFns<EpisodeTask> = {
     }
     if (message.traceContext !== undefined) {
       TraceContext.encode(message.traceContext, writer.uint32(66).fork()).join();
+    }
+    if (message.adapter !== "") {
+      writer.uint32(74).string(message.adapter);
     }
     return writer;
   },
@@ -622,6 +634,14 @@ export const EpisodeTask: MessageFns<EpisodeTask> = {
             message.traceContext = TraceContext.decode(reader, reader.uint32());
             continue;
           }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.adapter = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -660,6 +680,7 @@ export const EpisodeTask: MessageFns<EpisodeTask> = {
         : isSet(object.trace_context)
         ? TraceContext.fromJSON(object.trace_context)
         : undefined,
+      adapter: isSet(object.adapter) ? globalThis.String(object.adapter) : "",
     };
   },
 
@@ -689,6 +710,9 @@ export const EpisodeTask: MessageFns<EpisodeTask> = {
     if (message.traceContext !== undefined) {
       obj.traceContext = TraceContext.toJSON(message.traceContext);
     }
+    if (message.adapter !== "") {
+      obj.adapter = message.adapter;
+    }
     return obj;
   },
 
@@ -709,6 +733,7 @@ export const EpisodeTask: MessageFns<EpisodeTask> = {
     message.traceContext = (object.traceContext !== undefined && object.traceContext !== null)
       ? TraceContext.fromPartial(object.traceContext)
       : undefined;
+    message.adapter = object.adapter ?? "";
     return message;
   },
 };
