@@ -13,15 +13,19 @@ import { parseArgs } from "node:util";
 
 import { credentials, Metadata, status as Code, type ServiceError } from "@grpc/grpc-js";
 
-import { type TraceContext, type Trajectory, type TrajectoryGroup } from "../../../generated/ts/arealgrpc/v1/common";
+import { type TraceContext, Trajectory, TrajectoryGroup } from "../../../generated/ts/arealgrpc/v1/common";
 import {
+  AcquireRolloutRequest,
   type AcquireRolloutResponse,
   CoordinatorServiceClient,
+  ReleaseRolloutRequest,
   type RolloutLease,
+  SubmitTrajectoriesRequest,
   SubmitTrajectoriesResponse,
 } from "../../../generated/ts/arealgrpc/v1/coordinator";
 import {
   type Completion,
+  GenerateRequest,
   type GenerateResponse,
   RolloutServiceClient,
 } from "../../../generated/ts/arealgrpc/v1/rollout";
@@ -126,7 +130,7 @@ async function acquireLease(coord: CoordinatorServiceClient, opts: Options): Pro
     try {
       const reply = await new Promise<AcquireRolloutResponse>((resolve, reject) =>
         coord.acquireRollout(
-          { producerId: opts.producerId, groupSize: opts.groupSize, traceContext: undefined },
+          AcquireRolloutRequest.fromPartial({ producerId: opts.producerId, groupSize: opts.groupSize }),
           new Metadata(),
           { deadline: deadline() },
           (err, res) => (err ? reject(err) : resolve(res)),
@@ -149,7 +153,7 @@ async function acquireLease(coord: CoordinatorServiceClient, opts: Options): Pro
 
 function releaseLease(coord: CoordinatorServiceClient, leaseId: string): Promise<void> {
   return new Promise((resolve) =>
-    coord.releaseRollout({ leaseId }, new Metadata(), { deadline: deadline() }, (err) => {
+    coord.releaseRollout(ReleaseRolloutRequest.fromPartial({ leaseId }), new Metadata(), { deadline: deadline() }, (err) => {
       if (err) log(`ReleaseRollout(${leaseId}) failed: ${describe(err)}`);
       resolve();
     }),
@@ -170,8 +174,9 @@ function generate(
   traceContext: TraceContext | undefined,
 ): Promise<GenerateResponse> {
   return new Promise((resolve, reject) =>
+    // fromPartial: fields the contract adds later keep their defaults instead of breaking this.
     rollout.generate(
-      {
+      GenerateRequest.fromPartial({
         inputIds,
         sampling: {
           temperature: opts.temperature,
@@ -186,7 +191,7 @@ function generate(
         requestId,
         // The server's generate span becomes a child of the lease's span.
         traceContext,
-      },
+      }),
       new Metadata(),
       { deadline: deadline() },
       (err, res) => (err ? reject(err) : resolve(res)),
@@ -207,7 +212,7 @@ function toTrajectory(
   if (c.outputLogprobs.length !== n || c.outputVersions.length !== n) {
     throw new Error(`completion fields disagree: ${n} ids, ${c.outputLogprobs.length} logprobs, ${c.outputVersions.length} versions`);
   }
-  return {
+  return Trajectory.fromPartial({
     tokenIds: [...prompt, ...c.outputIds],
     logprobs: [...prompt.map(() => 0), ...c.outputLogprobs],
     versions: [...prompt.map(() => -1), ...c.outputVersions],
@@ -219,7 +224,7 @@ function toTrajectory(
     // The coordinator parents its submission span on it, and the training step links to it.
     traceContext,
     finishReason: c.finishReason,
-  };
+  });
 }
 
 function submit(
@@ -231,7 +236,7 @@ function submit(
     const call = coord.submitTrajectories(new Metadata(), { deadline: deadline() }, (err, res) =>
       err ? reject(err) : resolve(res),
     );
-    call.write({ leaseId, group });
+    call.write(SubmitTrajectoriesRequest.fromPartial({ leaseId, group }));
     call.end();
   });
 }
@@ -285,7 +290,7 @@ async function episode(
         lease.traceContext,
       ),
     );
-    group = { taskId: leaseId, groupId, trajectories };
+    group = TrajectoryGroup.fromPartial({ taskId: leaseId, groupId, trajectories });
     completions = generated.completions.map((c) => decode(c.outputIds));
   } catch (err) {
     // The lease's capacity is freed at once instead of at its deadline.
