@@ -320,11 +320,6 @@ class HFEngine(InferenceEngine):
         """Names of the named adapters held, sorted."""
         return self._named.names()
 
-    def check_adapter(self, name: str, field: str = "adapter") -> None:
-        """NotFoundError naming ``field`` unless ``name`` is "" or a named adapter held."""
-        if name:
-            self._named.check(name, field)
-
     async def load_adapter(
         self, name: str, tensors: Mapping[str, torch.Tensor], rank: int, alpha: float
     ) -> AdapterLoad:

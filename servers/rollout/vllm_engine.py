@@ -535,11 +535,6 @@ class VLLMEngine(InferenceEngine):
         """Names of the named adapters held, sorted."""
         return self._named.names()
 
-    def check_adapter(self, name: str, field: str = "adapter") -> None:
-        """NotFoundError naming ``field`` unless ``name`` is "" or a named adapter held."""
-        if name:
-            self._named.check(name, field)
-
     async def load_adapter(
         self, name: str, tensors: Mapping[str, torch.Tensor], rank: int, alpha: float
     ) -> AdapterLoad:
@@ -623,14 +618,9 @@ class VLLMEngine(InferenceEngine):
         task.add_done_callback(self._unloads.discard)
 
     async def _unload_named(self, internal: str) -> None:
-        adapter_id = self._named_ids.pop(internal)
-        path = self._named_dirs.pop(internal)
-        try:
-            await self._llm.remove_lora(adapter_id)
-        except Exception as exc:
-            # Requests naming it get NOT_FOUND either way; a leftover costs vLLM memory only.
-            log.warning("removing named adapter %s from vLLM failed: %s", internal, exc)
-        await asyncio.to_thread(remove_owned, path)
+        await self._remove_lora(
+            internal, self._named_ids.pop(internal), self._named_dirs.pop(internal)
+        )
 
     # ------------------------------------------------------------------ pause and weights
 
@@ -854,12 +844,15 @@ class VLLMEngine(InferenceEngine):
             task.add_done_callback(self._unloads.discard)
 
     async def _unload(self, name: str, path: Path) -> None:
-        adapter_id = self._adapter_ids.pop(name)
+        await self._remove_lora(name, self._adapter_ids.pop(name), path)
+
+    async def _remove_lora(self, name: str, adapter_id: int, path: Path) -> None:
+        """Has vLLM drop a run-time adapter no request uses any more, and removes its files."""
         try:
             await self._llm.remove_lora(adapter_id)
         except Exception as exc:
-            # The new adapter serves either way; a leftover one costs vLLM memory only.
-            log.warning("removing LoRA adapter %s failed: %s", name, exc)
+            # Nothing is served from it any more either way; a leftover costs vLLM memory only.
+            log.warning("removing LoRA adapter %s from vLLM failed: %s", name, exc)
         await asyncio.to_thread(remove_owned, path)
 
     async def settle(self) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import tinker
+from tinker import types
+
 from areal_grpc.launch import Child, python_module_argv, start_child
 
 
@@ -26,3 +29,14 @@ def start_tinker(
         ),
         log_dir=out / "logs",
     )
+
+
+def greedy(sampler: tinker.SamplingClient, prompt: list[int], n: int = 5) -> list[int]:
+    """The ``n`` tokens ``sampler`` decodes greedily after ``prompt`` (each with a log-prob)."""
+    result = sampler.sample(
+        prompt=types.ModelInput.from_ints(prompt),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=n, temperature=0.0, stop=[]),
+    ).result()
+    assert len(result.sequences[0].logprobs) == n
+    return list(result.sequences[0].tokens)

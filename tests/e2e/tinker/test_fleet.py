@@ -17,7 +17,7 @@ from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
 from tinker import types
 
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
-from tests.support.tinker import start_tinker
+from tests.support.tinker import greedy, start_tinker
 
 MODEL = "builtin:tiny"
 KEYS = {"alice": "tml-alice-0123456789abcdef"}
@@ -54,16 +54,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     finally:
         channel.close()
         stop_children(children)
-
-
-def greedy(sampler: tinker.SamplingClient, prompt: list[int], n: int = 5) -> list[int]:
-    result = sampler.sample(
-        prompt=types.ModelInput.from_ints(prompt),
-        num_samples=1,
-        sampling_params=types.SamplingParams(max_tokens=n, temperature=0.0, stop=[]),
-    ).result()
-    assert len(result.sequences[0].logprobs) == n
-    return list(result.sequences[0].tokens)
 
 
 def test_the_sdks_samples_of_a_trained_sampler_come_from_the_rollout_fleet(mesh: Mesh):

@@ -17,7 +17,7 @@ import tinker
 from tinker import types
 
 from areal_grpc.launch import Child, stop_children
-from tests.support.tinker import start_tinker
+from tests.support.tinker import greedy, start_tinker
 
 MODEL = "builtin:tiny"
 KEYS = {
@@ -74,16 +74,6 @@ def sft_steps(tc: tinker.TrainingClient, n: int, lr: float = 3e-3) -> list[float
         losses.append(fb.result().metrics["loss:sum"])
         opt.result()
     return losses
-
-
-def greedy(sampler: tinker.SamplingClient, prompt: list[int], n: int = 5) -> list[int]:
-    result = sampler.sample(
-        prompt=types.ModelInput.from_ints(prompt),
-        num_samples=1,
-        sampling_params=types.SamplingParams(max_tokens=n, temperature=0.0, stop=[]),
-    ).result()
-    assert len(result.sequences[0].logprobs) == n
-    return list(result.sequences[0].tokens)
 
 
 def test_sft_loss_falls_and_the_saved_sampler_samples_the_trained_adapter(svc: Service):
