@@ -90,6 +90,8 @@ SEQUENCE_WAIT_S = 120.0
 # The most rows (sequences sampled, datums passed) and padded tokens of one batch of calls.
 BATCH_MAX_ROWS = 64
 BATCH_MAX_TOKENS = 65536
+# What a rollout server answers LoadAdapter with for an adapter it cannot hold at all.
+FLEET_CANNOT_SERVE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
 
 
 def _now() -> timestamp_pb2.Timestamp:
@@ -298,6 +300,8 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         # is not needed) but count against the tenant's queued calls.
         self._fleet_calls: collections.Counter[str] = collections.Counter()
         self._fleet_tasks: set[asyncio.Task[None]] = set()
+        # Samplers the fleet cannot serve (it refused their adapter): they sample here.
+        self._off_fleet: set[str] = set()
         # Whether calls that change nothing may share a batch (tinker.batch_calls).
         self.batching = cfg.batch_calls
         self.cfg = cfg
@@ -842,6 +846,20 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
                     if self.fleet is not None:
                         try:
                             self.fleet.load(sampler, *self.engine.snapshot_adapter(sampler))
+                        except grpc.RpcError as exc:
+                            self._fleet_forget(sampler)  # a server that took it drops it
+                            if exc.code() not in FLEET_CANNOT_SERVE:  # type: ignore[attr-defined]
+                                self.engine.delete_snapshot(sampler)
+                                raise
+                            # An adapter the fleet's engine cannot hold (vLLM takes none on
+                            # a tied output head): the sampler samples here, as without one.
+                            self._off_fleet.add(sampler)
+                            log.warning(
+                                "sampler %s samples in this service: the fleet refused its "
+                                "adapter: %s",
+                                name,
+                                exc.details(),  # type: ignore[attr-defined]
+                            )
                         except BaseException:
                             # Not a sampler of the run's then: nothing of it stays anywhere.
                             self.engine.delete_snapshot(sampler)
@@ -1029,7 +1047,8 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
             )
 
         fleet = self.fleet
-        if fleet is not None and not request.stop and not request.prompt_logprobs:
+        on_fleet_ok = sampler is None or sampler not in self._off_fleet
+        if fleet is not None and on_fleet_ok and not request.stop and not request.prompt_logprobs:
             # On the rollout fleet, with the sampler's adapter (stop strings and prompt
             # log-probs, which Generate does not offer, stay with the engine).
             on_fleet = {k: v for k, v in kwargs.items() if k not in ("stop", "prompt_logprobs")}
@@ -1062,6 +1081,7 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
 
     def _fleet_forget(self, sampler: str) -> None:
         """Removes a sampler's adapter from the fleet, off the caller's thread."""
+        self._off_fleet.discard(sampler)
         fleet = self.fleet
         if fleet is None:
             return
