@@ -303,6 +303,13 @@ class RowAdapters:
         for layer in self._layers:
             if getattr(layer, "merged_adapters", None):
                 raise ValueError("row adapters need unmerged LoRA layers")
+            # peft's own switch (enable_adapters) also flips the adapters' requires_grad,
+            # which would touch a training run's parameters: the flag under it is set instead.
+            if not isinstance(getattr(layer, "_disable_adapters", None), bool):
+                raise RuntimeError(
+                    f"this peft's {type(layer).__name__} has no _disable_adapters flag, "
+                    "which row adapters set (peft 0.21 has it)"
+                )
         self._handles = [
             layer.register_forward_hook(self._add_updates, with_kwargs=True)
             for layer in self._layers
