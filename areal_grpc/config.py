@@ -854,6 +854,11 @@ class WeightSyncConfig:
         return tuple(self.methods or WEIGHT_SYNC_METHODS)
 
 
+# The checkpoint id a Tinker run's state is saved under every tinker.autosave_steps steps
+# (tinker://<run>/weights/autosave to the SDK).
+TINKER_AUTOSAVE_ID = "state.autosave"
+
+
 @dataclass
 class TinkerConfig:
     """The Tinker-compatible LoRA training service (python -m areal_grpc.tinker): many
@@ -884,6 +889,13 @@ class TinkerConfig:
         1024.0,
         help="Trainer memory a tenant's adapters and optimizer states may take (MiB).",
         gt=0.0,
+    )
+    autosave_steps: int = setting(
+        10,
+        help="Every this many optim_steps a run's state (adapter and optimizer) is saved as "
+        "tinker://<run>/weights/autosave, replacing the last one, so that a run outlives a "
+        "crash of the training service up to that step; 0: never.",
+        ge=0,
     )
     samplers_per_run: int = setting(
         4, help="Sampler checkpoints of a run kept in memory (the newest).", ge=1

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from google.rpc import error_details_pb2
 
+from areal_grpc.config import TINKER_AUTOSAVE_ID
 from areal_grpc.durations import duration
 from areal_grpc.errors import field_violations, retry_delay_s
 from areal_grpc.server import aio_channel
@@ -249,11 +250,29 @@ class Face:
             error.message = f"the training service is unavailable ({error.message})"
             if self.lost_reason:
                 error.message += f"; {self.lost_reason}"
-        elif code == grpc.StatusCode.NOT_FOUND and any(
-            run in error.message for run in self.lost_runs
-        ):
-            error.message += f": {self.lost_reason}"
+        elif code == grpc.StatusCode.NOT_FOUND:
+            lost = next((run for run in self.lost_runs if run in error.message), None)
+            if lost is not None:
+                error.message += f": {self.lost_reason}"
+                saved = await self._autosave_of(lost, metadata)
+                if saved is not None:
+                    error.message += (
+                        f"; its state at step {saved.step} is saved as "
+                        f"{tinker_path(saved.name)}, which "
+                        "create_training_client_from_state_with_optimizer resumes"
+                    )
         raise error
+
+    async def _autosave_of(self, run: str, metadata: list[tuple[str, str]]) -> pb.Checkpoint | None:
+        """The lost run's last autosave (tinker.autosave_steps), if the service has one."""
+        name = f"training_runs/{run}/checkpoints/{TINKER_AUTOSAVE_ID}"
+        try:
+            reply = await self.stub.GetCheckpoint(
+                pb.GetCheckpointRequest(name=name), metadata=metadata, timeout=30
+            )
+        except grpc.aio.AioRpcError:
+            return None
+        return reply.checkpoint
 
     @property
     def stub(self) -> pb_grpc.LoraTrainingServiceStub:

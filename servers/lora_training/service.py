@@ -52,7 +52,7 @@ from arealgrpc.v1 import lora_training_pb2 as pb
 from arealgrpc.v1 import lora_training_pb2_grpc as pb_grpc
 from google.protobuf import json_format, timestamp_pb2
 
-from areal_grpc.config import TinkerConfig
+from areal_grpc.config import TINKER_AUTOSAVE_ID, TinkerConfig
 from areal_grpc.durations import seconds
 from areal_grpc.errors import (
     FieldError,
@@ -62,7 +62,7 @@ from areal_grpc.errors import (
     status,
     status_proto_of,
 )
-from areal_grpc.paths import write_marker
+from areal_grpc.paths import remove_owned, replace_dir, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -798,14 +798,22 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
             )
             key = self._key(run)
 
-            def work() -> tuple[dict[str, float], int]:
+            every = self.cfg.autosave_steps
+
+            def work() -> tuple[dict[str, float], int, tuple[int, Path] | None]:
+                metrics = self.engine.optim_step(key, params)
+                due = every > 0 and (run.proto.steps + 1) % every == 0
+                saved = self._autosave(key, run) if due else None
                 # The optimizer state exists from the first step on: the adapter's memory
                 # is counted again.
-                return self.engine.optim_step(key, params), self.engine.adapter_bytes(key)
+                return metrics, self.engine.adapter_bytes(key), saved
 
-            def finish(result: tuple[dict[str, float], int]) -> None:
-                metrics, run.proto.adapter_bytes = result
+            def finish(result: tuple[dict[str, float], int, tuple[int, Path] | None]) -> None:
+                metrics, run.proto.adapter_bytes, saved = result
                 run.proto.steps += 1
+                if saved is not None:
+                    name = f"{run.name}/checkpoints/{TINKER_AUTOSAVE_ID}"
+                    self._record(run, name, pb.CHECKPOINT_KIND_STATE, *saved)
                 self._touch(run)
                 op.proto.optim_step.CopyFrom(pb.OptimStepResult(metrics=metrics))
 
@@ -828,6 +836,12 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
             if not CHECKPOINT_RE.fullmatch(ckpt_id):
                 await self._bad(
                     context, "checkpoint_id", f"{ckpt_id!r}: letters, digits, ._- (at most 128)"
+                )
+            if ckpt_id == TINKER_AUTOSAVE_ID:
+                await self._bad(
+                    context,
+                    "checkpoint_id",
+                    f"{ckpt_id!r} is the service's own (saved every tinker.autosave_steps steps)",
                 )
             name = f"{run.name}/checkpoints/{ckpt_id}"
             kind = request.kind
@@ -868,20 +882,7 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
                 return nbytes
 
             def finish(nbytes: int) -> None:
-                ckpt = pb.Checkpoint(
-                    name=name,
-                    kind=kind,
-                    size_bytes=nbytes,
-                    create_time=_now(),
-                    step=run.proto.steps,
-                    lora=run.proto.lora,
-                    base_model=run.proto.base_model,
-                )
-                self.saved[(tenant, name)] = Saved(tenant, ckpt, directory)
-                save_index(self.root, self.saved.values())
-                kept = [c for c in run.proto.checkpoints if c.name != name]
-                del run.proto.checkpoints[:]
-                run.proto.checkpoints.extend([*kept, ckpt])
+                ckpt = self._record(run, name, kind, nbytes, directory)
                 if kind == pb.CHECKPOINT_KIND_SAMPLER:
                     run.samplers.append(name)
                     # Older samplers leave memory (their files stay).
@@ -895,6 +896,44 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
             proto = await self._sequenced(context, run, request.sequence_number, work, finish)
             op = self.ops[proto.name]
         return pb.SaveWeightsResponse(operation=proto)
+
+    def _record(
+        self, run: Run, name: str, kind: int, nbytes: int, directory: Path
+    ) -> pb.Checkpoint:
+        """Indexes a checkpoint of ``run`` just written (on disk too, so that it outlives the
+        service) in place of one of the same name."""
+        ckpt = pb.Checkpoint(
+            name=name,
+            kind=kind,  # type: ignore[arg-type]
+            size_bytes=nbytes,
+            create_time=_now(),
+            step=run.proto.steps,
+            lora=run.proto.lora,
+            base_model=run.proto.base_model,
+        )
+        self.saved[(run.tenant, name)] = Saved(run.tenant, ckpt, directory)
+        save_index(self.root, self.saved.values())
+        kept = [c for c in run.proto.checkpoints if c.name != name]
+        del run.proto.checkpoints[:]
+        run.proto.checkpoints.extend([*kept, ckpt])
+        return ckpt
+
+    def _autosave(self, key: str, run: Run) -> tuple[int, Path] | None:
+        """Writes the run's state (adapter and optimizer) as its ``TINKER_AUTOSAVE_ID`` checkpoint,
+        replacing the last one whole; (bytes, directory), or None when it could not (the step
+        it follows stands either way)."""
+        final = run.directory / TINKER_AUTOSAVE_ID
+        fresh = run.directory / f".{TINKER_AUTOSAVE_ID}.new"
+        try:
+            remove_owned(fresh)  # left by a save the service died in
+            fresh.mkdir(parents=True)
+            write_marker(fresh, "lora-checkpoint")
+            nbytes = self.engine.save_state(key, fresh, optimizer=True)
+            replace_dir(fresh, final)
+        except Exception as exc:
+            log.warning("autosave of %s failed: %s", run.name, exc)
+            return None
+        return nbytes, final
 
     async def GetCheckpoint(
         self, request: pb.GetCheckpointRequest, context: grpc.aio.ServicerContext

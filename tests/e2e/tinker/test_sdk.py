@@ -5,6 +5,7 @@ refusals of what is not served."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import statistics
 from collections.abc import Iterator
@@ -273,10 +274,11 @@ def test_a_killed_training_service_fails_its_calls_clearly_and_is_restarted(
     tmp_path_factory: pytest.TempPathFactory,
 ):
     """kill -9 of the process holding the model: the tenant gets an error saying what
-    happened (not minutes of retries), a new run works on the restarted service, and a state
-    saved before the kill loads into it."""
+    happened (not minutes of retries) and where the run's last autosave is, a new run works
+    on the restarted service, and both the autosave and a state saved before the kill resume
+    exactly where the run was."""
     out = tmp_path_factory.mktemp("tinker-kill")
-    child = start_tinker(out, KEYS, MODEL)
+    child = start_tinker(out, KEYS, MODEL, "tinker.autosave_steps=2")
     try:
         svc = Service(child, f"http://{child.address}", out / "run" / "tinker")
         sc = svc.client("alice")
@@ -287,9 +289,16 @@ def test_a_killed_training_service_fails_its_calls_clearly_and_is_restarted(
         log = out / "run" / "logs" / "lora-training.log"
         [pid] = service_pids(log)
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(tinker.NotFoundError, match=r"exited .* restarted: runs made before"):
+        restarted = r"exited .* restarted: runs made before"
+        with pytest.raises(tinker.NotFoundError, match=restarted) as lost:
             sft_steps(tc, 1)
         assert len(service_pids(log)) == 2  # it was started again
+        # The error names the run's autosave: after its second step, the one saved above.
+        autosave = r"its state at step 2 is saved as (tinker://\S+/weights/autosave),"
+        found = re.search(autosave, str(lost.value))
+        assert found is not None, str(lost.value)
+        autosaved = sc.create_training_client_from_state_with_optimizer(found.group(1)).result()
+        assert sft_steps(autosaved, 1) == [next_loss]
         fresh = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
         assert len(sft_steps(fresh, 2)) == 2
         # A state saved before the kill resumes exactly where it was.

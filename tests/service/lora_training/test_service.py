@@ -19,7 +19,7 @@ from arealgrpc.v1 import common_pb2
 from arealgrpc.v1 import lora_training_pb2 as pb
 from arealgrpc.v1 import lora_training_pb2_grpc as pb_grpc
 
-from areal_grpc.config import TinkerConfig
+from areal_grpc.config import TINKER_AUTOSAVE_ID, TinkerConfig
 from areal_grpc.durations import duration
 from areal_grpc.errors import field_violations, retry_delay_s
 from areal_grpc.server import BackgroundServer, service
@@ -358,6 +358,37 @@ def test_state_checkpoints_resume_bit_exactly(served: Served):
     )
     assert ok(served, "alice", loaded.operation).training_run.steps == 2
     assert [step(served, "alice", resumed) for _ in range(3)] == first
+
+
+def test_a_runs_state_is_autosaved_every_n_steps_and_resumes_exactly(served: Served):
+    """tinker.autosave_steps (10 by default): after the 10th step the run's state is indexed
+    as its autosave checkpoint, inside the root, and it resumes bit-exactly; a caller may not
+    save under that id."""
+    a = create(served, "alice")
+    for _ in range(10):
+        step(served, "alice", a)
+    stub = served.stub()
+    run = stub.GetTrainingRun(pb.GetTrainingRunRequest(name=a), metadata=auth("alice")).training_run
+    [auto] = [c for c in run.checkpoints if c.name.endswith(f"/{TINKER_AUTOSAVE_ID}")]
+    assert auto.step == 10 and auto.kind == pb.CHECKPOINT_KIND_STATE
+    assert served.servicer.saved[("alice", auto.name)].directory.is_relative_to(served.root)
+    first = [step(served, "alice", a) for _ in range(2)]
+    resumed = create(served, "alice")
+    loaded = stub.LoadWeights(
+        pb.LoadWeightsRequest(training_run=resumed, checkpoint=auto.name, with_optimizer=True),
+        metadata=auth("alice"),
+    )
+    assert ok(served, "alice", loaded.operation).training_run.steps == 10
+    assert [step(served, "alice", resumed) for _ in range(2)] == first
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SaveWeights(
+            pb.SaveWeightsRequest(
+                training_run=a, kind=pb.CHECKPOINT_KIND_STATE, checkpoint_id=TINKER_AUTOSAVE_ID
+            ),
+            metadata=auth("alice"),
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in field_violations(err.value)] == ["checkpoint_id"]
 
 
 def test_a_restarted_service_still_loads_the_states_saved_before(served: Served, tmp_path: Path):
