@@ -210,7 +210,8 @@ def test_the_default_run_under_salloc_starts_its_servers_as_job_steps(
 def test_a_killed_step_is_restarted_inside_the_allocation(slurm, tmp_path, coordinator_command):
     small = coordinator_command.SMALL_RUN
     out = tmp_path / "run"
-    steps = 10
+    # Room for the steps a fast machine trains between the second one and the pause below.
+    steps = 20
     proc = subprocess.Popen(
         ["salloc", "--nodes=1", "--quiet", *_coordinator(small, out, f"total_steps={steps}")],
         env={**slurm, "OMP_NUM_THREADS": "1"},
@@ -220,22 +221,22 @@ def test_a_killed_step_is_restarted_inside_the_allocation(slurm, tmp_path, coord
     )
     try:
         _wait(lambda: coordinator_command.trained_steps(out) >= 2, 180, "two steps")
-        # The coordinator (salloc's child) and the rollout server's own process inside its
-        # step (their command lines name this run).
+        # The coordinator (salloc's child), stopped at once, then the rollout server's own
+        # process inside its step (their command lines name this run).
         [coordinator] = subprocess.run(
             ["pgrep", "-f", f"^{sys.executable} -m areal_grpc.coordinator output.dir={out}"],
             capture_output=True,
             text=True,
         ).stdout.split()
-        victim = subprocess.run(
-            ["pgrep", "-f", f"areal_servers.rollout.*{out}"], capture_output=True, text=True
-        ).stdout.split()
-        assert victim, "no rollout server process found"
         # Killed while the coordinator stands still: at a known step, with steps left that
         # only a rollout server can feed, so the launcher must replace it (however loaded the
         # machine is, the run cannot end first).
         with coordinator_command.paused(int(coordinator), out) as trained:
             assert coordinator_command.needs_rollouts_after(trained, steps), trained
+            victim = subprocess.run(
+                ["pgrep", "-f", f"areal_servers.rollout.*{out}"], capture_output=True, text=True
+            ).stdout.split()
+            assert victim, "no rollout server process found"
             for pid in victim:
                 os.kill(int(pid), signal.SIGKILL)
         log, _ = proc.communicate(timeout=300)
