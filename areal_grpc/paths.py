@@ -16,7 +16,8 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from areal_grpc.errors import FieldError, PreconditionError
@@ -126,6 +127,21 @@ def replace_dir(tmp: Path, final: Path, field: str = "path") -> None:
         old.rmdir()
 
 
+def write_dir(path: Path, fill: Callable[[Path], None], kind: str) -> None:
+    """Fills a fresh hidden directory beside ``path``, marks it as ours (``kind``) and swaps it
+    in: a complete directory appears at once, and only a directory this project wrote is ever
+    replaced."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        write_marker(tmp, kind)
+        replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 __all__ = [
     "DEFAULT_ROOT_NAME",
     "MARKER_NAME",
@@ -136,5 +152,6 @@ __all__ = [
     "remove_owned",
     "replace_dir",
     "resolve_inside",
+    "write_dir",
     "write_marker",
 ]

@@ -62,7 +62,7 @@ from areal_grpc.errors import (
     status,
     status_proto_of,
 )
-from areal_grpc.paths import remove_owned, replace_dir, write_marker
+from areal_grpc.paths import write_dir, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -923,17 +923,17 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
         replacing the last one whole; (bytes, directory), or None when it could not (the step
         it follows stands either way)."""
         final = run.directory / TINKER_AUTOSAVE_ID
-        fresh = run.directory / f".{TINKER_AUTOSAVE_ID}.new"
+        written: list[int] = []
         try:
-            remove_owned(fresh)  # left by a save the service died in
-            fresh.mkdir(parents=True)
-            write_marker(fresh, "lora-checkpoint")
-            nbytes = self.engine.save_state(key, fresh, optimizer=True)
-            replace_dir(fresh, final)
+            write_dir(
+                final,
+                lambda fresh: written.append(self.engine.save_state(key, fresh, optimizer=True)),
+                "lora-checkpoint",
+            )
         except Exception as exc:
             log.warning("autosave of %s failed: %s", run.name, exc)
             return None
-        return nbytes, final
+        return written[0], final
 
     async def GetCheckpoint(
         self, request: pb.GetCheckpointRequest, context: grpc.aio.ServicerContext

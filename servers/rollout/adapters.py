@@ -17,8 +17,7 @@ import itertools
 import os
 import re
 import shutil
-import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from areal_grpc.config import LoraSettings
 from areal_grpc.errors import ExhaustedError, NotFoundError
 from areal_grpc.model import lora_config, qwen2_config
 from areal_grpc.model_source import builtin_spec, is_builtin
-from areal_grpc.paths import replace_dir, write_marker
+from areal_grpc.paths import write_dir
 
 __all__ = [
     "ADAPTER_KEY",
@@ -40,7 +39,6 @@ __all__ = [
     "check_adapter_update",
     "write_adapter",
     "write_checkpoint",
-    "write_dir",
 ]
 
 # Adapter tensors as peft names them in a model: "<module>.lora_A.<adapter>.weight".
@@ -127,21 +125,6 @@ def write_adapter(
         config.save_pretrained(str(tmp))
 
     write_dir(path, fill, "adapter")
-
-
-def write_dir(path: Path, fill: Callable[[Path], None], kind: str) -> None:
-    """Fills a fresh hidden directory beside ``path``, marks it as ours (``kind``) and swaps it
-    in: a complete directory appears at once, and only a directory this project wrote is ever
-    replaced."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
-    try:
-        fill(tmp)
-        write_marker(tmp, kind)
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_checkpoint(

@@ -66,7 +66,6 @@ from areal_servers.rollout.adapters import (
     check_adapter_update,
     write_adapter,
     write_checkpoint,
-    write_dir,
 )
 from areal_servers.rollout.engine import (
     AdapterLoad,
@@ -92,7 +91,7 @@ from areal_grpc.named_adapters import (
     check_adapter_shapes,
     peft_tensors,
 )
-from areal_grpc.paths import remove_owned
+from areal_grpc.paths import remove_owned, write_dir
 from areal_grpc.shared_memory import own_root
 
 __all__ = ["EXIT_ENGINE_DEAD", "VLLMEngine", "vllm_available"]
