@@ -303,6 +303,20 @@ class _Undecodable:
         self.message = message
 
 
+async def drain_requests(requests: AsyncIterator[Any], limit: int) -> None:
+    """Reads (and drops) at most ``limit`` more messages of a client stream a handler is about
+    to fail: a grpc.aio client still writing when the status arrives reports INTERNAL instead
+    of it (grpc/grpc#36066). A stream that breaks meanwhile ends the reading, not the error."""
+    count = 0
+    try:
+        async for _ in requests:
+            count += 1
+            if count >= limit:
+                return
+    except Exception:  # the call is ending with the handler's error anyway
+        return
+
+
 def request_type_name(method: str) -> str:
     """Full name of the request message of ``/package.Service/Method`` ("request" if unknown)."""
     service_name, _, method_name = method.lstrip("/").rpartition("/")

@@ -237,11 +237,7 @@ class InferenceEngine(abc.ABC):
     ) -> GenerationResult:
         """Generates one sample and returns it whole (an interrupted one ends INTERRUPTED)."""
         result = GenerationResult()
-        # Engines without named adapters need not take the argument (check_adapter refuses
-        # any name for them first).
-        stream = (
-            self.stream(input_ids, params, adapter) if adapter else self.stream(input_ids, params)
-        )
+        stream = self.stream(input_ids, params, adapter)
         try:
             async for event in stream:
                 result.extend(event)

@@ -30,7 +30,7 @@ from areal_servers.rollout.engine import FinishReason, SamplingConfig, TokenEven
 from areal_servers.rollout.sampler import sample
 from transformers import DynamicCache, PreTrainedModel
 
-from areal_grpc.named_adapters import RowAdapters
+from areal_grpc.named_adapters import BASE_ROWS, RowAdapters
 
 __all__ = ["EngineFailedError", "Request", "Scheduler", "slots"]
 
@@ -159,7 +159,7 @@ class Scheduler:
         # adapter (peft's mixed-adapter batch), the run's own rows ``own_adapter``; the
         # engine reinstalls the hooks whenever it adds or drops LoRA layers.
         self.mixed = False
-        self.own_adapter = "__base__"
+        self.own_adapter = BASE_ROWS
         self.row_adapters = RowAdapters()
 
     @contextlib.contextmanager

@@ -40,6 +40,7 @@ from areal_grpc import tracing
 from areal_grpc.chunks import StateDictAssembler
 from areal_grpc.durations import duration
 from areal_grpc.errors import ExhaustedError, FieldError, NotFoundError, abort_for
+from areal_grpc.server import drain_requests
 from areal_grpc.tensor_codec import (
     DEFAULT_MAX_BYTES,
     checked_nbytes,
@@ -49,6 +50,9 @@ from areal_grpc.tensor_codec import (
 from areal_grpc.trajectory import validate_group
 
 log = logging.getLogger(__name__)
+
+# A refused LoadAdapter stream is read on for at most this many messages (drain_requests).
+DRAIN_MESSAGES = 1024
 
 # Engine kinds the contract names (others, a test's or a plug-in's, report UNSPECIFIED).
 ENGINE_KINDS = {"hf": rollout_pb2.ROLLOUT_ENGINE_HF, "sglang": rollout_pb2.ROLLOUT_ENGINE_SGLANG}
@@ -366,11 +370,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         except Exception as exc:
             await abort_for(context, exc)
             return
-        stream = (
-            self.engine.stream(list(request.input_ids), cfg, request.adapter)
-            if request.adapter
-            else self.engine.stream(list(request.input_ids), cfg)
-        )
+        stream = self.engine.stream(list(request.input_ids), cfg, request.adapter)
         # Parented like Generate's span; it covers the whole stream (the handler is one task,
         # so the span's context stays attached across the yields).
         with tracing.span(
@@ -445,7 +445,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             header, tensors = await _read_adapter(request_iterator, self.engine.max_adapter_bytes)
             loaded = await self.engine.load_adapter(header.name, tensors, header.rank, header.alpha)
         except Exception as exc:
-            await _drain(request_iterator)
+            await drain_requests(request_iterator, DRAIN_MESSAGES)
             await abort_for(context, exc)
         return rollout_pb2.LoadAdapterResponse(
             name=loaded.name,
@@ -498,19 +498,6 @@ async def _read_adapter(
                 )
         asm.add(chunk)
     return header, asm.finish()
-
-
-async def _drain(requests: AsyncIterator[object], limit: int = 1024) -> None:
-    """Reads what the client still sends before the call ends with an error: a grpc.aio client
-    still writing when the status arrives reports INTERNAL instead of it (grpc/grpc#36066)."""
-    count = 0
-    try:
-        async for _ in requests:
-            count += 1
-            if count >= limit:
-                return
-    except Exception:  # the stream is ending with our error anyway
-        return
 
 
 def item_to_struct(item: Mapping[str, Any]) -> struct_pb2.Struct:

@@ -353,11 +353,13 @@ class SGLangEngine(InferenceEngine):
         return resp.json() if resp.body.strip() else None
 
     async def stream(
-        self, input_ids: Sequence[int], params: SamplingConfig
+        self, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
     ) -> AsyncGenerator[TokenEvent, None]:
-        """One ``/generate`` call; an abort (a pause) ends INTERRUPTED with the partial output."""
+        """One ``/generate`` call; an abort (a pause) ends INTERRUPTED with the partial output.
+        It holds no named adapters: any ``adapter`` is NOT_FOUND."""
         params.validate()
         self.check_prompt(input_ids, params)
+        self.check_adapter(adapter)
         await self._gate.enter()
         # An adapter pins the weights a request runs on, so its tokens carry the version the
         # request was sent at; full-weight updates abort requests in flight instead (their

@@ -13,14 +13,14 @@ from arealgrpc.v1 import weight_sync_pb2
 from areal_grpc import tensor_codec as tc
 from areal_grpc.chunks import ChunkLike, StateDictAssembler
 from areal_grpc.errors import FieldError, PreconditionError
+from areal_grpc.server import drain_requests
 from areal_grpc.weight_transfer import PushMessage
 
 __all__ = ["StreamReceiver"]
 
 pb = weight_sync_pb2
 # A rejected stream is read on (and dropped) for at most this many messages before the status
-# goes out: a grpc.aio client still writing when it arrives would otherwise report INTERNAL
-# instead of our status (grpc/grpc#36066).
+# goes out (drain_requests).
 _DRAIN_MESSAGES = 1 << 16
 
 
@@ -56,11 +56,7 @@ class StreamReceiver(Receiver):
         try:
             header, state_dict, received = await self._read_stream(requests)
         except (FieldError, PreconditionError):
-            drained = 0
-            async for _ in requests:
-                drained += 1
-                if drained >= _DRAIN_MESSAGES:
-                    break
+            await drain_requests(requests, _DRAIN_MESSAGES)
             raise
         try:
             async with state.update_lock:
