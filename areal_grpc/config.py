@@ -910,6 +910,20 @@ class TinkerConfig:
         "them in turn (those with stop strings or prompt log-probs stay here). Empty: the "
         "service samples on its own model.",
     )
+    trainer_ranks: int = setting(
+        1,
+        help="Ranks of the trainer group that trains every run: 1, the service alone; N > 1, "
+        "the service and N-1 worker processes, each holding the base model and a replica of "
+        "every run, split each forward_backward's datums by token count and sum the "
+        "gradients over gloo. A worker that dies or stalls is replaced and the call rerun.",
+        ge=1,
+    )
+    trainer_timeout_s: float = setting(
+        300.0,
+        help="How long a trainer rank may keep a collective waiting before the group counts it "
+        "as stalled and replaces the workers (tinker.trainer_ranks > 1).",
+        gt=0.0,
+    )
     batch_calls: bool = setting(
         True,
         help="Queued sample and forward-only calls of different runs go through the base model "

@@ -17,9 +17,15 @@
    call at a time. ``ratio = batched tokens/s / one-at-a-time tokens/s``; it also checks that
    the same seeds gave the same tokens both ways. ``tinker_forward_batched_<n>``: the same
    for forward-only calls (``--tokens`` long datums), and the log-probs' largest difference.
+4. ``tinker_group_<n>``: one SFT step of ``--group-batch`` datums through the SDK against a
+   service whose trainer group has n ranks (``tinker.trainer_ranks``, one thread each), and
+   the same against a one-rank service whose torch uses n threads (``OMP_NUM_THREADS``), the
+   other way to spend n cores; alternating windows. ``ratio = one rank's step time / the
+   group's``. ``tinker_group_<n>_vs_1_thread``: the same against one rank on one thread.
 
     .venv/bin/python bench/tinker_service.py [--model smollm2-135m-instruct] [--rank 16]
-        [--batch 4] [--tokens 64] [--steps 6] [--batch-tenants 8] [--only sdk|batching]
+        [--batch 4] [--tokens 64] [--steps 6] [--batch-tenants 8] [--group-ranks 2]
+        [--group-batch 8] [--only sdk|batching|group]
 
 The service process and the bench share the 2 cores; the SDK's client threads cost CPU too.
 """
@@ -330,6 +336,91 @@ def batching_case(args: argparse.Namespace) -> None:
         case.server.stop()
 
 
+def _start_service(
+    work: Path, name: str, model: str, keys: dict[str, str], threads: int, *overrides: str
+) -> tuple[Any, tinker.ServiceClient]:
+    """``python -m areal_grpc.tinker`` in ``work/name`` with torch on ``threads`` threads;
+    the service and a client of its tenant t0."""
+    (work / name).mkdir(parents=True, exist_ok=True)
+    child = start_child(
+        name,
+        python_module_argv(
+            "areal_grpc.tinker",
+            f"model.source={model}",
+            f"output.dir={work / name}",
+            f"tinker.tenants_file={work / 'tenants.json'}",
+            *overrides,
+        ),
+        log_dir=work,
+        env={"OMP_NUM_THREADS": str(threads)},
+        ready_timeout_s=600,
+    )
+    return child, tinker.ServiceClient(base_url=f"http://{child.address}", api_key=keys["t0"])
+
+
+def group_case(args: argparse.Namespace) -> None:
+    """4. A trainer group of n ranks against one rank on n threads and on one thread."""
+    n = args.group_ranks
+    work = Path(tempfile.mkdtemp(prefix="bench-tinker-group-"))
+    keys = {"t0": "tml-bench-group-0123456789abcdef"}
+    (work / "tenants.json").write_text(json.dumps(keys))
+    vocab = 49152 if "smollm2" in args.model else 384
+    seqs = batch(args.group_batch, args.tokens, vocab)
+    setups = {
+        "group": (1, f"tinker.trainer_ranks={n}"),
+        "threads": (n, "tinker.trainer_ranks=1"),
+        "one": (1, "tinker.trainer_ranks=1"),
+    }
+    children = []
+    try:
+        clients = {}
+        for name, (threads, override) in setups.items():
+            child, client = _start_service(work, name, args.model, keys, threads, override)
+            children.append(child)
+            clients[name] = client
+        base = (
+            tinker.RestClient(base_url=f"http://{children[0].address}", api_key=keys["t0"])
+            .get_server_capabilities()
+            .result()
+            .supported_models[0]
+            .model_name
+        )
+        runs = {
+            name: client.create_lora_training_client(base_model=base, rank=args.rank).result()
+            for name, client in clients.items()
+        }
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(2):
+            for name, tc in runs.items():
+                times[name].extend(sdk_step_s(tc, seqs, args.steps))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        for name, t in times.items():
+            print(
+                f"{name}: step of {args.group_batch} x {args.tokens} tokens "
+                f"median {med[name]:.3f} s "
+                f"(range {min(t):.3f}-{max(t):.3f})",
+                flush=True,
+            )
+        result(
+            f"tinker_group_{n}",
+            med["group"],
+            "s",
+            med["threads"],
+            "none",
+            ratio=med["threads"] / med["group"],
+        )
+        result(
+            f"tinker_group_{n}_vs_1_thread",
+            med["group"],
+            "s",
+            med["one"],
+            "none",
+            ratio=med["one"] / med["group"],
+        )
+    finally:
+        stop_children(children)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -345,14 +436,18 @@ def main() -> int:
     p.add_argument("--batch-repeats", type=int, default=3)
     p.add_argument(
         "--only",
-        choices=["sdk", "batching"],
-        help="run only the SDK cases (1, 2) or only the batching case (3)",
+        choices=["sdk", "batching", "group"],
+        help="run only the SDK cases (1, 2), only the batching case (3) or only the group (4)",
     )
+    p.add_argument("--group-ranks", type=int, default=2, help="ranks of case 4's group")
+    p.add_argument("--group-batch", type=int, default=8, help="datums of case 4's step")
     args = p.parse_args()
     torch.set_num_threads(1)
-    if args.only != "sdk":
+    if args.only in (None, "batching"):
         batching_case(args)
-    if args.only == "batching":
+    if args.only in (None, "group"):
+        group_case(args)
+    if args.only in ("batching", "group"):
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench-tinker-"))
     n_max = max(args.tenants)

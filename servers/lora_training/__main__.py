@@ -17,8 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from areal_servers.lora_training.engine import LoraEngine
 from areal_servers.lora_training.fleet import SamplerFleet
+from areal_servers.lora_training.replicas import GroupEngine
 from areal_servers.lora_training.service import LoraTrainingServicer, Tenants
 from arealgrpc.v1 import lora_training_pb2, lora_training_pb2_grpc
 
@@ -58,7 +58,16 @@ async def serve(run: RunConfig) -> None:
     # A named model becomes a checkpoint directory (converted once into the cache): the
     # engine loads it, and SDK clients on this machine load its tokenizer from it.
     source = await asyncio.to_thread(resolve_source, run.model.source)
-    engine = await asyncio.to_thread(LoraEngine, source, seed=run.model.seed)
+    # Workers tie their lives to the thread that starts them (dies_with_this_process): the
+    # executor's threads live as long as the service.
+    engine = await asyncio.to_thread(
+        GroupEngine,
+        source,
+        seed=run.model.seed,
+        world=t.trainer_ranks,
+        timeout_s=t.trainer_timeout_s,
+        log_dir=Path(run.output.dir).resolve() / "logs",
+    )
     tokenizer_id = source if Path(source).is_dir() else ""
     # The fleet's channels take the run's TLS and token, as the run's own servers do.
     fleet_options = run_channel_options(run.security)
@@ -90,7 +99,12 @@ async def serve(run: RunConfig) -> None:
     await servicer.start()
     print(f"{LISTENING}{running.address}", flush=True)
     print(f"SERVICE pid {os.getpid()}", flush=True)
-    await serve_until_signal(running, on_stop=servicer.stop)
+
+    async def stop() -> None:
+        await servicer.stop()
+        await asyncio.to_thread(engine.close)
+
+    await serve_until_signal(running, on_stop=stop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,9 +19,9 @@ MODEL = "builtin:tiny"
 KEY = "tml-proc-0123456789abcdefgh"
 
 
-def start_service(tmp_path: Path) -> tuple[Child, int]:
+def start_service(tmp_path: Path, *overrides: str) -> tuple[Child, int]:
     """The service on the tiny model; the pid of its training service child."""
-    child = start_tinker(tmp_path, {"proc": KEY}, MODEL)
+    child = start_tinker(tmp_path, {"proc": KEY}, MODEL, *overrides)
     found = re.search(
         r"lora-training listening on \S+ \(pid (\d+)\)",
         (tmp_path / "logs" / "tinker.log").read_text(),
@@ -75,3 +75,26 @@ def test_a_killed_service_takes_its_training_service_with_it(tmp_path: Path):
         assert gone_within(service_pid, 10)
     finally:
         stop_children([child])
+
+
+def test_the_trainer_groups_workers_go_with_the_service_stopped_or_killed(tmp_path: Path):
+    """Workers of tinker.trainer_ranks=3: a stop ends them; so does kill -9 of the service
+    that started them (and of the entry point above it)."""
+    for how in ("stop", "kill"):
+        out = tmp_path / how
+        out.mkdir()
+        child, service_pid = start_service(out, "tinker.trainer_ranks=3")
+        try:
+            log = (out / "run" / "logs" / "lora-training.log").read_text()
+            workers = [
+                int(p) for p in re.findall(r"trainer-rank-\d+ listening on \S+ \(pid (\d+)\)", log)
+            ]
+            assert len(workers) == 2
+            if how == "stop":
+                stop_children([child])
+                assert child.process.returncode == 0
+            else:
+                os.kill(service_pid, signal.SIGKILL)
+            assert all(gone_within(pid, 10) for pid in workers), how
+        finally:
+            stop_children([child])

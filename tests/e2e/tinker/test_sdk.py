@@ -306,3 +306,52 @@ def test_a_killed_training_service_fails_its_calls_clearly_and_is_restarted(
         assert sft_steps(resumed, 1) == [next_loss]
     finally:
         stop_children([child])
+
+
+def trainer_rank_pids(log: Path) -> list[int]:
+    """Every trainer-group worker the service started, in order."""
+    return [
+        int(pid)
+        for pid in re.findall(r"trainer-rank-\d+ listening on \S+ \(pid (\d+)\)", log.read_text())
+    ]
+
+
+def test_a_trainer_group_trains_as_one_process_and_outlives_a_killed_rank(
+    svc: Service, tmp_path_factory: pytest.TempPathFactory
+):
+    """tinker.trainer_ranks=2: the SDK's losses are those of the one-process service (the
+    module's), and kill -9 of the worker rank costs the tenant nothing but time."""
+    out = tmp_path_factory.mktemp("tinker-group")
+    child = start_tinker(out, KEYS, MODEL, "tinker.trainer_ranks=2")
+    try:
+        grouped = Service(child, f"http://{child.address}", out / "run" / "tinker")
+        tc = (
+            grouped.client("carol")
+            .create_lora_training_client(base_model=MODEL, rank=8, seed=1)
+            .result()
+        )
+        alone = (
+            svc.client("carol")
+            .create_lora_training_client(base_model=MODEL, rank=8, seed=1)
+            .result()
+        )
+        data = [sft_datum(), sft_datum([9, 4, 7, 30, 2]), sft_datum([3, 3, 40, 41])]
+
+        def steps(client: tinker.TrainingClient, n: int) -> list[float]:
+            losses = []
+            for _ in range(n):
+                fb = client.forward_backward(data, "cross_entropy").result()
+                client.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+                losses.append(fb.metrics["loss:sum"])
+            return losses
+
+        first = steps(tc, 4)
+        assert first == pytest.approx(steps(alone, 4), rel=1e-4)
+        assert first[-1] < first[0]
+        log = out / "run" / "logs" / "lora-training.log"
+        [worker] = trainer_rank_pids(log)
+        os.kill(worker, signal.SIGKILL)
+        assert steps(tc, 3) == pytest.approx(steps(alone, 3), rel=1e-4)
+        assert len(trainer_rank_pids(log)) == 2  # replaced
+    finally:
+        stop_children([child])
