@@ -25,6 +25,8 @@ KEYS = {
     "alice": "tml-alice-0123456789abcdef",
     "bob": "tml-bob-0123456789abcdefgh",
     "carol": "tml-carol-0123456789abcdef",
+    # Only the trainer group's test runs as dave: the quota test fills carol's runs.
+    "dave": "tml-dave-0123456789abcdefgh",
 }
 SEQ = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_RUNS = 4
@@ -326,12 +328,12 @@ def test_a_trainer_group_trains_as_one_process_and_outlives_a_killed_rank(
     try:
         grouped = Service(child, f"http://{child.address}", out / "run" / "tinker")
         tc = (
-            grouped.client("carol")
+            grouped.client("dave")
             .create_lora_training_client(base_model=MODEL, rank=8, seed=1)
             .result()
         )
         alone = (
-            svc.client("carol")
+            svc.client("dave")
             .create_lora_training_client(base_model=MODEL, rank=8, seed=1)
             .result()
         )
