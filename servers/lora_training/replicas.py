@@ -29,7 +29,6 @@ runs the failed call once more. A call that fails twice raises :class:`TrainerGr
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import math
@@ -41,6 +40,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from areal_servers.lora_training.engine import AdamParams, AdapterSpec, Datum, LoraEngine
+from areal_servers.trainer.engine import DistConfig, init_distributed
 
 from areal_grpc.errors import UnavailableError
 from areal_grpc.ffd import lpt_partition
@@ -72,14 +72,7 @@ class TrainerGroupError(UnavailableError):
 def join_group(rank: int, world: int, master: str, timeout_s: float) -> None:
     """Joins the group's gloo process group as ``rank`` of ``world`` (rank 0 hosts it)."""
     host, _, port = master.rpartition(":")
-    bracketed = f"[{host}]" if ":" in host else host
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{bracketed}:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    init_distributed(DistConfig("gloo", host, int(port), rank, world, timeout_s))
 
 
 def _send(message: Mapping[str, Any]) -> None:
