@@ -237,12 +237,20 @@ class GroupEngine(LoraEngine):
             try:
                 return call()
             except Exception as exc:
-                if not isinstance(exc, RuntimeError):  # the call's own error
-                    raise
+                # Whatever failed, the workers may be inside a collective this rank left:
+                # the group must be rebuilt before its next command.
                 undo()
                 self._broken = True
+                if not isinstance(exc, RuntimeError):  # the call's own error: no retry
+                    raise
                 dead = ", ".join(self.dead_workers()) or f"{exc}"
-                log.warning("%s failed on the trainer group (attempt %d): %s", what, attempt, dead)
+                log.warning(
+                    "%s failed on the trainer group (attempt %d): %s (%s)",
+                    what,
+                    attempt,
+                    dead,
+                    type(exc).__name__,
+                )
                 if attempt == 2:
                     raise TrainerGroupError(
                         f"{what}: the trainer group failed twice ({dead}); nothing of the "
@@ -364,7 +372,11 @@ class GroupEngine(LoraEngine):
             _send({"op": "optim_step", "run_id": run_id, "adam": asdict(adam)})
 
         self._guarded("optim_step", step, lambda: None)
-        return super().optim_step(run_id, adam)
+        try:
+            return super().optim_step(run_id, adam)
+        except BaseException:
+            self._broken = True  # the workers stepped: rebuild them from this rank's state
+            raise
 
     def forward_backward(
         self,

@@ -20,6 +20,7 @@ import shutil
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -30,6 +31,9 @@ from areal_grpc.errors import ExhaustedError, NotFoundError
 from areal_grpc.model import lora_config, qwen2_config
 from areal_grpc.model_source import builtin_spec, is_builtin
 from areal_grpc.paths import write_dir
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 __all__ = [
     "ADAPTER_KEY",
@@ -104,6 +108,17 @@ class AdapterBook:
         return out
 
 
+def write_peft_dir(path: Path, tensors: Mapping[str, torch.Tensor], config: LoraConfig) -> None:
+    """A peft adapter directory, written whole: ``tensors`` (peft's checkpoint keys) as
+    adapter_model.safetensors and ``config`` as adapter_config.json."""
+
+    def fill(tmp: Path) -> None:
+        save_file(dict(tensors), str(tmp / "adapter_model.safetensors"))
+        config.save_pretrained(str(tmp))
+
+    write_dir(path, fill, "adapter")
+
+
 def write_adapter(
     model: str, lora: LoraSettings, state_dict: Mapping[str, torch.Tensor], path: Path
 ) -> None:
@@ -112,19 +127,14 @@ def write_adapter(
     peft saves adapter tensors without the adapter's own name, so "q_proj.lora_A.default.
     weight" is stored as "q_proj.lora_A.weight"; the config names the modules actually wrapped.
     """
-
-    def fill(tmp: Path) -> None:
-        tensors = {
-            ADAPTER_KEY.sub(r".\1.weight", n): t.detach().cpu().contiguous()
-            for n, t in state_dict.items()
-        }
-        save_file(tensors, str(tmp / "adapter_model.safetensors"))
-        modules = sorted({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in state_dict})
-        config = lora_config(lora, modules)
-        config.base_model_name_or_path = "" if is_builtin(model) else model
-        config.save_pretrained(str(tmp))
-
-    write_dir(path, fill, "adapter")
+    tensors = {
+        ADAPTER_KEY.sub(r".\1.weight", n): t.detach().cpu().contiguous()
+        for n, t in state_dict.items()
+    }
+    modules = sorted({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in state_dict})
+    config = lora_config(lora, modules)
+    config.base_model_name_or_path = "" if is_builtin(model) else model
+    write_peft_dir(path, tensors, config)
 
 
 def write_checkpoint(

@@ -66,6 +66,7 @@ from areal_servers.rollout.adapters import (
     check_adapter_update,
     write_adapter,
     write_checkpoint,
+    write_peft_dir,
 )
 from areal_servers.rollout.engine import (
     AdapterLoad,
@@ -79,7 +80,6 @@ from areal_servers.rollout.engine import (
 )
 from areal_servers.rollout.weight_staging import StagedFile
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from areal_grpc.config import LoraSettings, VllmSettings
 from areal_grpc.errors import FieldError, PreconditionError
@@ -91,7 +91,7 @@ from areal_grpc.named_adapters import (
     check_adapter_shapes,
     peft_tensors,
 )
-from areal_grpc.paths import remove_owned, write_dir
+from areal_grpc.paths import remove_owned
 from areal_grpc.shared_memory import own_root
 
 __all__ = ["EXIT_ENGINE_DEAD", "VLLMEngine", "vllm_available"]
@@ -596,19 +596,16 @@ class VLLMEngine(InferenceEngine):
         self._owned.append(root)
         path = root / internal
 
-        def fill(tmp: Path) -> None:
-            from peft import LoraConfig
+        from peft import LoraConfig
 
-            save_file(peft_tensors(checked), str(tmp / "adapter_model.safetensors"))
-            LoraConfig(
-                r=checked.rank,
-                lora_alpha=checked.alpha,
-                lora_dropout=0.0,
-                target_modules=sorted({m.rsplit(".", 1)[-1] for m in checked.modules}),
-                task_type="CAUSAL_LM",
-            ).save_pretrained(str(tmp))
-
-        write_dir(path, fill, "adapter")
+        config = LoraConfig(
+            r=checked.rank,
+            lora_alpha=checked.alpha,
+            lora_dropout=0.0,
+            target_modules=sorted({m.rsplit(".", 1)[-1] for m in checked.modules}),
+            task_type="CAUSAL_LM",
+        )
+        write_peft_dir(path, peft_tensors(checked), config)
         return path
 
     def _unload_named_later(self, internal: str) -> None:
