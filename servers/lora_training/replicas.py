@@ -128,6 +128,11 @@ class GroupEngine(LoraEngine):
         elif world > 1:
             self._start_workers()
 
+    @property
+    def leads(self) -> bool:
+        """Whether this is rank 0 of a group with workers (it sends every command)."""
+        return self.world > 1 and self.rank == 0
+
     # ------------------------------------------------------------------ group lifetime
 
     def _worker_argv(self, rank: int, master: str) -> list[str]:
@@ -203,13 +208,14 @@ class GroupEngine(LoraEngine):
 
     def close(self) -> None:
         """Stops the workers (they exit on the stop command, or are killed)."""
-        if self.world > 1 and self.rank == 0 and self.workers and not self._broken:
+        if not self.leads:
+            return
+        if self.workers and not self._broken:
             try:
                 _send({"op": "stop"})
             except Exception as exc:  # stopping anyway
                 log.info("the workers missed the stop command: %r", exc)
-        if self.world > 1 and self.rank == 0:
-            self._stop_workers()
+        self._stop_workers()
 
     def dead_workers(self) -> list[str]:
         """The workers that exited, as "trainer-rank-<r> (pid <pid>, exit <code>)"."""
@@ -219,10 +225,10 @@ class GroupEngine(LoraEngine):
             if not c.alive()
         ]
 
-    def _guarded(self, what: str, call: Callable[[], T], undo: Callable[[], None]) -> T:
-        """``call`` on the group; after a failure ``undo``, restart, and one more try."""
-        if self.world == 1 or self.rank != 0:
-            return call()
+    def _guarded(self, what: str, call: Callable[[], T]) -> T:
+        """``call`` on the group (rank 0); after a failure, a restart and one more try.
+
+        ``call`` must leave this rank's runs as they were when it fails."""
         for attempt in (1, 2):
             if self._broken or self.dead_workers():
                 dead = ", ".join(self.dead_workers()) or "a stalled or failed rank"
@@ -239,7 +245,6 @@ class GroupEngine(LoraEngine):
             except Exception as exc:
                 # Whatever failed, the workers may be inside a collective this rank left:
                 # the group must be rebuilt before its next command.
-                undo()
                 self._broken = True
                 if not isinstance(exc, RuntimeError):  # the call's own error: no retry
                     raise
@@ -295,9 +300,9 @@ class GroupEngine(LoraEngine):
             else:
                 yield run.optimizer.state[param][name]
 
-    def _share_run(self, run_id: str, layout: Mapping[str, Any] | None = None) -> None:
-        """Broadcasts run ``run_id``'s state from rank 0 into the workers' replica."""
-        layout = layout or self._layout(run_id)
+    def _share_run(self, run_id: str, layout: Mapping[str, Any]) -> None:
+        """Broadcasts run ``run_id``'s state, laid out as :meth:`_layout` says, from rank 0
+        into the workers' replica."""
         entries = layout["entries"]
         if self.rank == 0:
             flat = torch.cat(
@@ -339,9 +344,9 @@ class GroupEngine(LoraEngine):
 
     def create(self, run_id: str, spec: AdapterSpec) -> int:
         count = super().create(run_id, spec)
-        if self.world > 1 and self.rank == 0:
+        if self.leads:
             try:
-                self._guarded("create", lambda: self._replicate(run_id), lambda: None)
+                self._guarded("create", lambda: self._replicate(run_id))
             except TrainerGroupError:
                 super().delete(run_id)  # a run the group does not hold is no run
                 raise
@@ -354,16 +359,16 @@ class GroupEngine(LoraEngine):
 
     def delete(self, run_id: str) -> None:
         super().delete(run_id)
-        if self.world > 1 and self.rank == 0:
-            self._guarded("delete", lambda: _send({"op": "delete", "run_id": run_id}), lambda: None)
+        if self.leads:
+            self._guarded("delete", lambda: _send({"op": "delete", "run_id": run_id}))
 
     def load_state(self, run_id: str, directory: Path, *, optimizer: bool) -> None:
         super().load_state(run_id, directory, optimizer=optimizer)
-        if self.world > 1 and self.rank == 0:
-            self._guarded("load_state", lambda: self._replicate(run_id), lambda: None)
+        if self.leads:
+            self._guarded("load_state", lambda: self._replicate(run_id))
 
     def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
-        if self.world == 1 or self.rank != 0:
+        if not self.leads:
             return super().optim_step(run_id, adam)
         self._run(run_id)
         self._check_adam(adam)
@@ -371,7 +376,7 @@ class GroupEngine(LoraEngine):
         def step() -> None:
             _send({"op": "optim_step", "run_id": run_id, "adam": asdict(adam)})
 
-        self._guarded("optim_step", step, lambda: None)
+        self._guarded("optim_step", step)
         try:
             return super().optim_step(run_id, adam)
         except BaseException:
@@ -387,7 +392,7 @@ class GroupEngine(LoraEngine):
         *,
         forward_only: bool = False,
     ) -> tuple[list[list[float]], dict[str, float]]:
-        if forward_only or self.world == 1 or self.rank != 0:
+        if forward_only or not self.leads:
             return super().forward_backward(
                 run_id, data, loss_fn, config, forward_only=forward_only
             )
@@ -400,18 +405,13 @@ class GroupEngine(LoraEngine):
             "config": cfg,
             "data": [_datum_json(d) for d in data],
         }
-        run = self._run(run_id)
-        pending = {key: p.grad for key, p in run.params.items()}
-
-        def undo() -> None:
-            for key, param in run.params.items():
-                param.grad = pending[key]
 
         def call() -> tuple[list[list[float]], dict[str, float]]:
             _send(message)
+            # It puts the run's pending gradients back should it fail.
             return self._forward_backward_share(run_id, data, loss_fn, cfg)
 
-        return self._guarded("forward_backward", call, undo)
+        return self._guarded("forward_backward", call)
 
     def _forward_backward_share(
         self, run_id: str, data: Sequence[Datum], loss_fn: str, cfg: Mapping[str, float]
