@@ -14,14 +14,12 @@ import grpc
 import pytest
 import tinker
 from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
-from tinker import types
 
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
-from tests.support.tinker import greedy, start_tinker
+from tests.support.tinker import SEQ, greedy, sft_steps, start_tinker
 
 MODEL = "builtin:tiny"
 KEYS = {"alice": "tml-alice-0123456789abcdef"}
-SEQ = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
 @dataclass
@@ -60,13 +58,7 @@ def test_the_sdks_samples_of_a_trained_sampler_come_from_the_rollout_fleet(mesh:
     sc = mesh.client()
     tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=1).result()
     base = greedy(sc.create_sampling_client(base_model=MODEL).result(), SEQ[:3])
-    for _ in range(20):
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints(SEQ[:-1]),
-            loss_fn_inputs={"target_tokens": SEQ[1:], "weights": [1.0] * (len(SEQ) - 1)},
-        )
-        tc.forward_backward([datum], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    sft_steps(tc, 20)
     before = mesh.fleet().generated_tokens
     sampler = tc.save_weights_and_get_sampling_client().result()
     assert len(mesh.fleet().adapters) == 1  # the sampler, on the rollout server

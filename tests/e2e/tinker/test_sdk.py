@@ -18,7 +18,7 @@ import tinker
 from tinker import types
 
 from areal_grpc.launch import Child, stop_children
-from tests.support.tinker import greedy, start_tinker
+from tests.support.tinker import SEQ, greedy, sft_datum, sft_steps, start_tinker
 
 MODEL = "builtin:tiny"
 KEYS = {
@@ -28,7 +28,6 @@ KEYS = {
     # Only the trainer group's test runs as dave: the quota test fills carol's runs.
     "dave": "tml-dave-0123456789abcdefgh",
 }
-SEQ = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_RUNS = 4
 
 
@@ -60,23 +59,6 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         yield Service(child, f"http://{child.address}", out / "run" / "tinker")
     finally:
         stop_children([child])
-
-
-def sft_datum(seq: list[int] = SEQ) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(seq[:-1]),
-        loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)},
-    )
-
-
-def sft_steps(tc: tinker.TrainingClient, n: int, lr: float = 3e-3) -> list[float]:
-    losses = []
-    for _ in range(n):
-        fb = tc.forward_backward([sft_datum()], "cross_entropy")
-        opt = tc.optim_step(types.AdamParams(learning_rate=lr))
-        losses.append(fb.result().metrics["loss:sum"])
-        opt.result()
-    return losses
 
 
 def test_sft_loss_falls_and_the_saved_sampler_samples_the_trained_adapter(svc: Service):
@@ -338,22 +320,15 @@ def test_a_trainer_group_trains_as_one_process_and_outlives_a_killed_rank(
             .result()
         )
         data = [sft_datum(), sft_datum([9, 4, 7, 30, 2]), sft_datum([3, 3, 40, 41])]
-
-        def steps(client: tinker.TrainingClient, n: int) -> list[float]:
-            losses = []
-            for _ in range(n):
-                fb = client.forward_backward(data, "cross_entropy").result()
-                client.optim_step(types.AdamParams(learning_rate=3e-3)).result()
-                losses.append(fb.metrics["loss:sum"])
-            return losses
-
-        first = steps(tc, 4)
-        assert first == pytest.approx(steps(alone, 4), rel=1e-4)
+        first = sft_steps(tc, 4, data=data)
+        assert first == pytest.approx(sft_steps(alone, 4, data=data), rel=1e-4)
         assert first[-1] < first[0]
         log = out / "run" / "logs" / "lora-training.log"
         [worker] = trainer_rank_pids(log)
         os.kill(worker, signal.SIGKILL)
-        assert steps(tc, 3) == pytest.approx(steps(alone, 3), rel=1e-4)
+        assert sft_steps(tc, 3, data=data) == pytest.approx(
+            sft_steps(alone, 3, data=data), rel=1e-4
+        )
         assert len(trainer_rank_pids(log)) == 2  # replaced
     finally:
         stop_children([child])

@@ -8,14 +8,12 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-from tinker import types
 
 from areal_grpc.launch import stop_children
-from tests.support.tinker import start_tinker
+from tests.support.tinker import sft_steps, start_tinker
 
 MODEL = "builtin:tiny"
 KEY = "tml-tls-0123456789abcdefgh"
-SEQ = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
 def test_the_sdk_trains_over_https_and_nothing_answers_in_plaintext(
@@ -54,15 +52,7 @@ def test_the_sdk_trains_over_https_and_nothing_answers_in_plaintext(
             .create_lora_training_client(base_model=MODEL, rank=4, seed=1)
             .result()
         )
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints(SEQ[:-1]),
-            loss_fn_inputs={"target_tokens": SEQ[1:], "weights": [1.0] * (len(SEQ) - 1)},
-        )
-        losses = []
-        for _ in range(5):
-            fb = tc.forward_backward([datum], "cross_entropy")
-            tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
-            losses.append(fb.result().metrics["loss:sum"])
+        losses = sft_steps(tc, 5)
         assert losses[-1] < losses[0]
     finally:
         stop_children([child])

@@ -14,26 +14,18 @@ from pathlib import Path
 
 import tinker
 from arealgrpc.v1 import rollout_pb2
-from tinker import types
 
 from areal_grpc.launch import stop_children
-from tests.support.tinker import greedy, start_tinker
+from tests.support.tinker import SEQ, greedy, sft_steps, start_tinker
 from tests.support.vllm import RPC_TIMEOUT, SETTINGS, TINY, start_vllm_server
 
 KEYS = {"alice": "tml-alice-0123456789abcdef"}
-SEQ = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
 def train(sc: tinker.ServiceClient, **lora: bool) -> tinker.TrainingClient:
     """A rank-8 run taught SEQ (20 SFT steps)."""
     tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=1, **lora).result()
-    for _ in range(20):
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints(SEQ[:-1]),
-            loss_fn_inputs={"target_tokens": SEQ[1:], "weights": [1.0] * (len(SEQ) - 1)},
-        )
-        tc.forward_backward([datum], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    sft_steps(tc, 20)
     return tc
 
 
