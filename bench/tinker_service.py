@@ -336,13 +336,10 @@ def batching_case(args: argparse.Namespace) -> None:
         case.server.stop()
 
 
-def _start_service(
-    work: Path, name: str, model: str, keys: dict[str, str], threads: int, *overrides: str
-) -> tuple[Any, tinker.ServiceClient]:
-    """``python -m areal_grpc.tinker`` in ``work/name`` with torch on ``threads`` threads;
-    the service and a client of its tenant t0."""
-    (work / name).mkdir(parents=True, exist_ok=True)
-    child = start_child(
+def _start_service(work: Path, name: str, model: str, threads: int, *overrides: str) -> Any:
+    """``python -m areal_grpc.tinker`` with the tenants of ``work/tenants.json``, its output
+    in ``work/name`` and its log ``work/name.log``, torch on ``threads`` threads."""
+    return start_child(
         name,
         python_module_argv(
             "areal_grpc.tinker",
@@ -355,7 +352,12 @@ def _start_service(
         env={"OMP_NUM_THREADS": str(threads)},
         ready_timeout_s=600,
     )
-    return child, tinker.ServiceClient(base_url=f"http://{child.address}", api_key=keys["t0"])
+
+
+def _base_model_name(url: str, key: str) -> str:
+    """How the service at ``url`` lists its base model."""
+    caps = tinker.RestClient(base_url=url, api_key=key).get_server_capabilities().result()
+    return caps.supported_models[0].model_name
 
 
 def group_case(args: argparse.Namespace) -> None:
@@ -375,16 +377,12 @@ def group_case(args: argparse.Namespace) -> None:
     try:
         clients = {}
         for name, (threads, override) in setups.items():
-            child, client = _start_service(work, name, args.model, keys, threads, override)
+            child = _start_service(work, name, args.model, threads, override)
             children.append(child)
-            clients[name] = client
-        base = (
-            tinker.RestClient(base_url=f"http://{children[0].address}", api_key=keys["t0"])
-            .get_server_capabilities()
-            .result()
-            .supported_models[0]
-            .model_name
-        )
+            clients[name] = tinker.ServiceClient(
+                base_url=f"http://{child.address}", api_key=keys["t0"]
+            )
+        base = _base_model_name(f"http://{children[0].address}", keys["t0"])
         runs = {
             name: client.create_lora_training_client(base_model=base, rank=args.rank).result()
             for name, client in clients.items()
@@ -453,18 +451,8 @@ def main() -> int:
     n_max = max(args.tenants)
     keys = {f"t{i}": f"tml-bench-tenant-{i:04d}-0123456789" for i in range(n_max)}
     (work / "tenants.json").write_text(json.dumps(keys))
-    child = start_child(
-        "tinker",
-        python_module_argv(
-            "areal_grpc.tinker",
-            f"model.source={args.model}",
-            f"output.dir={work / 'run'}",
-            f"tinker.tenants_file={work / 'tenants.json'}",
-            f"tinker.max_runs_per_tenant={len(args.tenants) + 1}",
-        ),
-        log_dir=work,
-        env={"OMP_NUM_THREADS": "1"},
-        ready_timeout_s=600,
+    child = _start_service(
+        work, "tinker", args.model, 1, f"tinker.max_runs_per_tenant={len(args.tenants) + 1}"
     )
     url = f"http://{child.address}"
     print(f"{os.cpu_count()} CPU(s); service {url}; model {args.model}", flush=True)
@@ -472,13 +460,7 @@ def main() -> int:
         clients = {
             name: tinker.ServiceClient(base_url=url, api_key=key) for name, key in keys.items()
         }
-        base_name = (
-            tinker.RestClient(base_url=url, api_key=keys["t0"])
-            .get_server_capabilities()
-            .result()
-            .supported_models[0]
-            .model_name
-        )
+        base_name = _base_model_name(url, keys["t0"])
         first = clients["t0"].create_lora_training_client(base_model=base_name, rank=args.rank)
         tc = first.result()
         vocab = 49152 if "smollm2" in args.model else 384
