@@ -44,9 +44,10 @@ against floors that cross the same link; ``shared_memory`` and ``disk`` need the
 are left out. ``--servers N`` updates N rollout servers per method at once (the cases get
 ``_<N>servers``); the floors stay one copy, so the ratio says how many copies' time it took.
 ``--engine vllm`` (needs ``./scripts/setup --vllm``) serves the rollout servers on vLLM: every
-method lands in vLLM's layerwise reload in its worker, from a safetensors file (for socket,
-stream and distributed the engine's staged file in shared memory, which they receive into;
-the update's own files for disk and shared_memory). Its cases are ``weight_sync_<method>_vllm``, the
+method lands in vLLM's layerwise reload in its worker: from a safetensors file for socket and
+stream (the engine's staged file in shared memory, which they receive into) and for disk and
+shared_memory (the update's own files); from the worker's own buffers for distributed (the
+worker joins the group and takes the broadcast itself). Its cases are ``weight_sync_<method>_vllm``, the
 transfer alone (the fleet update less the server's own load, which it logs) against the
 method's floor; the load prints apart as ``weight_sync_vllm_load_<method>`` against a memcpy
 of the same bytes (no target).

@@ -27,13 +27,15 @@ The engine contract, and how vLLM is made to keep it:
     say which version made each token (a request without spans ends INTERRUPTED instead).
 
   Either way every token carries the version it was generated under.
-* Weight updates: socket, stream and distributed hand :meth:`load_weights` a state dict; it
-  is checked against the checkpoint's names and shapes (nothing changes on a mismatch),
-  staged in a safetensors file in shared memory that the next version is received straight
-  into (:mod:`areal_servers.rollout.weight_staging`), and loaded by our worker extension
+* Weight updates: socket and stream hand :meth:`load_weights` a state dict; it is checked
+  against the checkpoint's names and shapes (nothing changes on a mismatch), staged in a
+  safetensors file in shared memory that the next version is received straight into
+  (:mod:`areal_servers.rollout.weight_staging`), and loaded by our worker extension
   (:mod:`areal_servers.rollout.vllm_worker`) through vLLM's layerwise reload. Disk and shared
   memory updates arrive as safetensors files: :meth:`load_weight_files` checks their headers
-  and the worker reads them directly.
+  and the worker reads them directly. A distributed update goes to the worker itself: it
+  joins the sender's weight group (gloo, or NCCL GPU to GPU) and takes the broadcast while
+  vLLM goes on generating (:meth:`receive_group`), then :meth:`load_received` swaps it in.
 * LoRA (``model.lora.rank > 0``): updates bring adapters only, each loaded as a run-time
   adapter per version; a request runs on the adapter current when it started, and a
   replaced adapter is removed once no request uses it.
@@ -56,6 +58,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +85,7 @@ from areal_servers.rollout.weight_staging import StagedFile
 from safetensors import SafetensorError, safe_open
 
 from areal_grpc.config import LoraSettings, VllmSettings
-from areal_grpc.errors import FieldError, PreconditionError
+from areal_grpc.errors import DataLossError, FieldError, PreconditionError
 from areal_grpc.model import load_model, load_tokenizer, resolve_source
 from areal_grpc.model_source import is_builtin
 from areal_grpc.named_adapters import (
@@ -93,6 +96,7 @@ from areal_grpc.named_adapters import (
 )
 from areal_grpc.paths import remove_owned
 from areal_grpc.shared_memory import own_root
+from areal_grpc.weight_transfer import GroupParams
 
 __all__ = ["EXIT_ENGINE_DEAD", "VLLMEngine", "vllm_available"]
 
@@ -195,6 +199,14 @@ class VLLMEngine(InferenceEngine):
         self.last_load_s: tuple[float, float] = (0.0, 0.0)
         # Bytes the last full update copied into its staged file (0: received in place).
         self.last_staged_bytes = 0
+        # The UUID of the GPU vLLM's worker runs on ("" on a CPU): NCCL from a sender on the
+        # same GPU cannot form a group.
+        self.device_uuid = ""
+        # What the worker is receiving or has received from a weight group (name, shape,
+        # floating point, dtype name), checked against the model before it is loaded.
+        self._received: dict[str, tuple[tuple[int, ...], bool, str]] = {}
+        # Where vLLM's processes put their socket files (see _build).
+        self.rpc_dir: Path | None = None
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -223,6 +235,8 @@ class VLLMEngine(InferenceEngine):
         )
         if not any(changed):
             log.warning("vllm engine: found no message queue to set idle_spin_s on")
+        if torch.cuda.is_available():
+            self.device_uuid = _first(await self._llm.collective_rpc("areal_device_uuid"))
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         log.info(
             "vllm engine: %s (%s, max_model_len %d, KV cache %.1f GiB)",
@@ -266,6 +280,11 @@ class VLLMEngine(InferenceEngine):
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
         os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(s.start_timeout_s))
+        # vLLM's processes talk over ZeroMQ sockets it names in VLLM_RPC_BASE_PATH (/tmp by
+        # default) and leaves behind; ours go in a directory this engine removes at close
+        # (and that dies with this process's shared-memory directory after a kill -9).
+        self.rpc_dir = self._rpc_dir()
+        os.environ["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         if s.reserved_cpus is not None:
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(s.reserved_cpus)
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -768,7 +787,68 @@ class VLLMEngine(InferenceEngine):
             done - start,
             len(files),
         )
-        return int(count[0]) if isinstance(count, list) else int(count)
+        return int(_first(count))
+
+    async def receive_group(
+        self, params: GroupParams, specs: Sequence[tuple[str, torch.dtype, list[int]]]
+    ) -> None:
+        """Has vLLM's worker take a DISTRIBUTED update: it joins the weight group ``params``
+        describes (the one it is in is kept while they stay the same) and receives the
+        broadcast of ``specs``, in order, into buffers of its own; vLLM goes on generating
+        meanwhile. DataLossError when the transfer fails; cancelled, the worker gives it up."""
+        self._check_alive()
+        self._received = {}
+        wire = [
+            [name, str(dtype).removeprefix("torch."), list(shape)] for name, dtype, shape in specs
+        ]
+        await self._llm.collective_rpc("areal_group_receive", args=(asdict(params), wire))
+        try:
+            delay = 0.002
+            while True:
+                state, why = _first(await self._llm.collective_rpc("areal_group_poll"))
+                if state == "done":
+                    break
+                if state == "failed":
+                    raise DataLossError(f"vLLM's worker did not receive the weights: {why}")
+                self._check_alive()
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.01)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self._llm.collective_rpc("areal_group_abandon")
+            raise
+        self._received = {
+            name: (tuple(shape), dtype.is_floating_point, str(dtype))
+            for name, dtype, shape in specs
+        }
+
+    async def load_received(self, version: int, *, keep: bool = True) -> int:
+        """Swaps in what :meth:`receive_group` took, checked against the model first
+        (ValueError, nothing changed); the tensors loaded. ``keep``: the worker receives the
+        next update into the same buffers."""
+        self._check_alive()
+        async with self._update_lock:
+            self._check_newer(version)
+            received, self._received = self._received, {}
+            if not received:
+                raise RuntimeError("no weights were received to load")
+            skip = ["lm_head.weight"] if self._tied else []
+            self._check_specs({n: v for n, v in received.items() if n not in skip})
+            async with self._swapping(version):
+                start = time.perf_counter()
+                count = _first(
+                    await self._llm.collective_rpc("areal_group_load", args=(skip, keep))
+                )
+                done = time.perf_counter()
+        self.last_load_s = (0.0, done - start)
+        self.last_staged_bytes = 0
+        log.info(
+            "vllm engine: version %d loaded: 0.000 s writing 0 MiB, %.3f s in vLLM's reload "
+            "(received in its worker)",
+            version,
+            done - start,
+        )
+        return int(count)
 
     async def _reload(self, tensors: dict[str, torch.Tensor], version: int) -> StagedFile:
         """Puts the tensors in this engine's staged weight file (received there already when
@@ -799,6 +879,14 @@ class VLLMEngine(InferenceEngine):
             done - written,
         )
         return staged
+
+    def _rpc_dir(self) -> Path:
+        """A fresh directory for vLLM's socket files, removed with this engine."""
+        own = own_root()
+        parent = own[0] if own is not None else None
+        path = Path(tempfile.mkdtemp(prefix="vllm-rpc-", dir=parent))
+        self._owned.append(path)
+        return path
 
     def _staging_dir(self, nbytes: int) -> Path:
         """Where the staged weight file lives: this process's shared-memory directory
@@ -872,6 +960,11 @@ class VLLMEngine(InferenceEngine):
             paused=self._gate.paused,
             generated_tokens=self._generated_tokens,
         )
+
+
+def _first(results: Any) -> Any:
+    """The one worker's answer to a ``collective_rpc`` (vLLM returns a list, one per worker)."""
+    return results[0]
 
 
 def _logprobs(

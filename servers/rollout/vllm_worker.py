@@ -9,18 +9,33 @@ each linear layer's weight when the model loads (oneDNN handles, packed GEMM wei
 serves from the packed form, so writing into ``parameter.data`` changes nothing that is
 served. ``reload_weights(..., is_checkpoint_format=True)`` re-runs the model's own loader and
 the per-layer processing, on every backend (and on a GPU too).
+
+A DISTRIBUTED update is received here, in the worker, not in the rollout server: the worker
+joins the sender's weight group itself (:class:`WorkerGroup`, as SGLang does) and the
+broadcast lands in the worker's own buffers, on its own device. On a GPU that is NCCL from
+the trainer's GPU straight into vLLM's, with no trip through host memory. vLLM's own NCCL
+weight-transfer engine is not used: its group is a ``StatelessProcessGroup`` that only a
+sender running vLLM's code can join, and our contract's senders speak a torch.distributed
+group (``WeightGroup``). The receive runs on a thread of the worker, so vLLM goes on
+generating meanwhile; the reload happens only once every tensor has arrived, so a broken
+transfer leaves the old weights serving.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-__all__ = ["WorkerExtension"]
+from areal_grpc.weight_transfer import GroupParams, WeightGroup, cuda_uuid
+
+__all__ = ["WorkerExtension", "WorkerGroup"]
+
+log = logging.getLogger(__name__)
 
 # Layers that hold no tensor of the checkpoint (a rotary cache; the output head of a model with
 # tied embeddings): vLLM's reload warns "Failed to load weights" for them on every update.
@@ -44,10 +59,140 @@ def _quiet_weightless_layers() -> None:
         log.addFilter(_WeightlessLayerFilter())
 
 
+class WorkerGroup:
+    """The worker's side of DISTRIBUTED updates: the weight group it joined (kept while the
+    sender's group stays the same) and the buffers the broadcast lands in (kept for the next
+    update when asked, so no update allocates and faults in fresh memory)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.group: WeightGroup | None = None
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.received: dict[str, torch.Tensor] | None = None
+        self.error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._abandoned = threading.Event()
+        # Orders an abandon against a receive thread taking the group it joined.
+        self._lock = threading.Lock()
+
+    def start(self, params: GroupParams, specs: list[tuple[str, torch.dtype, list[int]]]) -> None:
+        """Starts taking the sender's broadcast of ``specs`` on a thread; returns at once."""
+        if self._thread is not None and self._thread.is_alive() and not self._abandoned.is_set():
+            raise RuntimeError("a weight-group receive is already under way in vLLM's worker")
+        self._abandoned = threading.Event()
+        self.received = None
+        self.error = None
+        # The thread owns these buffers until it hands them over (or is abandoned with them).
+        buffers, self.buffers = self.buffers, {}
+        self._thread = threading.Thread(
+            target=self._receive,
+            args=(params, specs, buffers, self._abandoned),
+            name="areal-weight-receive",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _join(self, params: GroupParams, abandoned: threading.Event) -> WeightGroup:
+        if self.group is not None and self.group.params == params:
+            return self.group
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        log.info(
+            "vLLM worker joining weight group %s at %s:%d as rank %d/%d (%s)",
+            params.group_name,
+            params.master_address,
+            params.master_port,
+            params.rank,
+            params.world_size,
+            params.backend,
+        )
+        group = WeightGroup(params)
+        with self._lock:
+            if not abandoned.is_set():
+                self.group = group
+                return group
+        group.close()
+        raise RuntimeError(f"weight group {params.group_name} was abandoned")
+
+    def _receive(
+        self,
+        params: GroupParams,
+        specs: list[tuple[str, torch.dtype, list[int]]],
+        buffers: dict[str, torch.Tensor],
+        abandoned: threading.Event,
+    ) -> None:
+        group: WeightGroup | None = None
+        try:
+            group = self._join(params, abandoned)
+            out: dict[str, torch.Tensor] = {}
+            for name, dtype, shape in specs:
+                t = buffers.pop(name, None)
+                fits = t is not None and (t.dtype, list(t.shape), t.device) == (
+                    dtype,
+                    shape,
+                    group.device,
+                )
+                if not fits:
+                    t = torch.empty(shape, dtype=dtype, device=group.device)
+                group.broadcast(t, src=0)
+                out[name] = t
+            if group.device.type == "cuda":
+                # "Done" means landed: the reload runs on another thread's stream.
+                torch.cuda.current_stream(group.device).synchronize()
+        except Exception as exc:
+            # A failed collective leaves the group unusable; the next update forms a new one.
+            if group is not None:
+                group.close()
+                if self.group is group:
+                    self.group = None
+            if not abandoned.is_set():
+                self.error = f"{type(exc).__name__}: {exc}"
+            return
+        if not abandoned.is_set():
+            self.received = out
+
+    def poll(self) -> tuple[str, str]:
+        """("running", ""), ("done", ""), or ("failed", why)."""
+        if self._thread is not None and self._thread.is_alive():
+            return "running", ""
+        if self.error is not None:
+            return "failed", self.error
+        if self.received is None:
+            return "failed", "no weight-group receive was started or it was given up"
+        return "done", ""
+
+    def abandon(self) -> None:
+        """Gives the receive under way up: its collective ends by itself at the group
+        timeout, and the next update joins a new group with fresh buffers."""
+        with self._lock:
+            self._abandoned.set()
+            self.group = None
+            self.received = None
+
+    def take(self, keep: bool) -> Iterable[tuple[str, torch.Tensor]]:
+        """The received tensors (once); ``keep``: receive the next update into them."""
+        received, self.received = self.received, None
+        if received is None:
+            raise RuntimeError("no received weights to load")
+        self.buffers = received if keep else {}
+        return received.items()
+
+    def close(self) -> None:
+        """Leaves the group (best effort)."""
+        self._abandoned.set()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.buffers = {}
+        self.received = None
+
+
 class WorkerExtension:
     """Methods of ours on vLLM's worker (``self`` is the worker: ``self.model_runner``)."""
 
     model_runner: Any
+    _areal_group: WorkerGroup | None = None
 
     def areal_load_weights(self, path: str) -> int:
         """Loads the checkpoint-format safetensors file at ``path`` into the served model;
@@ -57,7 +202,6 @@ class WorkerExtension:
     def areal_load_files(self, paths: list[str], skip: list[str]) -> int:
         """Loads the checkpoint-format safetensors files at ``paths`` (but the tensors named
         in ``skip``) into the served model; the number of tensors read."""
-        _quiet_weightless_layers()
         count = 0
         skipped = set(skip)
 
@@ -71,9 +215,54 @@ class WorkerExtension:
                         count += 1
                         yield name, f.get_tensor(name)
 
-        self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-        self._retie_output_head()
+        self._reload(tensors())
         return count
+
+    def _reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        _quiet_weightless_layers()
+        self.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+        self._retie_output_head()
+
+    def _weight_group(self) -> WorkerGroup:
+        if self._areal_group is None:
+            self._areal_group = WorkerGroup(torch.device(self.model_runner.device))
+        return self._areal_group
+
+    def areal_device_uuid(self) -> str:
+        """This worker's GPU's UUID ("" on a CPU)."""
+        return cuda_uuid(self.model_runner.device)
+
+    def areal_group_receive(self, group: dict[str, Any], specs: list[list[Any]]) -> None:
+        """Starts receiving a DISTRIBUTED update: joins the weight group ``group``
+        (:class:`GroupParams` fields; the device is this worker's) unless already in it, and
+        takes the broadcast of ``specs`` ([name, dtype name, shape] in order) on a thread.
+        Returns at once: :meth:`areal_group_poll` says when it is done."""
+        rx = self._weight_group()
+        device = str(rx.device) if group["backend"] == "nccl" else ""
+        params = GroupParams(**{**group, "device": device})
+        rx.start(params, [(n, getattr(torch, d), [int(x) for x in shape]) for n, d, shape in specs])
+
+    def areal_group_poll(self) -> list[str]:
+        """[state, why]: "running", "done", or "failed" with the reason."""
+        return list(self._weight_group().poll())
+
+    def areal_group_abandon(self) -> None:
+        """Gives the receive under way up (the sender cancelled the update)."""
+        self._weight_group().abandon()
+
+    def areal_group_load(self, skip: list[str], keep: bool) -> int:
+        """Loads the received tensors (but those named in ``skip``) into the served model
+        through the layerwise reload; the number loaded. ``keep``: the next update is
+        received into the same buffers."""
+        skipped = set(skip)
+        tensors = [(n, t) for n, t in self._weight_group().take(keep) if n not in skipped]
+        self._reload(tensors)
+        return len(tensors)
+
+    def areal_group_close(self) -> None:
+        """Leaves the weight group and frees the receive buffers."""
+        if self._areal_group is not None:
+            self._areal_group.close()
 
     def _retie_output_head(self) -> None:
         """Re-processes a tied output head after a reload.

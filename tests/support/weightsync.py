@@ -56,8 +56,8 @@ MODEL = "builtin:micro"
 RPC_TIMEOUT = 120.0
 
 
-def nccl_offer(**params: Any) -> weight_sync_pb2.TransferOption:
-    """A DISTRIBUTED offer over NCCL; ``params`` override the DistributedParams defaults (a
+def distributed_offer(**params: Any) -> weight_sync_pb2.TransferOption:
+    """A DISTRIBUTED offer; ``params`` override the DistributedParams defaults (NCCL, a
     sender at 127.0.0.1:29999, world size 2, the receiver at rank 1, group "g")."""
     fields: dict[str, Any] = {
         "backend": weight_sync_pb2.COLLECTIVE_BACKEND_NCCL,

@@ -105,6 +105,12 @@ def is_sglang(engine: InferenceEngine) -> bool:
     return engine.kind == "sglang" and hasattr(engine, "update_weights_from_distributed")
 
 
+def receives_in_worker(engine: InferenceEngine) -> bool:
+    """Whether the engine's own worker joins weight groups and takes full DISTRIBUTED
+    updates there (the vllm engine; adapter-only updates are received here)."""
+    return hasattr(engine, "receive_group") and not engine.adapters_only
+
+
 class ReceiverState:
     """The server's side of every update: engine, one-at-a-time lock, plans, spare buffers."""
 
@@ -112,6 +118,7 @@ class ReceiverState:
         self.engine = engine
         self.config = config
         self.sglang = is_sglang(engine)
+        self.in_worker = receives_in_worker(engine)
         self.plans: OrderedDict[str, Plan] = OrderedDict()
         # Updates run one at a time.
         self.update_lock = asyncio.Lock()

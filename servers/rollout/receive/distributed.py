@@ -2,7 +2,9 @@
 version, then broadcasts each tensor in order over a private process group (rank 0 = sender;
 gloo on CPU, nccl on GPU). The group is joined on the first update of a plan and kept for
 later ones. The ``sglang`` engine gets ``/init_weights_update_group`` and one
-``/update_weights_from_distributed`` per bucket instead (SGLang joins the group itself).
+``/update_weights_from_distributed`` per bucket instead (SGLang joins the group itself); the
+``vllm`` engine's worker joins it too and takes the broadcast on its own device
+(``VLLMEngine.receive_group``), so this process never holds the tensors.
 
 A sender that cancels an update (another member died) makes this server drop the group at
 once; the blocked collective is left to its thread until the group timeout.
@@ -79,7 +81,7 @@ class DistributedReceiver(Receiver):
             declined.append(f"{where}: SGLang's distributed weight updates carry no LoRA adapters")
             return None
         if backend == "nccl" and not self.state.sglang and d.device_uuid:
-            mine = cuda_uuid(self._nccl_device())
+            mine = self._device_uuid()
             if d.device_uuid == mine:
                 # NCCL refuses two ranks on one GPU: let a later offer (STREAM, DISK) win.
                 declined.append(
@@ -114,6 +116,12 @@ class DistributedReceiver(Receiver):
         plan.joined = current == params
         return pb.TransferOption(method=self.method, distributed=plan)
 
+    def _device_uuid(self) -> str:
+        """The GPU an NCCL broadcast would land on here (its UUID)."""
+        if self.state.in_worker:
+            return str(getattr(self.state.engine, "device_uuid", ""))
+        return cuda_uuid(self._nccl_device())
+
     def _nccl_device(self) -> torch.device:
         """The GPU NCCL receives on: the engine's when it runs on one, else the current one."""
         device = getattr(self.state.engine, "device", None)
@@ -132,7 +140,11 @@ class DistributedReceiver(Receiver):
             group_name=d.group_name,
             backend=backend,
             timeout_s=self.state.config.group_timeout_s,
-            device=str(self._nccl_device()) if backend == "nccl" and not self.state.sglang else "",
+            device=(
+                str(self._nccl_device())
+                if backend == "nccl" and not (self.state.sglang or self.state.in_worker)
+                else ""
+            ),
         )
 
     def _check_specs(self, request: pb.UpdateFromDistributedRequest) -> list[int]:
@@ -151,15 +163,23 @@ class DistributedReceiver(Receiver):
         if request.policy_version <= 0:
             raise FieldError("policy_version", f"must be > 0, got {request.policy_version}")
         async with state.update_lock:
+            specs = [
+                (s.name, tc.dtype_from_proto(s.dtype), [int(d) for d in s.shape])
+                for s in request.tensors
+            ]
             if state.sglang:
                 count = await self._sglang_update(plan, request, sizes)
-            else:
-                specs = [
-                    (s.name, tc.dtype_from_proto(s.dtype), [int(d) for d in s.shape])
-                    for s in request.tensors
-                ]
-                # Stale or not, this rank takes part in every broadcast the sender makes,
+            elif state.in_worker:
+                # Stale or not, the worker takes part in every broadcast the sender makes,
                 # so the collective never hangs on a refusal; a stale update is dropped.
+                engine = state.engine
+                await engine.receive_group(plan.group, specs)  # type: ignore[attr-defined]
+                state.check_version(request.policy_version)
+                count = await engine.load_received(  # type: ignore[attr-defined]
+                    request.policy_version, keep=state.config.reuse_buffers
+                )
+            else:
+                # Likewise here.
                 state_dict = await self._receive_or_abandon(plan.group, specs)
                 state.check_version(request.policy_version)
                 await state.load(state_dict, request.policy_version)

@@ -21,7 +21,7 @@ from tests.support.weightsync import (
     RPC_TIMEOUT,
     MakeRollout,
     Rollout,
-    nccl_offer,
+    distributed_offer,
     push,
     push_messages,
     shifted,
@@ -155,7 +155,7 @@ def test_negotiate_picks_the_first_acceptable_offer_or_lists_what_it_supports(
     stream = pb.TransferOption(
         method=pb.TRANSFER_METHOD_STREAM, stream=pb.StreamParams(max_chunk_bytes=8 << 20)
     )
-    nccl = nccl_offer()
+    nccl = distributed_offer()
     reply = r.sync.Negotiate(pb.NegotiateRequest(offers=[stream, disk]), timeout=RPC_TIMEOUT)
     assert reply.plan.method == pb.TRANSFER_METHOD_STREAM
     assert reply.plan.stream.max_chunk_bytes == 1 << 20  # clamped to the contract's limit

@@ -24,7 +24,7 @@ from arealgrpc.v1 import weight_sync_pb2_grpc as pb_grpc
 from areal_grpc.errors import field_violations
 from areal_grpc.server import BackgroundServer, sync_channel
 from tests.support.sglang import FakeSGLangHTTP
-from tests.support.weightsync import nccl_offer
+from tests.support.weightsync import distributed_offer
 
 TIMEOUT = 30.0
 
@@ -59,10 +59,12 @@ SPECS = [
 def test_sglang_fake_http_distributed_update_payloads(sglang) -> None:
     fake, stub = sglang
     gloo = pb.TransferOption()
-    gloo.CopyFrom(nccl_offer(**GROUP))
+    gloo.CopyFrom(distributed_offer(**GROUP))
     gloo.distributed.backend = pb.COLLECTIVE_BACKEND_GLOO
     # SGLang's weight groups are NCCL: a gloo offer is passed over for the nccl one.
-    plan = stub.Negotiate(pb.NegotiateRequest(offers=[gloo, nccl_offer(**GROUP)]), timeout=TIMEOUT)
+    plan = stub.Negotiate(
+        pb.NegotiateRequest(offers=[gloo, distributed_offer(**GROUP)]), timeout=TIMEOUT
+    )
     assert plan.plan.method == pb.TRANSFER_METHOD_DISTRIBUTED
     assert plan.plan.distributed.backend == pb.COLLECTIVE_BACKEND_NCCL
     assert not plan.plan.distributed.joined
@@ -112,7 +114,9 @@ def test_sglang_fake_http_distributed_update_payloads(sglang) -> None:
 
     # The same group again: SGLang already belongs to it, so no second init.
     fake.posts.clear()
-    plan2 = stub.Negotiate(pb.NegotiateRequest(offers=[nccl_offer(**GROUP)]), timeout=TIMEOUT)
+    plan2 = stub.Negotiate(
+        pb.NegotiateRequest(offers=[distributed_offer(**GROUP)]), timeout=TIMEOUT
+    )
     assert plan2.plan.distributed.joined and plan2.policy_version == 1
     stub.UpdateFromDistributed(
         pb.UpdateFromDistributedRequest(

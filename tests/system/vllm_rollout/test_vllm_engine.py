@@ -11,6 +11,9 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,13 +26,16 @@ from areal_servers.rollout.engine import SamplingConfig
 from areal_servers.rollout.hf_engine import HFEngine
 from arealgrpc.v1 import common_pb2, rollout_pb2, weight_sync_pb2
 
+from areal_grpc import tensor_codec as tc
 from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_model
+from areal_grpc.ports import free_port
 from areal_grpc.shared_memory import own_root
 from areal_grpc.weight_disk import write_version
+from areal_grpc.weight_transfer import GroupParams, WeightGroup
 from tests.support.vllm import RPC_TIMEOUT, SETTINGS, TINY, VllmServer, start_vllm_server
-from tests.support.weightsync import push_messages
+from tests.support.weightsync import distributed_offer, push_messages
 
 PROMPT = [5, 17, 42, 99, 7, 64, 128, 3, 250, 11]
 # Tokens of the episode that lives through an update.
@@ -225,6 +231,135 @@ def test_an_update_changes_logprobs_and_the_original_weights_restore_them_exactl
     assert list(restored.output_logprobs) == list(before.output_logprobs)
 
 
+def _join_as_sender(vllm_server: VllmServer, tensors: dict[str, torch.Tensor], version: int):
+    """Negotiates a DISTRIBUTED (gloo) plan as its rank 0; (plan id, the update's request)."""
+    port = free_port()
+    group = f"vllm-worker-{port}"
+    plan = vllm_server.sync.Negotiate(
+        weight_sync_pb2.NegotiateRequest(
+            offers=[
+                distributed_offer(
+                    backend=weight_sync_pb2.COLLECTIVE_BACKEND_GLOO,
+                    master_port=port,
+                    group_name=group,
+                )
+            ],
+            sender_id="test",
+        ),
+        timeout=RPC_TIMEOUT,
+    )
+    assert plan.plan.method == weight_sync_pb2.TRANSFER_METHOD_DISTRIBUTED
+    request = weight_sync_pb2.UpdateFromDistributedRequest(
+        plan_id=plan.plan_id,
+        policy_version=version,
+        tensors=[tc.tensor_spec(n, t) for n, t in tensors.items()],
+    )
+    return GroupParams("127.0.0.1", port, 2, 0, group, "gloo", timeout_s=60), request
+
+
+def test_a_distributed_update_lands_in_vllms_worker_while_vllm_goes_on_generating(
+    vllm_server: VllmServer,
+):
+    original = initial_weights()
+    changed = {k: (t * 1.05 if "mlp" in k or "embed" in k else t) for k, t in original.items()}
+    before = vllm_server.greedy(PROMPT)
+    v = vllm_server.version()
+    params, request = _join_as_sender(vllm_server, changed, v + 1)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
+        # Returns once vLLM's worker has joined; it now waits for the broadcast on a thread
+        # of its own, and vLLM answers meanwhile, on the old weights.
+        group = WeightGroup(params)
+        during = vllm_server.greedy(PROMPT)
+        assert list(during.output_logprobs) == list(before.output_logprobs)
+        assert set(during.output_versions) == {v}
+        assert not reply.done()
+        for t in changed.values():
+            group.broadcast(t.contiguous())
+        assert reply.result().policy_version == v + 1
+    after = vllm_server.greedy(PROMPT)
+    want = hf_reference(
+        PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True), changed
+    )
+    assert list(after.output_ids) == want.output_ids
+    assert list(after.output_logprobs) == pytest.approx(want.output_logprobs, abs=LOGPROB_TOL)
+    assert set(after.output_versions) == {v + 1}
+    # The worker's nothing written, nothing staged: the broadcast was its own.
+    assert vllm_server.engine.last_load_s[0] == 0.0
+    assert vllm_server.engine.last_staged_bytes == 0
+    # The same plan again: the worker is still in the group, and the original weights
+    # restore the original log-probs exactly.
+    request.policy_version = v + 2
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
+        for t in original.values():
+            group.broadcast(t.contiguous())
+        assert reply.result().policy_version == v + 2
+    group.close()
+    restored = vllm_server.greedy(PROMPT)
+    assert list(restored.output_ids) == list(before.output_ids)
+    assert list(restored.output_logprobs) == list(before.output_logprobs)
+    assert vllm_server.fatal == []
+
+
+# A sender that joins the group, broadcasts the first half of the tensors, and dies.
+DYING_SENDER = """
+import os, signal, sys, torch
+from areal_grpc.weight_transfer import GroupParams, WeightGroup
+port, name, count = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+shapes = [[int(d) for d in s.split("x")] for s in sys.argv[4:]]
+group = WeightGroup(GroupParams("127.0.0.1", port, 2, 0, name, "gloo", timeout_s=60))
+for shape in shapes[:count]:
+    group.broadcast(torch.full(shape, 7.0))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_sender_that_dies_mid_broadcast_fails_the_update_and_the_old_weights_keep_serving(
+    vllm_server: VllmServer,
+):
+    original = initial_weights()
+    before = vllm_server.greedy(PROMPT)
+    v = vllm_server.version()
+    params, request = _join_as_sender(vllm_server, original, v + 1)
+    shapes = ["x".join(map(str, t.shape)) or "1" for t in original.values()]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
+        sender = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                DYING_SENDER,
+                str(params.master_port),
+                params.group_name,
+                str(len(shapes) // 2),
+                *shapes,
+            ]
+        )
+        assert sender.wait(timeout=120) == -signal.SIGKILL
+        # The worker's broadcast breaks on the closed connection, long before the group's
+        # 60 s timeout.
+        with pytest.raises(grpc.RpcError) as info:
+            reply.result(timeout=30)
+    assert info.value.code() == grpc.StatusCode.DATA_LOSS, info.value.details()
+    assert "did not receive the weights" in (info.value.details() or "")
+    assert vllm_server.version() == v
+    kept = vllm_server.greedy(PROMPT)
+    assert list(kept.output_logprobs) == list(before.output_logprobs)
+    # The next update forms a new group with the worker and lands.
+    changed = {k: t * 1.05 if "mlp" in k else t for k, t in original.items()}
+    params, request = _join_as_sender(vllm_server, changed, v + 1)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
+        group = WeightGroup(params)
+        for t in changed.values():
+            group.broadcast(t.contiguous())
+        assert reply.result().policy_version == v + 1
+    group.close()
+    assert list(vllm_server.greedy(PROMPT).output_logprobs) != list(before.output_logprobs)
+    assert vllm_server.fatal == []
+
+
 def test_a_corrupted_or_mismatched_update_is_refused_and_the_old_weights_keep_serving(
     vllm_server: VllmServer,
 ):
@@ -381,6 +516,23 @@ def test_keep_mode_holds_a_request_across_an_update_with_each_tokens_version(
         assert not server.fatal
     finally:
         server.close()
+
+
+def test_vllms_socket_files_stay_in_the_engines_own_directory_and_go_with_it(
+    vllm_installed: None,
+):
+    """vLLM names its ZeroMQ sockets in /tmp by default and leaves them there (seven files an
+    engine, measured); this engine gives it a directory of its own, removed at close."""
+    server = start_vllm_server()
+    try:
+        rpc = server.engine.rpc_dir
+        own = own_root()
+        assert rpc is not None and own is not None and rpc.parent == own[0]
+        assert any(p.is_socket() for p in rpc.iterdir())
+        assert len(server.greedy(PROMPT).output_ids) == 12
+    finally:
+        server.close()
+    assert not rpc.exists()
 
 
 def staged_files() -> list[Path]:

@@ -20,8 +20,8 @@ from arealgrpc.v1 import weight_sync_pb2
 from tests.support.weightsync import (
     MakeRollout,
     Trainers,
+    distributed_offer,
     exported_state_dict,
-    nccl_offer,
     reference_greedy,
     start_trainers,
     stop_trainers,
@@ -157,7 +157,7 @@ def test_negotiate_names_the_shared_gpu_when_nccl_is_all_that_is_offered(
     from areal_grpc.weight_transfer import cuda_uuid
 
     r = make_rollout(device="cuda")
-    offer = nccl_offer(device_uuid=cuda_uuid("cuda:0"))
+    offer = distributed_offer(device_uuid=cuda_uuid("cuda:0"))
     with pytest.raises(grpc.RpcError) as err:
         r.sync.Negotiate(weight_sync_pb2.NegotiateRequest(offers=[offer]), timeout=30)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
