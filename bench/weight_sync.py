@@ -47,10 +47,10 @@ are left out. ``--servers N`` updates N rollout servers per method at once (the 
 method lands in vLLM's layerwise reload in its worker: from a safetensors file for socket and
 stream (the engine's staged file in shared memory, which they receive into) and for disk and
 shared_memory (the update's own files); from the worker's own buffers for distributed (the
-worker joins the group and takes the broadcast itself). Its cases are ``weight_sync_<method>_vllm``, the
-transfer alone (the fleet update less the server's own load, which it logs) against the
-method's floor; the load prints apart as ``weight_sync_vllm_load_<method>`` against a memcpy
-of the same bytes (no target).
+worker joins the group and takes the broadcast itself). Its cases are
+``weight_sync_<method>_vllm``, the transfer alone (the fleet update less the server's own
+load, which it logs) against the method's floor; the load prints apart as
+``weight_sync_vllm_load_<method>`` against a memcpy of the same bytes (no target).
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ A DISTRIBUTED update is received here, in the worker, not in the rollout server:
 joins the sender's weight group itself (:class:`WorkerGroup`, as SGLang does) and the
 broadcast lands in the worker's own buffers, on its own device. On a GPU that is NCCL from
 the trainer's GPU straight into vLLM's, with no trip through host memory. vLLM's own NCCL
-weight-transfer engine is not used: its group is a ``StatelessProcessGroup`` that only a
-sender running vLLM's code can join, and our contract's senders speak a torch.distributed
-group (``WeightGroup``). The receive runs on a thread of the worker, so vLLM goes on
-generating meanwhile; the reload happens only once every tensor has arrived, so a broken
-transfer leaves the old weights serving.
+weight-transfer engine is not used: its group forms through vLLM's ``StatelessProcessGroup``
+or a raw NCCL unique id with vLLM's own handshake, and the contract's DISTRIBUTED plan is a
+torch.distributed group (``WeightGroup``) that every sender already speaks. The receive
+runs on a thread of the worker, so vLLM goes on generating meanwhile; the reload happens only
+once every tensor has arrived, so a broken transfer leaves the old weights serving.
 """
 
 from __future__ import annotations

@@ -571,15 +571,11 @@ def test_updates_are_received_into_the_staged_file_which_vllm_does_not_serve_fro
     assert [staged] == staged_files()
 
 
-def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
-    """200 full updates (each one copied into the staged file and a layerwise reload in
-    vLLM's worker): the resident memory of the server's vLLM processes stays put after the
-    first few."""
+def vllm_growth_over_200_updates(vllm_server: VllmServer, update) -> int:
+    """Bytes the server's vLLM processes' resident memory grew over ``update(200)``, after
+    ``update(20)`` let the allocator and page cache settle."""
     import psutil
 
-    engine = vllm_server.engine
-    weights = initial_weights()
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     vllm_procs = [
         p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")
     ]
@@ -588,6 +584,22 @@ def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
     def rss() -> int:
         return sum(p.memory_info().rss for p in vllm_procs)
 
+    update(20)
+    before = rss()
+    update(200)
+    grown = rss() - before
+    print(f"vLLM RSS {before / 2**20:.0f} MiB, {grown / 2**20:+.1f} MiB over 200 updates")
+    return grown
+
+
+def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
+    """200 full updates (each one copied into the staged file and a layerwise reload in
+    vLLM's worker): the resident memory of the server's vLLM processes stays put after the
+    first few."""
+    engine = vllm_server.engine
+    weights = initial_weights()
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+
     def update(n: int) -> None:
         async def run() -> None:
             for _ in range(n):
@@ -595,17 +607,51 @@ def test_hundreds_of_updates_do_not_grow_vllms_memory(vllm_server: VllmServer):
 
         vllm_server.server.call(run(), timeout_s=900)
 
-    update(20)  # allocator and page cache settle
-    before = rss()
-    update(200)
-    grown = rss() - before
-    print(f"vLLM RSS {before / 2**20:.0f} MiB, {grown / 2**20:+.1f} MiB over 200 updates")
+    grown = vllm_growth_over_200_updates(vllm_server, update)
     # A leak of one copy per update would be 200 x the weights (800 MB here).
     assert grown < 10 * nbytes, f"vLLM grew {grown / 2**20:.0f} MiB over 200 updates"
     assert vllm_server.greedy(PROMPT).output_ids
     assert vllm_server.fatal == []
     # Every update went through the one staged file.
     assert len(staged_files()) == 1
+
+
+def test_hundreds_of_updates_received_in_vllms_worker_do_not_grow_its_memory(
+    vllm_server: VllmServer,
+):
+    """The same for 200 broadcasts into vLLM's worker over one kept group: each lands in the
+    buffers the last one was received into."""
+    engine = vllm_server.engine
+    weights = initial_weights()
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    specs = [(n, t.dtype, list(t.shape)) for n, t in weights.items()]
+    port = free_port()
+    mine = GroupParams("127.0.0.1", port, 2, 1, f"many-{port}", "gloo", timeout_s=60)
+    sender: list[WeightGroup] = []
+
+    def send(n: int) -> None:
+        if not sender:
+            sender.append(WeightGroup(dataclasses.replace(mine, rank=0)))
+        for _ in range(n):
+            for t in weights.values():
+                sender[0].broadcast(t)
+
+    def update(n: int) -> None:
+        async def run() -> None:
+            for _ in range(n):
+                await engine.receive_group(mine, specs)
+                await engine.load_received(engine.version + 1)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(send, n)
+            vllm_server.server.call(run(), timeout_s=900)
+            sent.result(timeout=60)
+
+    grown = vllm_growth_over_200_updates(vllm_server, update)
+    sender[0].close()
+    assert grown < 10 * nbytes, f"vLLM grew {grown / 2**20:.0f} MiB over 200 updates"
+    assert vllm_server.greedy(PROMPT).output_ids
+    assert vllm_server.fatal == []
 
 
 def test_an_idle_worker_gives_its_core_back(vllm_server: VllmServer):
