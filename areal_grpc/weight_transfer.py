@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import logging
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ from google.protobuf.message import DecodeError
 from areal_grpc import tensor_codec as tc
 from areal_grpc.chunk_wire import decode_chunk, encode_chunk
 from areal_grpc.chunks import ChunkLike, ChunkView
+
+log = logging.getLogger(__name__)
 
 PUSH_WEIGHTS_METHOD = "/arealgrpc.v1.WeightSyncService/PushWeights"
 SERVICE_NAME = "arealgrpc.v1.WeightSyncService"
@@ -213,6 +216,89 @@ class WeightGroup:
                 shutdown()
 
 
+#: A receive buffer for (name, dtype, shape, device): a kept one that fits, or a fresh one.
+BufferSource = Callable[[str, torch.dtype, Sequence[int], torch.device], torch.Tensor]
+
+
+class GroupMember:
+    """A receiver's side of DISTRIBUTED updates: the weight group it last joined (kept while
+    the sender's group stays the same) and the broadcasts it takes there. Blocking: run it on
+    a thread of its own (:func:`run_in_thread`); an update given up meanwhile sets the
+    ``abandoned`` event it was given and calls :meth:`abandon`."""
+
+    def __init__(self, who: str = "") -> None:
+        self.who = who
+        self.group: WeightGroup | None = None
+        # Orders an abandon against a receiving thread keeping the group it joined.
+        self._lock = threading.Lock()
+
+    def join(self, params: GroupParams, abandoned: threading.Event) -> WeightGroup:
+        """The group of ``params``: the current one, or a freshly joined one."""
+        if self.group is not None and self.group.params == params:
+            return self.group
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        log.info(
+            "%sjoining weight group %s at %s:%d as rank %d/%d (%s)",
+            self.who,
+            params.group_name,
+            params.master_address,
+            params.master_port,
+            params.rank,
+            params.world_size,
+            params.backend,
+        )
+        group = WeightGroup(params)
+        with self._lock:
+            if not abandoned.is_set():
+                self.group = group
+                return group
+        # The update was given up while this thread waited in the rendezvous.
+        group.close()
+        raise RuntimeError(f"weight group {params.group_name} was abandoned")
+
+    def receive(
+        self,
+        params: GroupParams,
+        specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        buffer: BufferSource,
+        abandoned: threading.Event,
+    ) -> dict[str, torch.Tensor]:
+        """Takes the sender's broadcast of each of ``specs`` (name, dtype, shape), in order,
+        into ``buffer``'s tensors on the group's device; landed when this returns."""
+        group = self.join(params, abandoned)
+        out: dict[str, torch.Tensor] = {}
+        try:
+            for name, dtype, shape in specs:
+                t = buffer(name, dtype, shape, group.device)
+                group.broadcast(t, src=0)
+                out[name] = t
+            if group.device.type == "cuda":
+                # The tensors are used next on another thread's stream.
+                torch.cuda.current_stream(group.device).synchronize()
+        except Exception:
+            # A failed collective leaves the group unusable; the next update forms a new one.
+            group.close()
+            with self._lock:
+                if self.group is group:
+                    self.group = None
+            raise
+        return out
+
+    def abandon(self) -> None:
+        """Forgets the group without closing it: a collective may still block in it, on the
+        thread that ends it at the group timeout."""
+        with self._lock:
+            self.group = None
+
+    def close(self) -> None:
+        """Leaves the group (best effort)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
 def cuda_uuid(device: torch.device | str) -> str:
     """The GPU's UUID ("" for a non-CUDA device): which physical GPU, across processes.
 
@@ -245,6 +331,8 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "PUSH_WEIGHTS_METHOD",
     "SERVICE_NAME",
+    "BufferSource",
+    "GroupMember",
     "GroupParams",
     "PushMessage",
     "WeightGroup",

@@ -207,6 +207,8 @@ class VLLMEngine(InferenceEngine):
         self._received: dict[str, tuple[tuple[int, ...], bool, str]] = {}
         # Where vLLM's processes put their socket files (see _build).
         self.rpc_dir: Path | None = None
+        # The weight group vLLM's worker is in (None: none, or not known to be usable).
+        self.worker_group: GroupParams | None = None
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -798,6 +800,8 @@ class VLLMEngine(InferenceEngine):
         meanwhile. DataLossError when the transfer fails; cancelled, the worker gives it up."""
         self._check_alive()
         self._received = {}
+        # Until it is known to have succeeded: a failed receive leaves the worker's group.
+        self.worker_group = None
         wire = [
             [name, str(dtype).removeprefix("torch."), list(shape)] for name, dtype, shape in specs
         ]
@@ -817,6 +821,7 @@ class VLLMEngine(InferenceEngine):
             with contextlib.suppress(Exception):
                 await self._llm.collective_rpc("areal_group_abandon")
             raise
+        self.worker_group = params
         self._received = {
             name: (tuple(shape), dtype.is_floating_point, str(dtype))
             for name, dtype, shape in specs

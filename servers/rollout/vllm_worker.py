@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from areal_grpc.weight_transfer import GroupParams, WeightGroup, cuda_uuid
+from areal_grpc import tensor_codec as tc
+from areal_grpc.weight_transfer import BufferSource, GroupMember, GroupParams, cuda_uuid
 
 __all__ = ["WorkerExtension", "WorkerGroup"]
 
-log = logging.getLogger(__name__)
 
 # Layers that hold no tensor of the checkpoint (a rotary cache; the output head of a model with
 # tied embeddings): vLLM's reload warns "Failed to load weights" for them on every update.
@@ -60,20 +60,19 @@ def _quiet_weightless_layers() -> None:
 
 
 class WorkerGroup:
-    """The worker's side of DISTRIBUTED updates: the weight group it joined (kept while the
-    sender's group stays the same) and the buffers the broadcast lands in (kept for the next
-    update when asked, so no update allocates and faults in fresh memory)."""
+    """The worker's side of DISTRIBUTED updates: its membership of the sender's weight group
+    (:class:`GroupMember`), the receive on a thread, and the buffers the broadcast lands in
+    (kept for the next update when asked, so no update allocates and faults in fresh
+    memory)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.group: WeightGroup | None = None
+        self.member = GroupMember("vLLM worker ")
         self.buffers: dict[str, torch.Tensor] = {}
         self.received: dict[str, torch.Tensor] | None = None
         self.error: str | None = None
         self._thread: threading.Thread | None = None
         self._abandoned = threading.Event()
-        # Orders an abandon against a receive thread taking the group it joined.
-        self._lock = threading.Lock()
 
     def start(self, params: GroupParams, specs: list[tuple[str, torch.dtype, list[int]]]) -> None:
         """Starts taking the sender's broadcast of ``specs`` on a thread; returns at once."""
@@ -83,69 +82,34 @@ class WorkerGroup:
         self.received = None
         self.error = None
         # The thread owns these buffers until it hands them over (or is abandoned with them).
-        buffers, self.buffers = self.buffers, {}
+        kept, self.buffers = self.buffers, {}
+
+        def buffer(
+            name: str, dtype: torch.dtype, shape: Sequence[int], device: torch.device
+        ) -> torch.Tensor:
+            t = kept.pop(name, None)
+            if t is None or not tc.fits_buffer(t, dtype, shape, device):
+                t = torch.empty(list(shape), dtype=dtype, device=device)
+            return t
+
         self._thread = threading.Thread(
             target=self._receive,
-            args=(params, specs, buffers, self._abandoned),
+            args=(params, specs, buffer, self._abandoned),
             name="areal-weight-receive",
             daemon=True,
         )
         self._thread.start()
 
-    def _join(self, params: GroupParams, abandoned: threading.Event) -> WeightGroup:
-        if self.group is not None and self.group.params == params:
-            return self.group
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        log.info(
-            "vLLM worker joining weight group %s at %s:%d as rank %d/%d (%s)",
-            params.group_name,
-            params.master_address,
-            params.master_port,
-            params.rank,
-            params.world_size,
-            params.backend,
-        )
-        group = WeightGroup(params)
-        with self._lock:
-            if not abandoned.is_set():
-                self.group = group
-                return group
-        group.close()
-        raise RuntimeError(f"weight group {params.group_name} was abandoned")
-
     def _receive(
         self,
         params: GroupParams,
         specs: list[tuple[str, torch.dtype, list[int]]],
-        buffers: dict[str, torch.Tensor],
+        buffer: BufferSource,
         abandoned: threading.Event,
     ) -> None:
-        group: WeightGroup | None = None
         try:
-            group = self._join(params, abandoned)
-            out: dict[str, torch.Tensor] = {}
-            for name, dtype, shape in specs:
-                t = buffers.pop(name, None)
-                fits = t is not None and (t.dtype, list(t.shape), t.device) == (
-                    dtype,
-                    shape,
-                    group.device,
-                )
-                if not fits:
-                    t = torch.empty(shape, dtype=dtype, device=group.device)
-                group.broadcast(t, src=0)
-                out[name] = t
-            if group.device.type == "cuda":
-                # "Done" means landed: the reload runs on another thread's stream.
-                torch.cuda.current_stream(group.device).synchronize()
+            out = self.member.receive(params, specs, buffer, abandoned)
         except Exception as exc:
-            # A failed collective leaves the group unusable; the next update forms a new one.
-            if group is not None:
-                group.close()
-                if self.group is group:
-                    self.group = None
             if not abandoned.is_set():
                 self.error = f"{type(exc).__name__}: {exc}"
             return
@@ -165,10 +129,9 @@ class WorkerGroup:
     def abandon(self) -> None:
         """Gives the receive under way up: its collective ends by itself at the group
         timeout, and the next update joins a new group with fresh buffers."""
-        with self._lock:
-            self._abandoned.set()
-            self.group = None
-            self.received = None
+        self._abandoned.set()
+        self.member.abandon()
+        self.received = None
 
     def take(self, keep: bool) -> Iterable[tuple[str, torch.Tensor]]:
         """The received tensors (once); ``keep``: receive the next update into them."""
@@ -181,9 +144,7 @@ class WorkerGroup:
     def close(self) -> None:
         """Leaves the group (best effort)."""
         self._abandoned.set()
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        self.member.close()
         self.buffers = {}
         self.received = None
 

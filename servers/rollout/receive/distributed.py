@@ -24,6 +24,7 @@ from arealgrpc.v1 import weight_sync_pb2
 from areal_grpc import tensor_codec as tc
 from areal_grpc.errors import FieldError
 from areal_grpc.weight_transfer import (
+    GroupMember,
     GroupParams,
     WeightGroup,
     cuda_uuid,
@@ -55,7 +56,7 @@ class DistributedReceiver(Receiver):
         else:
             self.backends = ("gloo", "nccl") if torch.cuda.is_available() else ("gloo",)
         # The group joined (kept between updates of the same plan parameters).
-        self.group: WeightGroup | None = None
+        self.member = GroupMember()
         # For the sglang engine: the group SGLang was told to join.
         self._sglang_group: GroupParams | None = None
 
@@ -110,7 +111,12 @@ class DistributedReceiver(Receiver):
         if d.bucket_bytes < 0:
             raise FieldError(f"{w}.bucket_bytes", f"is negative ({d.bucket_bytes})")
         params = self.group_params(d)
-        current = self._sglang_group if self.state.sglang else (self.group and self.group.params)
+        if self.state.sglang:
+            current = self._sglang_group
+        elif self.state.in_worker:
+            current = self.state.engine.worker_group  # type: ignore[attr-defined]
+        else:
+            current = self.group and self.group.params
         plan = pb.DistributedParams()
         plan.CopyFrom(d)
         plan.joined = current == params
@@ -188,49 +194,6 @@ class DistributedReceiver(Receiver):
             policy_version=state.engine.version, tensor_count=count
         )
 
-    def _ensure_group(self, params: GroupParams, abandoned: threading.Event) -> WeightGroup:
-        """The group of ``params``: the current one, or a freshly joined one (blocking)."""
-        if self.group is not None and self.group.params == params:
-            return self.group
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        log.info(
-            "joining weight group %s at %s:%d as rank %d/%d (%s)",
-            params.group_name,
-            params.master_address,
-            params.master_port,
-            params.rank,
-            params.world_size,
-            params.backend,
-        )
-        group = WeightGroup(params)
-        if abandoned.is_set():
-            # The update was given up while this thread waited in the rendezvous.
-            group.close()
-            raise RuntimeError(f"weight group {params.group_name} was abandoned")
-        self.group = group
-        log.info("joined weight group %s as rank %d", params.group_name, params.rank)
-        return group
-
-    def _receive(
-        self, params: GroupParams, specs: TensorSpecs, abandoned: threading.Event
-    ) -> dict[str, torch.Tensor]:
-        group = self._ensure_group(params, abandoned)
-        out: dict[str, torch.Tensor] = {}
-        try:
-            for name, dtype, shape in specs:
-                t = self.state.take_buffer(name, dtype, shape, group.device)
-                group.broadcast(t, src=0)
-                out[name] = t
-        except Exception:
-            # A failed collective leaves the group unusable; the next plan forms a new one.
-            group.close()
-            if self.group is group:
-                self.group = None
-            raise
-        return out
-
     async def _receive_or_abandon(
         self, params: GroupParams, specs: TensorSpecs
     ) -> dict[str, torch.Tensor]:
@@ -242,14 +205,15 @@ class DistributedReceiver(Receiver):
         update, which forms a new group.
         """
         abandoned = threading.Event()
-        work = run_in_thread(lambda: self._receive(params, specs, abandoned), "weight-receive")
+        work = run_in_thread(
+            lambda: self.member.receive(params, specs, self.state.take_buffer, abandoned),
+            "weight-receive",
+        )
         try:
             return await work
         except asyncio.CancelledError:
             abandoned.set()
-            if self.group is not None and self.group.params == params:
-                # Not closed here: its collective may still block in that thread.
-                self.group = None
+            self.member.abandon()
             log.warning("weight group %s abandoned: the sender cancelled", params.group_name)
             raise
 
@@ -285,7 +249,10 @@ class DistributedReceiver(Receiver):
             )
         return len(request.tensors)
 
+    @property
+    def group(self) -> WeightGroup | None:
+        """The weight group this server is in, if any."""
+        return self.member.group
+
     async def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        self.member.close()

@@ -231,10 +231,10 @@ def test_an_update_changes_logprobs_and_the_original_weights_restore_them_exactl
     assert list(restored.output_logprobs) == list(before.output_logprobs)
 
 
-def _join_as_sender(vllm_server: VllmServer, tensors: dict[str, torch.Tensor], version: int):
-    """Negotiates a DISTRIBUTED (gloo) plan as its rank 0; (plan id, the update's request)."""
-    port = free_port()
-    group = f"vllm-worker-{port}"
+def _negotiate_gloo(
+    vllm_server: VllmServer, port: int, group: str
+) -> weight_sync_pb2.NegotiateResponse:
+    """A DISTRIBUTED (gloo) plan for the group at ``port`` with this process as rank 0."""
     plan = vllm_server.sync.Negotiate(
         weight_sync_pb2.NegotiateRequest(
             offers=[
@@ -249,6 +249,16 @@ def _join_as_sender(vllm_server: VllmServer, tensors: dict[str, torch.Tensor], v
         timeout=RPC_TIMEOUT,
     )
     assert plan.plan.method == weight_sync_pb2.TRANSFER_METHOD_DISTRIBUTED
+    return plan
+
+
+def _join_as_sender(vllm_server: VllmServer, tensors: dict[str, torch.Tensor], version: int):
+    """Negotiates a DISTRIBUTED (gloo) plan as its rank 0; (the group's parameters, the
+    update's request)."""
+    port = free_port()
+    group = f"vllm-worker-{port}"
+    plan = _negotiate_gloo(vllm_server, port, group)
+    assert not plan.plan.distributed.joined
     request = weight_sync_pb2.UpdateFromDistributedRequest(
         plan_id=plan.plan_id,
         policy_version=version,
@@ -287,8 +297,11 @@ def test_a_distributed_update_lands_in_vllms_worker_while_vllm_goes_on_generatin
     # The worker's nothing written, nothing staged: the broadcast was its own.
     assert vllm_server.engine.last_load_s[0] == 0.0
     assert vllm_server.engine.last_staged_bytes == 0
-    # The same plan again: the worker is still in the group, and the original weights
-    # restore the original log-probs exactly.
+    # The worker is still in the group, which a new plan for it says (so a sender keeps its
+    # group); the original weights then restore the original log-probs exactly.
+    again = _negotiate_gloo(vllm_server, params.master_port, params.group_name)
+    assert again.plan.distributed.joined
+    request.plan_id = again.plan_id
     request.policy_version = v + 2
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
@@ -344,6 +357,10 @@ def test_a_sender_that_dies_mid_broadcast_fails_the_update_and_the_old_weights_k
     assert info.value.code() == grpc.StatusCode.DATA_LOSS, info.value.details()
     assert "did not receive the weights" in (info.value.details() or "")
     assert vllm_server.version() == v
+    # The broken group is left: a plan for it again needs a rendezvous.
+    assert not _negotiate_gloo(
+        vllm_server, params.master_port, params.group_name
+    ).plan.distributed.joined
     kept = vllm_server.greedy(PROMPT)
     assert list(kept.output_logprobs) == list(before.output_logprobs)
     # The next update forms a new group with the worker and lands.
