@@ -105,6 +105,21 @@ def fits_buffer(
     )
 
 
+def take_buffer(
+    spare: dict[str, torch.Tensor],
+    name: str,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """A receive buffer for ``name``: taken out of ``spare`` when the one there fits, else a
+    fresh one."""
+    t = spare.pop(name, None)
+    if t is None or not fits_buffer(t, dtype, shape, device):
+        t = torch.empty(list(shape), dtype=dtype, device=device)
+    return t
+
+
 def check_bool_bytes(raw: torch.Tensor, field: str) -> None:
     # A bool byte other than 0/1 is undefined behaviour in torch, i.e. a silently wrong tensor.
     if raw.numel() and bool((raw > 1).any()):
@@ -174,6 +189,7 @@ __all__ = [
     "dtype_from_proto",
     "dtype_to_proto",
     "fits_buffer",
+    "take_buffer",
     "tensor_from_bytes",
     "tensor_from_proto",
     "tensor_label",

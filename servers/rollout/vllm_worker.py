@@ -23,9 +23,10 @@ once every tensor has arrived, so a broken transfer leaves the old weights servi
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -83,18 +84,9 @@ class WorkerGroup:
         self.error = None
         # The thread owns these buffers until it hands them over (or is abandoned with them).
         kept, self.buffers = self.buffers, {}
-
-        def buffer(
-            name: str, dtype: torch.dtype, shape: Sequence[int], device: torch.device
-        ) -> torch.Tensor:
-            t = kept.pop(name, None)
-            if t is None or not tc.fits_buffer(t, dtype, shape, device):
-                t = torch.empty(list(shape), dtype=dtype, device=device)
-            return t
-
         self._thread = threading.Thread(
             target=self._receive,
-            args=(params, specs, buffer, self._abandoned),
+            args=(params, specs, functools.partial(tc.take_buffer, kept), self._abandoned),
             name="areal-weight-receive",
             daemon=True,
         )
@@ -140,13 +132,6 @@ class WorkerGroup:
             raise RuntimeError("no received weights to load")
         self.buffers = received if keep else {}
         return received.items()
-
-    def close(self) -> None:
-        """Leaves the group (best effort)."""
-        self._abandoned.set()
-        self.member.close()
-        self.buffers = {}
-        self.received = None
 
 
 class WorkerExtension:
@@ -219,11 +204,6 @@ class WorkerExtension:
         tensors = [(n, t) for n, t in self._weight_group().take(keep) if n not in skipped]
         self._reload(tensors)
         return len(tensors)
-
-    def areal_group_close(self) -> None:
-        """Leaves the weight group and frees the receive buffers."""
-        if self._areal_group is not None:
-            self._areal_group.close()
 
     def _retie_output_head(self) -> None:
         """Re-processes a tied output head after a reload.

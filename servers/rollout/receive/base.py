@@ -177,10 +177,7 @@ class ReceiverState:
         device: torch.device | str = "cpu",
     ) -> torch.Tensor:
         """A receive buffer for ``name``: its spare one when that fits, else a fresh one."""
-        t = self.spare.pop(name, None)
-        if t is None or not tc.fits_buffer(t, dtype, shape, device):
-            t = torch.empty(list(shape), dtype=dtype, device=device)
-        return t
+        return tc.take_buffer(self.spare, name, dtype, shape, device)
 
     def give_back(self, buffers: dict[str, torch.Tensor]) -> None:
         """Returns receive buffers no update installed to the spare ones."""

@@ -125,7 +125,7 @@ class DistributedReceiver(Receiver):
     def _device_uuid(self) -> str:
         """The GPU an NCCL broadcast would land on here (its UUID)."""
         if self.state.in_worker:
-            return str(getattr(self.state.engine, "device_uuid", ""))
+            return str(self.state.engine.device_uuid)  # type: ignore[attr-defined]
         return cuda_uuid(self._nccl_device())
 
     def _nccl_device(self) -> torch.device:
@@ -169,27 +169,28 @@ class DistributedReceiver(Receiver):
         if request.policy_version <= 0:
             raise FieldError("policy_version", f"must be > 0, got {request.policy_version}")
         async with state.update_lock:
-            specs = [
-                (s.name, tc.dtype_from_proto(s.dtype), [int(d) for d in s.shape])
-                for s in request.tensors
-            ]
             if state.sglang:
                 count = await self._sglang_update(plan, request, sizes)
-            elif state.in_worker:
-                # Stale or not, the worker takes part in every broadcast the sender makes,
-                # so the collective never hangs on a refusal; a stale update is dropped.
-                engine = state.engine
-                await engine.receive_group(plan.group, specs)  # type: ignore[attr-defined]
-                state.check_version(request.policy_version)
-                count = await engine.load_received(  # type: ignore[attr-defined]
-                    request.policy_version, keep=state.config.reuse_buffers
-                )
             else:
-                # Likewise here.
-                state_dict = await self._receive_or_abandon(plan.group, specs)
-                state.check_version(request.policy_version)
-                await state.load(state_dict, request.policy_version)
-                count = len(state_dict)
+                specs = [
+                    (s.name, tc.dtype_from_proto(s.dtype), [int(d) for d in s.shape])
+                    for s in request.tensors
+                ]
+                # Stale or not, this rank (or vLLM's worker) takes part in every broadcast
+                # the sender makes, so the collective never hangs on a refusal; a stale
+                # update is dropped.
+                if state.in_worker:
+                    engine = state.engine
+                    await engine.receive_group(plan.group, specs)  # type: ignore[attr-defined]
+                    state.check_version(request.policy_version)
+                    count = await engine.load_received(  # type: ignore[attr-defined]
+                        request.policy_version, keep=state.config.reuse_buffers
+                    )
+                else:
+                    state_dict = await self._receive_or_abandon(plan.group, specs)
+                    state.check_version(request.policy_version)
+                    await state.load(state_dict, request.policy_version)
+                    count = len(state_dict)
         return pb.UpdateFromDistributedResponse(
             policy_version=state.engine.version, tensor_count=count
         )
