@@ -315,6 +315,39 @@ def test_a_distributed_update_lands_in_vllms_worker_while_vllm_goes_on_generatin
     assert vllm_server.fatal == []
 
 
+def test_a_distributed_update_that_does_not_fit_the_model_is_invalid_argument_naming_the_tensor(
+    vllm_server: VllmServer,
+):
+    original = initial_weights()
+    name = next(k for k in original if "mlp" in k)
+    wrong = {**original, name: torch.zeros(3, 5)}
+    before = vllm_server.greedy(PROMPT)
+    v = vllm_server.version()
+    params, request = _join_as_sender(vllm_server, wrong, v + 1)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
+        group = WeightGroup(params)
+        for t in wrong.values():
+            group.broadcast(t.contiguous())
+        with pytest.raises(grpc.RpcError) as info:
+            reply.result()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert name in (info.value.details() or "")
+    assert vllm_server.version() == v
+    assert list(vllm_server.greedy(PROMPT).output_logprobs) == list(before.output_logprobs)
+    # The server stays up, and the group with it: the model's own tensors then land.
+    request.ClearField("tensors")
+    request.tensors.extend(tc.tensor_spec(n, t) for n, t in original.items())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
+        for t in original.values():
+            group.broadcast(t.contiguous())
+        assert reply.result().policy_version == v + 1
+    group.close()
+    assert list(vllm_server.greedy(PROMPT).output_logprobs) == list(before.output_logprobs)
+    assert vllm_server.fatal == []
+
+
 # A sender that joins the group, broadcasts the first half of the tensors, and dies.
 DYING_SENDER = """
 import os, signal, sys, torch
