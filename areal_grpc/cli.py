@@ -11,15 +11,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from areal_grpc import tracing
 from areal_grpc.config import SecurityConfig
-from areal_grpc.errors import FieldError
+from areal_grpc.errors import FieldError, explain
 from areal_grpc.security import ClientTls, ServerTls, load_auth_token
 from areal_grpc.server import (
+    EXIT_FATAL,
     ChannelOptions,
     ServerOptions,
     Service,
@@ -27,6 +29,11 @@ from areal_grpc.server import (
     set_default_channel_options,
     start_server,
 )
+
+log = logging.getLogger(__name__)
+
+# Seconds the servicers get to close after a fatal failure (see serve_main).
+FATAL_CLOSE_S = 30.0
 
 BuildServices = Callable[[argparse.Namespace], Awaitable[Sequence[Service]]]
 
@@ -179,21 +186,30 @@ def serve_main(
     # service.name in traces: areal-rollout, areal-trainer, areal-coordinator.
     tracing.init_tracing(parser.prog)
 
-    async def run() -> None:
+    async def run() -> str | None:
         services = await build(args)
         running = await start_server(services, options)
         # One line on stdout that launchers parse to learn the bound port.
         print(f"LISTENING {running.address}", flush=True)
-        await serve_until_signal(running)
+        failed = await serve_until_signal(running)
         # Servicers with work outside gRPC calls (a trainer's collective job) finish it here,
-        # while the event loop still runs.
+        # while the event loop still runs; after a fatal failure, for a bounded time (what
+        # failed, e.g. a dead engine's processes, may not answer).
         for svc in services:
             aclose = getattr(svc.servicer, "aclose", None)
-            if aclose is not None:
+            if aclose is None:
+                continue
+            if failed is None:
                 await aclose()
+                continue
+            try:
+                await asyncio.wait_for(aclose(), FATAL_CLOSE_S)
+            except Exception as exc:
+                log.warning("closing after the failure: %s", explain(exc))
+        return failed
 
     try:
-        asyncio.run(run())
+        failed = asyncio.run(run())
     except FieldError as exc:
         # A setting this server cannot take (its run config, a path): one line and exit 2,
         # as the coordinator does, which launchers report as a configuration error.
@@ -201,4 +217,10 @@ def serve_main(
         return 2
     finally:
         tracing.shutdown_tracing()
+    if failed is not None:
+        print(f"fatal: {failed}", file=sys.stderr, flush=True)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        # Now, whatever threads of the failed part are left (they may never end).
+        os._exit(EXIT_FATAL)
     return 0

@@ -730,9 +730,11 @@ class RolloutSupervision:
     )
     max_failed_episodes: int = setting(
         64,
-        help="Episodes failed in a row, none accepted in between, after which the run stops "
-        "with the last error (a reward or workflow that raises on every item); one now and "
-        "then is forgotten at the next accepted group.",
+        help="Episodes failed in a row in the run's own code (its workflow, reward or dataset "
+        "items), none accepted in between, after which the run stops with the last error (a "
+        "reward or workflow that raises on every item); one now and then is forgotten at the "
+        "next accepted group. A rollout server or engine that dies fails no episode: its "
+        "work is run again elsewhere.",
         ge=1,
     )
 

@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
+# Exit code of a server process that stopped because it can serve no more (a servicer's
+# ``fatal()`` returned: a rollout server's engine died); its launcher replaces it.
+EXIT_FATAL = 3
+# Seconds in-flight calls get to end (with the servicer's own error) on such a stop.
+FATAL_GRACE_S = 2.0
+
 
 @dataclass
 class ServerOptions:
@@ -540,24 +546,39 @@ async def start_server(
 
 async def serve_until_signal(
     running: RunningServer, on_stop: Callable[[], Any] | None = None
-) -> None:
-    """Serves until SIGTERM or SIGINT, then drains gracefully (``on_stop`` runs first)."""
+) -> str | None:
+    """Serves until SIGTERM or SIGINT, then drains gracefully (``on_stop`` runs first).
+
+    A servicer with an ``async fatal() -> str`` (one that can fail for good, e.g. a rollout
+    server whose engine died) ends the serving too when it returns: health turns NOT_SERVING,
+    calls in flight get :data:`FATAL_GRACE_S`, and its reason is returned (None otherwise).
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     waiter = asyncio.ensure_future(running.wait())
     stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
-    if stop.is_set():
+    fatals = [
+        asyncio.ensure_future(svc.servicer.fatal())  # type: ignore[attr-defined]
+        for svc in running.services
+        if callable(getattr(svc.servicer, "fatal", None))
+    ]
+    await asyncio.wait([waiter, stopper, *fatals], return_when=asyncio.FIRST_COMPLETED)
+    failed = next((f.result() for f in fatals if f.done() and not f.cancelled()), None)
+    if failed is not None:
+        log.critical("%s cannot serve any more (%s): stopping", running.address, failed)
+        await running.stop(FATAL_GRACE_S)
+    elif stop.is_set():
         log.info("signal received: draining %s", running.address)
         if on_stop is not None:
             result = on_stop()
             if asyncio.iscoroutine(result):
                 await result
         await running.stop()
-    waiter.cancel()
-    stopper.cancel()
+    for f in (waiter, stopper, *fatals):
+        f.cancel()
+    return failed
 
 
 class BackgroundServer:

@@ -70,9 +70,10 @@ class RolloutFleetLost(RuntimeError):
 
 
 class EpisodesFailing(RolloutFleetLost):
-    """``fault_tolerance.rollout.max_failed_episodes`` episodes in a row failed: the run
-    cannot make progress (the same error on every episode would otherwise go through the
-    dataset forever, flooding the log)."""
+    """``fault_tolerance.rollout.max_failed_episodes`` episodes in a row failed in the run's
+    own code: the run cannot make progress (the same error on every episode would otherwise go
+    through the dataset forever, flooding the log). A server or engine that dies fails no
+    episode: its stream ends UNAVAILABLE and its tasks are run again elsewhere."""
 
 
 class StreamLike(Protocol):
@@ -393,8 +394,10 @@ class RolloutFleet:
         self.failed_in_a_row += 1
         if self.failed_in_a_row >= self.cfg.max_failed_episodes and not self._fatal.is_set():
             self._fatal_error = EpisodesFailing(
-                f"{self.failed_in_a_row} episodes in a row failed and none was accepted; the "
-                f"last, on {address}: {reason} (the rollout server's log has the traceback)"
+                f"{self.failed_in_a_row} episodes in a row failed in the run's own code (its "
+                "workflow, reward or dataset items: rollout.workflow, rollout.reward, data) and "
+                f"none was accepted; the last, on {address}: {reason} (the rollout server's log "
+                "has the traceback)"
             )
             self._fatal.set()
 

@@ -320,6 +320,8 @@ class LoraEngine:
         self.base_model: str = model_source
         self.device = torch.device(device)
         self.dtype = dtype
+        # Log-probs, losses and norms: float32 at least, float64 in a float64 engine.
+        self.math_dtype = torch.promote_types(dtype, torch.float32)
         self.seed = seed
         self.max_batch_tokens = max_batch_tokens
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(model_source)
@@ -634,7 +636,7 @@ class LoraEngine:
                 torch.tensor(list(d.input_tokens), dtype=torch.long, device=self.device),
                 torch.tensor(list(d.target_tokens), dtype=torch.long, device=self.device),
                 {
-                    name: torch.tensor(getattr(d, name), dtype=torch.float32, device=self.device)
+                    name: torch.tensor(getattr(d, name), dtype=self.math_dtype, device=self.device)
                     for name in needed
                 },
             )
@@ -687,7 +689,7 @@ class LoraEngine:
             mask[row, : lengths[row]] = True
         with self._rows_use(adapter_names):
             logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
-        logits = logits[mask].float()
+        logits = logits[mask].to(self.math_dtype)
         picked = logits.gather(-1, targets[mask].unsqueeze(-1)).squeeze(-1)
         return picked - torch.logsumexp(logits, dim=-1)
 
@@ -853,7 +855,7 @@ class LoraEngine:
         grads = [p.grad for p in params if p.grad is not None]
         norm = 0.0
         if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+            norms = torch.stack([torch.linalg.vector_norm(g.to(self.math_dtype)) for g in grads])
             norm = float(torch.linalg.vector_norm(norms))
         skipped = not math.isfinite(norm)
         if not skipped:
@@ -1172,7 +1174,7 @@ class LoraEngine:
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **shape)
         steps = max(plan.job.max_tokens for plan in plans)
         for step in range(steps):
-            logits = out.logits[:, -1].float()
+            logits = out.logits[:, -1].to(self.math_dtype)
             chosen = torch.cat(
                 [self._choose(plan, logits[sl]) for plan, sl in zip(plans, slices, strict=True)]
             )
@@ -1193,7 +1195,7 @@ class LoraEngine:
         # A pass of its own, so the completions do not depend on this option.
         with self._rows_use(None if name is None else [name]):
             logits = model(input_ids=plan.ids.unsqueeze(0), use_cache=False).logits[0, :-1]
-        first = torch.log_softmax(logits.float() / plan.scale, dim=-1)
+        first = torch.log_softmax(logits.to(self.math_dtype) / plan.scale, dim=-1)
         picked = first.gather(-1, plan.ids[1:].unsqueeze(-1)).squeeze(-1)
         plan.prompt_lp = [math.nan, *picked.cpu().tolist()]
 

@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 from areal_servers.lora_training.replicas import GroupEngine, follow, join_group
 
@@ -26,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m areal_servers.lora_training.rank")
     parser.add_argument("--model", required=True, help="model.source, as rank 0 loaded it")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "float64", "bfloat16"], help="as rank 0's"
+    )
     parser.add_argument("--max-batch-tokens", type=int, default=4096)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
@@ -42,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = GroupEngine(
                 args.model,
                 seed=args.seed,
+                dtype=getattr(torch, args.dtype),
                 max_batch_tokens=args.max_batch_tokens,
                 world=args.world,
                 timeout_s=args.timeout_s,

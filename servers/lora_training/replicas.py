@@ -141,6 +141,7 @@ class GroupEngine(LoraEngine):
                 WORKER_MODULE,
                 f"--model={self.base_model}",
                 f"--seed={self.seed}",
+                f"--dtype={str(self.dtype).removeprefix('torch.')}",
                 f"--max-batch-tokens={self.max_batch_tokens}",
                 f"--rank={rank}",
                 f"--world={self.world}",

@@ -15,14 +15,32 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-from collections.abc import AsyncGenerator, Mapping, Sequence
+import logging
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 from arealgrpc.v1 import common_pb2, rollout_pb2
 
-from areal_grpc.errors import FieldError, NotFoundError
+from areal_grpc.errors import FieldError, NotFoundError, UnavailableError
 from areal_grpc.sampling import MIN_TEMPERATURE
+
+log = logging.getLogger(__name__)
+
+
+class EngineDied(UnavailableError):
+    """The engine's own processes or loop died, or stopped answering: nothing more runs on it.
+
+    Every engine raises it for every call once that happened (a generate, a weight load, a
+    health ping), with the same reason; the rollout server then stops taking work, answers
+    UNAVAILABLE, and exits (:data:`areal_grpc.server.EXIT_FATAL`) so that its launcher
+    replaces it. Work that fails this way is the server's fault, not the episode's: the
+    coordinator runs it again elsewhere.
+    """
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"the {kind} engine died: {reason}")
+        self.reason = reason
 
 
 class FinishReason(enum.IntEnum):
@@ -220,6 +238,32 @@ class InferenceEngine(abc.ABC):
     adapters_only: bool = False
     #: Bytes the engine gives named adapters (:meth:`load_adapter`); 0: it serves none.
     max_adapter_bytes: int = 0
+    #: Why the engine died (:meth:`died`); None while it serves.
+    failure: str | None = None
+
+    # ------------------------------------------------------------------------ death
+
+    def on_death(self, listener: Callable[[str], None]) -> None:
+        """Calls ``listener(reason)`` once, when the engine dies (at once if it has)."""
+        if self.failure is not None:
+            listener(self.failure)
+            return
+        self.__dict__.setdefault("_death_listeners", []).append(listener)
+
+    def died(self, reason: str) -> EngineDied:
+        """Records that the engine died (the first reason stands), tells the listeners, and
+        returns the error for the caller to raise."""
+        if self.failure is None:
+            self.failure = reason
+            log.critical("%s engine failed: %s; this rollout server exits", self.kind, reason)
+            for listener in self.__dict__.pop("_death_listeners", []):
+                listener(reason)
+        return EngineDied(self.kind, self.failure)
+
+    def check_alive(self) -> None:
+        """Raises :class:`EngineDied` once the engine has died."""
+        if self.failure is not None:
+            raise EngineDied(self.kind, self.failure)
 
     @abc.abstractmethod
     def stream(
@@ -480,6 +524,7 @@ async def generate_resumable(
 __all__ = [
     "AdapterBound",
     "AdapterLoad",
+    "EngineDied",
     "EngineStatus",
     "FinishReason",
     "GenerationResult",

@@ -34,7 +34,7 @@ from areal_servers.rollout.engine import (
     SamplingConfig,
     TokenEvent,
 )
-from areal_servers.rollout.scheduler import EngineFailedError, Request, Scheduler
+from areal_servers.rollout.scheduler import Request, Scheduler
 from transformers import PreTrainedModel
 
 from areal_grpc.config import ModelConfig, RolloutConfig
@@ -143,8 +143,6 @@ class HFEngine(InferenceEngine):
             self._scheduler.own_adapter = str(self._model.active_adapter)  # type: ignore[union-attr]
         else:
             self._scheduler.own_adapter = BASE_ROWS
-        # Set when the decode loop died: why, for every later request.
-        self._failure: BaseException | None = None
         self._paused = False
         self._closed = False
         self._version = 0
@@ -225,8 +223,7 @@ class HFEngine(InferenceEngine):
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
         with self._cond:
-            if self._failure is not None:
-                raise EngineFailedError(f"hf engine decode loop failed: {self._failure!r}")
+            self.check_alive()
             if self._closed:
                 raise RuntimeError("engine is closed")
             self._scheduler.submit_locked(req)
@@ -294,6 +291,7 @@ class HFEngine(InferenceEngine):
         default the engine takes private copies, the caller's tensors stay the caller's and
         nothing is handed back.
         """
+        self.check_alive()
         if version <= self._version:
             raise PreconditionError(
                 f"weights version {version} is not newer than the served version {self._version}"
@@ -479,11 +477,10 @@ class HFEngine(InferenceEngine):
                     pass
         except BaseException as exc:
             log.exception("hf engine decode loop failed; failing every request in flight")
-            error = EngineFailedError(f"hf engine decode loop failed: {exc!r}")
-            error.__cause__ = exc
             with self._cond:
                 self._closed = True
-                self._failure = exc
+                error = self.died(f"its decode loop failed: {exc!r}")
+                error.__cause__ = exc
                 leftovers, waiters = self._take_everything()
                 for req in leftovers:
                     req.fail(error)
@@ -539,4 +536,4 @@ def _stop_at_exit(ref: weakref.ref[HFEngine]) -> None:
     engine._thread.join(timeout=30)
 
 
-__all__ = ["EngineFailedError", "HFEngine"]
+__all__ = ["HFEngine"]

@@ -5,11 +5,17 @@ the multiplexed ``RunEpisodes`` stream a bad task must not take its neighbours d
 answered by its own result, outcome ``EPISODE_OUTCOME_FAILED`` with a reason that starts
 ``"INVALID_ARGUMENT: <field>: ..."``, and the stream goes on. A cancelled call, a cancelled
 task or an expired deadline cancels its generations, which frees their engine slots at once.
+
+An engine that dies (:class:`~areal_servers.rollout.engine.EngineDied`) fails no episode:
+FAILED is for what the episode's own code did. Every ``RunEpisodes`` stream ends UNAVAILABLE
+naming the death, so the coordinator runs its tasks elsewhere, every later call is UNAVAILABLE
+too, and :meth:`RolloutServicer.fatal` tells the server's process to stop and exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -20,6 +26,7 @@ import grpc
 import torch
 from areal_servers.rollout.engine import (
     AdapterBound,
+    EngineDied,
     InferenceEngine,
     SamplingConfig,
     top_logprobs_proto,
@@ -201,6 +208,8 @@ class EpisodeRunner:
             else:
                 response.outcome = rollout_pb2.EPISODE_OUTCOME_ACCEPTED
                 response.group.CopyFrom(group)
+        except EngineDied:
+            raise
         except asyncio.CancelledError:
             # Our own cancellation (CancelEpisode or the stream ending): report, don't raise.
             response = rollout_pb2.RunEpisodesResponse(
@@ -210,6 +219,9 @@ class EpisodeRunner:
                 start_version=start_version,
             )
         except Exception as exc:  # a workflow bug must not end the stream
+            if self.engine.failure is not None:
+                # Whatever the workflow made of it, the engine under it died: not its fault.
+                raise EngineDied(self.engine.kind, self.engine.failure) from exc
             log.warning("episode %s failed: %s", task.task_id, exc, exc_info=True)
             response = _failed(task.task_id, exc, start_version)
         finally:
@@ -234,6 +246,43 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.tokenizer = tokenizer
         self.config = config or RolloutServiceConfig()
         self.runner = EpisodeRunner(engine, tokenizer, self.config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._died: asyncio.Event | None = None
+        # The result queues of the open RunEpisodes streams, ended at once if the engine dies.
+        self._streams: set[asyncio.Queue[Any]] = set()
+        engine.on_death(self._engine_died)
+
+    def _engine_died(self, reason: str) -> None:
+        """The engine's death listener (it may call from any thread): ends every stream and
+        wakes :meth:`fatal`."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def on_loop() -> None:
+            error = EngineDied(self.engine.kind, reason)
+            for results in self._streams:
+                results.put_nowait(error)
+            if self._died is not None:
+                self._died.set()
+
+        # RuntimeError: the loop closed meanwhile, and nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(on_loop)
+
+    def _attach(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._died = asyncio.Event()
+
+    async def fatal(self) -> str:
+        """Returns (why) once this server can serve no more: its engine died."""
+        self._attach()
+        assert self._died is not None
+        if self.engine.failure is None:
+            await self._died.wait()
+        assert self.engine.failure is not None
+        return str(EngineDied(self.engine.kind, self.engine.failure))
 
     async def aclose(self) -> None:
         """Closes the engine once the server has stopped (``areal-rollout`` calls it): an
@@ -248,6 +297,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[rollout_pb2.RunEpisodesResponse]:
         """Runs streamed tasks concurrently; yields each result as its task finishes."""
+        self._attach()
         results: asyncio.Queue[Any] = asyncio.Queue()
         active: dict[str, asyncio.Task[rollout_pb2.RunEpisodesResponse]] = {}
 
@@ -259,11 +309,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     outcome=rollout_pb2.EPISODE_OUTCOME_CANCELLED,
                     reason="cancelled before it started",
                 )
+            elif isinstance(fut.exception(), EngineDied):
+                results.put_nowait(fut.exception())
+                return
             else:
                 response = fut.result()
             results.put_nowait(response)
 
         def start(req: rollout_pb2.EpisodeTask) -> None:
+            if self.engine.failure is not None:
+                results.put_nowait(EngineDied(self.engine.kind, self.engine.failure))
+                return
             try:
                 if req.task_id in active:
                     raise FieldError("task.task_id", f"{req.task_id!r} is already running")
@@ -296,17 +352,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             results.put_nowait(_INPUT_DONE)
 
         reader = asyncio.create_task(read())
+        self._streams.add(results)
         input_done = False
         try:
+            if self.engine.failure is not None:
+                results.put_nowait(EngineDied(self.engine.kind, self.engine.failure))
             while not (input_done and not active and results.empty()):
                 item = await results.get()
                 if item is _INPUT_DONE:
                     input_done = True
+                elif isinstance(item, EngineDied):
+                    # UNAVAILABLE: the coordinator runs this stream's tasks elsewhere.
+                    await abort_for(context, item)
                 elif isinstance(item, BaseException):
                     raise item
                 else:
                     yield item
         finally:
+            self._streams.discard(results)
             reader.cancel()
             for job in list(active.values()):
                 job.cancel()
@@ -392,6 +455,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                         finish_reason=int(event.finish or 0),  # type: ignore[arg-type]
                         output_top_logprobs=top_logprobs_proto(event.top),
                     )
+            except EngineDied as exc:
+                await abort_for(context, exc)
             finally:
                 span.set_attribute(tracing.TOKENS, len(request.input_ids) + generated)
                 # Runs when the client cancels too, so the request's slot is freed at once.

@@ -40,8 +40,10 @@ The engine contract, and how vLLM is made to keep it:
   adapter per version; a request runs on the adapter current when it started, and a
   replaced adapter is removed once no request uses it.
 * Supervision: vLLM's processes are pinged every ``health_interval_s``; one that has died or
-  does not answer within ``health_timeout_s`` takes this server down (exit code 3) so its
-  launcher replaces it, instead of a server that accepts work it can never finish.
+  does not answer within ``health_timeout_s``, or any call that finds vLLM's engine process
+  dead (vLLM's ``EngineDeadError``), is the engine's death (:class:`EngineDied`, named
+  :data:`ENGINE_PROCESS_DIED` on every path): the server stops taking work and exits (code 3)
+  so its launcher replaces it, instead of a server that accepts work it can never finish.
 """
 
 from __future__ import annotations
@@ -53,14 +55,13 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from areal_servers.rollout.adapters import (
@@ -73,6 +74,7 @@ from areal_servers.rollout.adapters import (
 )
 from areal_servers.rollout.engine import (
     AdapterLoad,
+    EngineDied,
     EngineStatus,
     FinishReason,
     InferenceEngine,
@@ -98,12 +100,15 @@ from areal_grpc.paths import remove_owned
 from areal_grpc.shared_memory import own_root
 from areal_grpc.weight_transfer import GroupParams
 
-__all__ = ["EXIT_ENGINE_DEAD", "VLLMEngine", "vllm_available"]
+__all__ = ["ENGINE_PROCESS_DIED", "VLLMEngine", "vllm_available"]
 
 log = logging.getLogger(__name__)
 
-# Exit code of a rollout server whose vLLM processes died or hung.
-EXIT_ENGINE_DEAD = 3
+T = TypeVar("T")
+
+# How a death of vLLM's engine process is named, whichever call found it (a generate, a weight
+# load, the watchdog's ping), so that logs and tests read one cause.
+ENGINE_PROCESS_DIED = "its engine process died"
 # The longest context used when rollout.vllm.max_model_len is 0 (the KV cache must hold one
 # sequence of that length).
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -128,13 +133,15 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def _exit_server(reason: str) -> None:
-    """The default fatal-failure handler: this process ends, so its launcher replaces it."""
-    log.critical("vllm engine failed: %s; this rollout server exits", reason)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_ENGINE_DEAD)
+def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether ``exc`` or an exception in its cause/context chain is a ``kind``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class VLLMEngine(InferenceEngine):
@@ -149,7 +156,6 @@ class VLLMEngine(InferenceEngine):
         *,
         seed: int = 0,
         lora: LoraSettings | None = None,
-        on_fatal: Callable[[str], None] = _exit_server,
         max_adapters: int = 16,
         max_adapter_bytes: int = 1 << 30,
     ) -> None:
@@ -160,7 +166,6 @@ class VLLMEngine(InferenceEngine):
         self.seed = seed
         self.lora = lora or LoraSettings()
         self.adapters_only = self.lora.rank > 0
-        self._on_fatal = on_fatal
         self._llm: Any = None
         self._version = 0
         self._gate = PauseGate()
@@ -186,7 +191,6 @@ class VLLMEngine(InferenceEngine):
         self._staged: StagedFile | None = None
         self._staging: Path | None = None
         self._watchdog: asyncio.Task[None] | None = None
-        self._failure: str | None = None
         self._closed = False
         # Directories this engine made (the built-in model's checkpoint, weight files).
         self._owned: list[Path] = []
@@ -209,6 +213,9 @@ class VLLMEngine(InferenceEngine):
         self.rpc_dir: Path | None = None
         # The weight group vLLM's worker is in (None: none, or not known to be usable).
         self.worker_group: GroupParams | None = None
+        # Set when the engine dies (see _guard).
+        self._death = asyncio.Event()
+        self.on_death(self._engine_died)
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -360,15 +367,15 @@ class VLLMEngine(InferenceEngine):
     # ------------------------------------------------------------------------- supervision
 
     async def _watch(self) -> None:
-        """Pings vLLM's worker through its engine process; a failure is fatal (see module)."""
+        """Pings vLLM's worker through its engine process; a failure is the engine's death."""
         s = self.settings
-        while not self._closed:
+        while not self._closed and self.failure is None:
             await asyncio.sleep(s.health_interval_s)
             if self._closed:
                 return
             reason = await self._ping(s.health_timeout_s)
             if reason is not None and not self._closed:
-                self._fail(reason)
+                self.died(reason)
                 return
 
     async def _ping(self, timeout_s: float) -> str | None:
@@ -377,7 +384,7 @@ class VLLMEngine(InferenceEngine):
         if llm is None:
             return None
         if llm.errored:
-            return "its engine process died"
+            return ENGINE_PROCESS_DIED
         try:
             await asyncio.wait_for(
                 llm.collective_rpc("areal_ping", timeout=timeout_s), timeout=timeout_s
@@ -385,20 +392,65 @@ class VLLMEngine(InferenceEngine):
         except asyncio.TimeoutError:
             # A ping sent just before the engine process died waits out its time instead of
             # failing: say what happened, not only that nothing answered.
-            if llm.errored:
-                return "its engine process died"
-            return f"its processes did not answer within {timeout_s:g} s"
+            return self._dead_reason() or f"its processes did not answer within {timeout_s:g} s"
         except Exception as exc:
-            return f"its engine process died ({type(exc).__name__}: {exc})"
+            return self._dead_reason(exc) or f"its worker failed the ping ({exc!r})"
         return None
 
-    def _fail(self, reason: str) -> None:
-        self._failure = reason
-        self._on_fatal(reason)
+    def _dead_reason(self, exc: BaseException | None = None) -> str | None:
+        """:data:`ENGINE_PROCESS_DIED` when vLLM says its engine process is gone (its flag,
+        or its error anywhere in ``exc``'s chain); else None."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._llm
+        if (llm is not None and llm.errored) or _caused_by(exc, EngineDeadError):
+            return ENGINE_PROCESS_DIED
+        return None
+
+    @contextlib.contextmanager
+    def _calling(self) -> Iterator[None]:
+        """Around calls into vLLM: one that fails because its engine process died raises
+        :class:`EngineDied` (and the engine is dead from then on), whatever vLLM raised."""
+        try:
+            yield
+        except EngineDied:
+            raise
+        except Exception as exc:
+            reason = self._dead_reason(exc)
+            if reason is None:
+                raise
+            raise self.died(reason) from exc
+
+    def _engine_died(self, reason: str) -> None:
+        """The engine's own death listener: requests waiting for a resume go on (and raise
+        :class:`EngineDied`), and calls into vLLM under way stop waiting (:meth:`_guard`)."""
+        self._gate.open()
+        self._death.set()
+
+    async def _guard(self, call: Awaitable[T]) -> T:
+        """Awaits a call into vLLM, unless the engine dies first: vLLM may never answer a
+        call that was waiting on its engine process when that died. EngineDied either way."""
+        task = asyncio.ensure_future(call)
+        death = asyncio.ensure_future(self._death.wait())
+        try:
+            await asyncio.wait({task, death}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            death.cancel()
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            if self.failure is None:
+                raise asyncio.CancelledError
+            raise EngineDied(self.kind, self.failure)
+        with self._calling():
+            return task.result()
+
+    async def _rpc(self, method: str, *args: Any) -> Any:
+        """A call of our worker extension's ``method`` (:meth:`_guard`ed); its answers."""
+        return await self._guard(self._llm.collective_rpc(method, args=args))
 
     def _check_alive(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(f"the vllm engine failed: {self._failure}")
+        self.check_alive()
         if self._llm is None:
             raise RuntimeError("the vllm engine is not started" if not self._closed else "closed")
 
@@ -457,8 +509,9 @@ class VLLMEngine(InferenceEngine):
         # request at once, not when the inner generator is collected.
         inner = self._stream(input_ids, params, named)
         try:
-            async for event in inner:
-                yield event
+            with self._calling():
+                async for event in inner:
+                    yield event
         finally:
             await inner.aclose()
             if named:
@@ -582,9 +635,12 @@ class VLLMEngine(InferenceEngine):
             from vllm.lora.request import LoRARequest
 
             try:
-                await self._llm.add_lora(LoRARequest(internal, adapter_id, str(path)))
+                await self._guard(self._llm.add_lora(LoRARequest(internal, adapter_id, str(path))))
             except Exception as exc:
                 await asyncio.to_thread(remove_owned, path)
+                reason = self._dead_reason(exc)
+                if reason is not None:
+                    raise self.died(reason) from exc
                 raise FieldError("tensors", f"vLLM refused the adapter: {exc}") from exc
         except BaseException:
             self._named.unreserve(name)
@@ -656,25 +712,27 @@ class VLLMEngine(InferenceEngine):
         if self._pausing is None:
             self._pausing = asyncio.ensure_future(self._pause_vllm(keep))
         if wait:
-            await self._pausing
+            with self._calling():
+                await self._pausing
         return running
 
     async def _pause_vllm(self, keep: bool) -> None:
         if keep:
-            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            await self._guard(self._llm.pause_generation(mode="keep", clear_cache=True))
             return
-        await self._llm.pause_generation(mode="abort", clear_cache=True)
+        await self._guard(self._llm.pause_generation(mode="abort", clear_cache=True))
         if self._inflight:
             # Requests that reached vLLM after its abort (they wait in its paused queue).
-            await self._llm.abort(list(self._inflight))
+            await self._guard(self._llm.abort(list(self._inflight)))
 
     async def resume(self) -> None:
         """Lets requests decode again."""
         self._check_alive()
-        if self._pausing is not None:
-            await self._pausing
-            self._pausing = None
-        await self._llm.resume_generation()
+        with self._calling():
+            if self._pausing is not None:
+                await self._pausing
+                self._pausing = None
+            await self._guard(self._llm.resume_generation())
         self._gate.open()
 
     async def wait_until_resumed(self) -> None:
@@ -694,7 +752,8 @@ class VLLMEngine(InferenceEngine):
         async with self._update_lock:
             self._check_newer(version)
             if self.adapters_only:
-                await self._load_adapter(state_dict, version)
+                with self._calling():
+                    await self._load_adapter(state_dict, version)
                 return {}
             tensors = self._checked(state_dict)
             async with self._swapping(version):
@@ -716,19 +775,25 @@ class VLLMEngine(InferenceEngine):
         """Generation paused (unless the caller paused it) while the body replaces the
         weights with ``version``'s, which is served from then on."""
         paused_here = not self._gate.paused
-        if paused_here:
-            await self.pause()
-        elif self._pausing is not None:
-            await self._pausing
+        with self._calling():
+            if paused_here:
+                await self.pause()
+            elif self._pausing is not None:
+                await self._pausing
         self._swaps += 1
         try:
             yield
+        except EngineDied:
+            raise
         except BaseException as exc:
             # The worker may hold part of the update: nothing trustworthy is served.
-            self._fail(f"loading version {version} failed: {exc!r}")
-            raise
-        # Before resume: the first step under the new weights carries their label.
-        await self._llm.update_weight_version(str(version))
+            died = self.died(self._dead_reason(exc) or f"loading version {version} failed: {exc!r}")
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise died from exc
+        with self._calling():
+            # Before resume: the first step under the new weights carries their label.
+            await self._guard(self._llm.update_weight_version(str(version)))
         self._version = version
         if paused_here:
             await self.resume()
@@ -777,9 +842,7 @@ class VLLMEngine(InferenceEngine):
             self._check_specs({n: v for n, v in specs.items() if n not in skip})
             async with self._swapping(version):
                 start = time.perf_counter()
-                count = await self._llm.collective_rpc(
-                    "areal_load_files", args=([str(f) for f in files], skip)
-                )
+                count = await self._rpc("areal_load_files", [str(f) for f in files], skip)
                 done = time.perf_counter()
         self.last_load_s = (0.0, done - start)
         log.info(
@@ -805,21 +868,22 @@ class VLLMEngine(InferenceEngine):
         wire = [
             [name, str(dtype).removeprefix("torch."), list(shape)] for name, dtype, shape in specs
         ]
-        await self._llm.collective_rpc("areal_group_receive", args=(asdict(params), wire))
         try:
-            delay = 0.002
-            while True:
-                state, why = _first(await self._llm.collective_rpc("areal_group_poll"))
-                if state == "done":
-                    break
-                if state == "failed":
-                    raise DataLossError(f"vLLM's worker did not receive the weights: {why}")
-                self._check_alive()
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 0.01)
+            with self._calling():
+                await self._rpc("areal_group_receive", asdict(params), wire)
+                delay = 0.002
+                while True:
+                    state, why = _first(await self._rpc("areal_group_poll"))
+                    if state == "done":
+                        break
+                    if state == "failed":
+                        raise DataLossError(f"vLLM's worker did not receive the weights: {why}")
+                    self._check_alive()
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 0.01)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                await self._llm.collective_rpc("areal_group_abandon")
+                await self._rpc("areal_group_abandon")
             raise
         self.worker_group = params
         self._received = {
@@ -841,9 +905,7 @@ class VLLMEngine(InferenceEngine):
             self._check_specs({n: v for n, v in received.items() if n not in skip})
             async with self._swapping(version):
                 start = time.perf_counter()
-                count = _first(
-                    await self._llm.collective_rpc("areal_group_load", args=(skip, keep))
-                )
+                count = _first(await self._rpc("areal_group_load", skip, keep))
                 done = time.perf_counter()
         self.last_load_s = (0.0, done - start)
         self.last_staged_bytes = 0
@@ -872,7 +934,7 @@ class VLLMEngine(InferenceEngine):
             if old is not None:
                 old.path.unlink(missing_ok=True)
         written = time.perf_counter()
-        await self._llm.collective_rpc("areal_load_weights", args=(str(staged.path),))
+        await self._rpc("areal_load_weights", str(staged.path))
         done = time.perf_counter()
         self.last_load_s = (written - start, done - written)
         self.last_staged_bytes = copied
@@ -917,7 +979,7 @@ class VLLMEngine(InferenceEngine):
         from vllm.lora.request import LoRARequest
 
         try:
-            await self._llm.add_lora(LoRARequest(name, version, str(path)))
+            await self._guard(self._llm.add_lora(LoRARequest(name, version, str(path))))
         except BaseException:
             await asyncio.to_thread(remove_owned, path)
             raise
@@ -938,7 +1000,7 @@ class VLLMEngine(InferenceEngine):
     async def _remove_lora(self, name: str, adapter_id: int, path: Path) -> None:
         """Has vLLM drop a run-time adapter no request uses any more, and removes its files."""
         try:
-            await self._llm.remove_lora(adapter_id)
+            await self._guard(self._llm.remove_lora(adapter_id))
         except Exception as exc:
             # Nothing is served from it any more either way; a leftover costs vLLM memory only.
             log.warning("removing LoRA adapter %s from vLLM failed: %s", name, exc)

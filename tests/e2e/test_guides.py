@@ -177,7 +177,8 @@ def test_a_reward_that_raises_on_every_sample_stops_the_run_naming_the_error(
         timeout=180,
     )
     assert code == 1, log
-    assert f"error: {bound} episodes in a row failed and none was accepted" in log
+    assert f"error: {bound} episodes in a row failed in the run's own code" in log
+    assert "and none was accepted" in log
     assert "KeyError: 'no_such_key'" in log
     # It stopped there instead of going through the dataset: no step was trained.
     assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]

@@ -103,7 +103,8 @@ def start_vllm_server(
     """A started rollout server on a fresh vLLM engine (fatal failures are recorded, not
     exited on: this is the test process). Callers depend on the ``vllm_installed`` fixture."""
     fatal: list[str] = []
-    engine = VLLMEngine(model, settings, lora=lora, on_fatal=fatal.append)
+    engine = VLLMEngine(model, settings, lora=lora)
+    engine.on_death(fatal.append)
     rollout = RolloutServicer(engine, load_tokenizer(model))
     ws = build_weight_sync_service(
         engine,

@@ -21,8 +21,18 @@ torch.set_num_threads(1)
 MODEL = "builtin:tiny"
 SPEC = AdapterSpec(rank=4, seed=1)
 ADAM = AdamParams(learning_rate=1e-2)
-# float rounding of sums taken in another order: relative to the values' size
-RTOL = 1e-4
+# Both sides compute in float64: the group takes its sums in another order (each rank's share,
+# then the all-reduce), which moves a result by about (terms) * 2**-52 of the values summed.
+# Log-probs, metrics and gradients carry that alone: RTOL (and ATOL for values near 0).
+# The weights after Adam carry more: Adam divides each gradient by its own size (eps 1e-12),
+# so a gradient summed to about 0 turns an absolute rounding d into lr * d / eps in its weight:
+# d <= ~1e-16 here (summands <= ~1, 2**-52 each), 1e-2 * 1e-16 / 1e-12 = 1e-6 = WEIGHT_ATOL.
+# In float32 that bound is 1e-2 * 1e-7 / 1e-12, a whole Adam step: no tolerance would separate
+# a group that trains as one process does from one that does not.
+DTYPE = torch.float64
+RTOL = 1e-9
+ATOL = 1e-12
+WEIGHT_ATOL = 1e-6
 
 
 def rl_data(lengths: tuple[int, ...] = (7, 3, 9, 4, 5)) -> list[Datum]:
@@ -45,7 +55,7 @@ def rl_data(lengths: tuple[int, ...] = (7, 3, 9, 4, 5)) -> list[Datum]:
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GroupEngine]:
     """Three ranks, so that a call of two datums leaves one rank with none."""
     engine = GroupEngine(
-        MODEL, world=3, timeout_s=60, log_dir=tmp_path_factory.mktemp("group-logs")
+        MODEL, world=3, timeout_s=60, log_dir=tmp_path_factory.mktemp("group-logs"), dtype=DTYPE
     )
     try:
         yield engine
@@ -56,7 +66,7 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GroupEngine]:
 
 @pytest.fixture(scope="module")
 def alone() -> LoraEngine:
-    return LoraEngine(MODEL)
+    return LoraEngine(MODEL, dtype=DTYPE)
 
 
 def assert_same_run(group: GroupEngine, alone: LoraEngine, run_id: str) -> None:
@@ -64,11 +74,12 @@ def assert_same_run(group: GroupEngine, alone: LoraEngine, run_id: str) -> None:
     mine, theirs = group.parameters(run_id), alone.parameters(run_id)
     assert mine.keys() == theirs.keys()
     for key, param in mine.items():
-        torch.testing.assert_close(param, theirs[key], rtol=RTOL, atol=1e-6, msg=key)
+        assert param.dtype == DTYPE, key
+        torch.testing.assert_close(param, theirs[key], rtol=RTOL, atol=WEIGHT_ATOL, msg=key)
         if theirs[key].grad is None:
             assert param.grad is None, key
         else:
-            torch.testing.assert_close(param.grad, theirs[key].grad, rtol=RTOL, atol=1e-5, msg=key)
+            torch.testing.assert_close(param.grad, theirs[key].grad, rtol=RTOL, atol=ATOL, msg=key)
 
 
 def both(group: GroupEngine, alone: LoraEngine, method: str, *args, **kwargs):
@@ -79,8 +90,8 @@ def assert_same_output(a, b) -> None:
     (lp_a, metrics_a), (lp_b, metrics_b) = a, b
     assert [len(x) for x in lp_a] == [len(x) for x in lp_b]
     for x, y in zip(lp_a, lp_b, strict=True):
-        assert x == pytest.approx(y, rel=RTOL, abs=1e-5)
-    assert metrics_a == pytest.approx(metrics_b, rel=RTOL, abs=1e-5)
+        assert x == pytest.approx(y, rel=RTOL, abs=ATOL)
+    assert metrics_a == pytest.approx(metrics_b, rel=RTOL, abs=ATOL)
 
 
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])

@@ -14,6 +14,7 @@ from areal_servers.lora_training.engine import LoraEngine
 from areal_servers.lora_training.replicas import GroupEngine
 
 from tests.service.lora_training.test_trainer_group import (
+    DTYPE,
     MODEL,
     SPEC,
     assert_same_output,
@@ -25,8 +26,8 @@ torch.set_num_threads(1)
 
 
 def test_a_stalled_worker_is_replaced_once_the_timeout_passes(tmp_path: Path):
-    group = GroupEngine(MODEL, world=2, timeout_s=3, log_dir=tmp_path)
-    alone = LoraEngine(MODEL)
+    group = GroupEngine(MODEL, world=2, timeout_s=3, log_dir=tmp_path, dtype=DTYPE)
+    alone = LoraEngine(MODEL, dtype=DTYPE)
     try:
         both(group, alone, "create", "stall", SPEC)
         stalled = group.workers[0].process

@@ -49,7 +49,8 @@ def vllm_mesh(
     serve: Serve,
 ) -> Iterator[Mesh]:
     fatal: list[str] = []
-    engine = VLLMEngine(real_model_dir, SETTINGS, on_fatal=fatal.append)
+    engine = VLLMEngine(real_model_dir, SETTINGS)
+    engine.on_death(fatal.append)
     m = Mesh(
         real_model_dir,
         tmp_path_factory.mktemp("real-vllm"),

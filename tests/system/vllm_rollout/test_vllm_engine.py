@@ -721,3 +721,46 @@ def test_an_idle_worker_gives_its_core_back(vllm_server: VllmServer):
     used = (after.user - before.user) + (after.system - before.system)
     print(f"vLLM worker: {used:.2f} CPU s in the 4 s after generation")
     assert used < 0.3, f"vLLM's worker used {used:.2f} CPU s while idle"
+
+
+def test_vllms_engine_killed_under_a_load_and_a_generate_names_one_death_on_every_path(
+    vllm_installed,
+):
+    """Where the kill lands does not change what is said: with vLLM's engine process frozen, a
+    weight update and a generate are sent (both wait on it), then it is killed. Both calls, the
+    watchdog and every later call name the same death, UNAVAILABLE; the version stays."""
+    import psutil
+
+    server = start_vllm_server()
+    try:
+        [core] = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.name().startswith("VLLM::EngineCore")
+        ]
+        assert server.greedy(PROMPT, 4).output_ids
+        core.send_signal(signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            load = pool.submit(server.push, initial_weights(), 1)
+            generate = pool.submit(server.greedy, PROMPT, 8)
+            # Both are under way (the load has paused generation; the generate waits).
+            time.sleep(2.0)
+            assert not load.done() and not generate.done()
+            core.send_signal(signal.SIGKILL)
+            errors = []
+            for call in (load, generate):
+                with pytest.raises(grpc.RpcError) as info:
+                    call.result(timeout=RPC_TIMEOUT)
+                errors.append(info.value)
+        death = "the vllm engine died: its engine process died"
+        for error in errors:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+            assert death in error.details()
+        assert server.fatal == ["its engine process died"]
+        with pytest.raises(grpc.RpcError) as later:
+            server.greedy(PROMPT, 4)
+        assert later.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert death in later.value.details()
+        assert server.engine.version == 0
+    finally:
+        server.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -106,3 +107,81 @@ def test_killed_vllm_processes_and_servers_are_replaced_and_the_run_finishes(
     wait_for(lambda: gone(first_vllm) and gone(second_vllm), timeout=60, what="vLLM leftovers")
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+
+
+# The example's load (8 prompts x 8 samples): at least 64 episodes in flight on the server
+# when its engine dies, every one of them failed by vLLM at once.
+IN_FLIGHT = 64
+LOADED_STEPS = 5
+
+
+def running_episodes(address: str) -> int:
+    """Episodes the rollout server at ``address`` is running now (0 when it does not answer)."""
+    from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
+
+    from areal_grpc.server import sync_channel
+
+    channel = sync_channel(address)
+    try:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        st = stub.GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=5)
+        return st.running_episodes
+    except Exception:
+        return 0
+    finally:
+        channel.close()
+
+
+def test_vllms_engine_killed_under_64_episodes_fails_none_and_the_run_finishes(
+    vllm_installed, tmp_path, coordinator_command
+):
+    """The issue's run, small: vLLM's engine process is killed while 64 episodes are in
+    flight. Its server names the death, stops taking work and exits; not one episode counts as
+    failed (the run would stop at fault_tolerance.rollout.max_failed_episodes=64); the
+    replacement takes the work, and every step is trained once, on distinct groups."""
+    out = tmp_path / "run"
+    proc = coordinator_command.start(
+        out,
+        *coordinator_command.SMALL_RUN,
+        *VLLM_RUN,
+        f"total_steps={LOADED_STEPS}",
+        f"staleness.batch_size={IN_FLIGHT}",
+        "staleness.max_staleness=1",
+        # Long generations (EOS ignored by no one: the random-init model rarely samples it),
+        # so that the episodes are still running when the kill lands.
+        "rollout.sampling.max_new_tokens=96",
+        "rollout.vllm.max_num_seqs=256",
+    )
+    coordinator_command.address(proc)
+    try:
+        wait_for(lambda: coordinator_command.trained_steps(out) >= 1, what="a step")
+        wait_for(lambda: rollout_child(out, "rollout-0") is not None, what="mesh.json")
+        first = rollout_child(out, "rollout-0")
+        assert first is not None
+        [engine_core] = [p for p in vllm_processes(first["pid"]) if "EngineCore" in p.name()]
+        wait_for(
+            lambda: running_episodes(first["address"]) >= IN_FLIGHT,
+            timeout=300,
+            what=f"{IN_FLIGHT} episodes in flight",
+        )
+        engine_core.send_signal(signal.SIGKILL)
+        trained = coordinator_command.trained_steps(out)
+        assert coordinator_command.needs_rollouts_after(trained, LOADED_STEPS, 1), trained
+        log = coordinator_command.finish(proc, timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log
+    assert f"done: {LOADED_STEPS} steps" in log
+    assert "episodes in a row failed" not in log
+    # No episode was reported FAILED (the coordinator's line), nor failed on the server.
+    assert re.search(r"episode \S+ failed on", log) is None
+    first_log = (out / "logs" / "rollout-0.log").read_text()
+    assert "vllm engine failed: its engine process died" in first_log
+    assert re.search(r"episode \S+ failed:", first_log) is None
+    restarts = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "rollout_restart"]
+    assert [r["old_address"] for r in restarts] == [first["address"]]
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, LOADED_STEPS + 1))
+    groups = [g for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
+    assert len({g["task_id"] for g in groups}) == len(groups) == LOADED_STEPS * IN_FLIGHT

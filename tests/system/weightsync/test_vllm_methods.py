@@ -54,7 +54,8 @@ def lora_trainers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainers
 def vllm_rollout(make_rollout: MakeRollout, trainers: Trainers, **kw: object) -> Rollout:
     # A fatal engine failure would end a server process; here it is recorded and checked.
     fatal: list[str] = []
-    engine = VLLMEngine(TINY, SETTINGS, on_fatal=fatal.append, **kw)  # type: ignore[arg-type]
+    engine = VLLMEngine(TINY, SETTINGS, **kw)  # type: ignore[arg-type]
+    engine.on_death(fatal.append)
     rollout = make_rollout(disk_root=trainers.weights_root, engine=engine)
     rollout.fatal = fatal  # type: ignore[attr-defined]
     return rollout

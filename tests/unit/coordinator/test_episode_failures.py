@@ -48,7 +48,7 @@ def test_an_error_on_every_episode_stops_the_run_naming_it(tmp_path, monkeypatch
                 tmp_path, "total_steps=5", f"fault_tolerance.rollout.max_failed_episodes={BOUND}"
             )
         )
-    assert f"{BOUND} episodes in a row failed" in str(err.value)
+    assert f"{BOUND} episodes in a row failed in the run's own code" in str(err.value)
     # It stopped soon after the bound: what was in flight then, not the dataset.
     sent = sum(len(s.received) for s in mesh.rollouts.values())
     assert BOUND <= sent < 2 * BOUND

@@ -552,17 +552,20 @@ async def test_a_cancelled_pause_does_not_kill_the_decode_loop():
         await asyncio.wait_for(eng.close(), 30)
 
 
-async def test_a_decode_loop_failure_reaches_every_caller_and_is_logged(caplog):
-    """Whatever kills the decode loop, requests in flight raise EngineFailedError (not a
-    silent CANCELLED), later requests are refused, pause() and close() return, and the
-    failure is logged with its traceback."""
+async def test_a_decode_loop_failure_is_the_engines_death_for_every_caller(caplog):
+    """Whatever kills the decode loop, the engine has died: requests in flight and every later
+    call (a generate, a weight load) raise EngineDied with the one reason, the death listeners
+    hear it once, pause() and close() return, and the failure is logged with its traceback."""
     import logging
 
-    from areal_servers.rollout.hf_engine import EngineFailedError
+    from areal_servers.rollout.engine import EngineDied
 
     caplog.set_level(logging.ERROR, logger="areal_servers.rollout.hf_engine")
     eng = HFEngine(ModelConfig(source="builtin:micro"))
+    heard: list[str] = []
+    eng.on_death(heard.append)
     try:
+        sd = {k: v.clone() for k, v in eng.model.state_dict().items()}
         running = asyncio.create_task(
             eng.generate([5, 6], SamplingConfig(max_new_tokens=400, ignore_eos=True))
         )
@@ -572,10 +575,16 @@ async def test_a_decode_loop_failure_reaches_every_caller_and_is_logged(caplog):
             raise RuntimeError("simulated kernel failure")
 
         eng.model.register_forward_pre_hook(boom, with_kwargs=True)
-        with pytest.raises(EngineFailedError, match="simulated kernel failure"):
+        with pytest.raises(EngineDied, match="the hf engine died: its decode loop failed") as first:
             await asyncio.wait_for(running, 30)
-        with pytest.raises(EngineFailedError):
+        assert "simulated kernel failure" in str(first.value)
+        with pytest.raises(EngineDied) as later:
             await eng.generate([5], SamplingConfig(max_new_tokens=2))
+        with pytest.raises(EngineDied) as load:
+            await eng.load_weights(sd, version=1)
+        assert str(later.value) == str(load.value) == str(first.value)
+        assert heard == [first.value.reason]
+        assert eng.version == 0
         assert await asyncio.wait_for(eng.pause(), 10) == 0
         failures = [r for r in caplog.records if "decode loop failed" in r.getMessage()]
         assert failures and failures[0].exc_info is not None
