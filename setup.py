@@ -18,4 +18,10 @@ for name, directory in ROOTS.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(directory)]
 
-setup(packages=packages, package_dir=ROOTS, package_data={"arealgrpc": ["**/*.pyi"]})
+# SGLang's CPU stand-ins are put on the launched SGLang's path, not imported here.
+STAND_INS = ["rollout/sglang_cpu/*.*", "rollout/sglang_cpu/sgl_kernel/*.py"]
+setup(
+    packages=packages,
+    package_dir=ROOTS,
+    package_data={"arealgrpc": ["**/*.pyi"], "areal_servers": STAND_INS},
+)

@@ -58,6 +58,7 @@ __all__ = [
     "RunConfig",
     "SamplingSettings",
     "SecurityConfig",
+    "SglangSettings",
     "SlurmSettings",
     "StalenessConfig",
     "TinkerConfig",
@@ -82,6 +83,10 @@ VllmDtype = Literal["float32", "bfloat16", "float16"]
 VLLM_DTYPES: tuple[str, ...] = get_args(VllmDtype)
 # What a pause for a weight update does to vLLM's requests in flight (rollout.vllm.pause_mode).
 VllmPauseMode = Literal["abort", "keep"]
+# Model dtypes an SGLang server loads ("auto": float32 on a CPU, the checkpoint's on a GPU).
+SglangDtype = Literal["auto", "float32", "bfloat16", "float16"]
+# What a pause for a weight update does to SGLang's requests in flight (rollout.sglang.pause_mode).
+SglangPauseMode = Literal["abort", "retract"]
 Backend = Literal["auto", "gloo", "nccl"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 Device = Literal["auto", "cpu", "cuda"]
@@ -361,6 +366,80 @@ class VllmSettings:
 
 
 @dataclass
+class SglangSettings:
+    """The sglang engine's own settings (``rollout.engine: sglang``): each rollout server
+    launches an SGLang server of its own, or attaches to one in ``urls``.
+
+    The defaults start on 2 CPU cores (SGLang's torch-native CPU path, fp32).
+    """
+
+    urls: list[str] = setting(
+        factory=list,
+        help="Attach: one SGLang base URL per rollout server (the launcher's servers in order); "
+        "empty: each rollout server launches its own SGLang server.",
+    )
+    python: str = setting(
+        "",
+        help="The Python of SGLang's own venv, which launches its servers; empty: "
+        ".venv-sglang/bin/python of this checkout (./scripts/setup --sglang) when it exists, "
+        "else this Python.",
+    )
+    dtype: SglangDtype = setting(
+        "auto",
+        help="The dtype SGLang loads the model in; auto: float32 on a CPU (SGLang would take "
+        "float16 there, whose log-probs differ from the trainer's by ~2e-2), the checkpoint's on "
+        "a GPU.",
+    )
+    kv_cache_tokens: int = setting(
+        8192,
+        help="Tokens SGLang's KV cache holds (its --max-total-tokens; on a CPU it would size the "
+        "cache from free host memory otherwise); 0: SGLang's own sizing.",
+        ge=0,
+    )
+    attention_backend: str = setting(
+        "",
+        help="SGLang's --attention-backend; empty: torch_native on a CPU (the one that runs "
+        "without SGLang's CPU kernels), SGLang's choice on a GPU.",
+    )
+    pause_mode: SglangPauseMode = setting(
+        "abort",
+        help="What an update does to requests in flight. abort: they end INTERRUPTED with their "
+        "partial output and are sent again after it. retract: SGLang holds them, frees their KV "
+        "cache, recomputes it under the new weights and goes on; each token carries the version "
+        "that generated it.",
+    )
+    start_timeout_s: float = setting(
+        600.0,
+        help="Seconds a launched SGLang server may take to answer /health (imports, its "
+        "scheduler process, the model load).",
+        gt=0,
+    )
+    health_interval_s: float = setting(
+        10.0,
+        help="The SGLang server is checked this often: a launched one whose process exited, or "
+        "one that fails /health twice in a row (it does not answer within health_timeout_s), "
+        "takes the rollout server down, so its launcher replaces it.",
+        gt=0,
+    )
+    health_timeout_s: float = setting(
+        60.0,
+        help="Seconds SGLang's /health may take (it generates one token when idle; SGLang itself "
+        "answers 503 after 20 s without progress).",
+        gt=0,
+    )
+    weights_dir: str = setting(
+        "",
+        help="Where the engine writes what SGLang reads (staged weight updates, LoRA adapters); "
+        "empty: this host's shared memory. Attached to an SGLang server on another host: a "
+        "directory both hosts see.",
+    )
+    extra_args: list[str] = setting(
+        factory=list,
+        help="More command-line arguments of the launched SGLang server.",
+    )
+
+
+@dataclass
 class RolloutConfig:
     """The rollout (inference) servers and what they run."""
 
@@ -377,10 +456,6 @@ class RolloutConfig:
     device: Device = setting(
         "auto",
         help="Where the rollout servers generate; auto: a GPU when one is visible, else the CPU.",
-    )
-    sglang_urls: list[str] = setting(
-        factory=list,
-        help='One SGLang base URL per rollout server when engine is "sglang" in local mode.',
     )
     workflow: str = setting(
         "rlvr",
@@ -421,6 +496,9 @@ class RolloutConfig:
         help="Sampling of the run's own rollouts (a request's own parameters override them).",
     )
     vllm: VllmSettings = setting(factory=VllmSettings, help="The vllm engine's own settings.")
+    sglang: SglangSettings = setting(
+        factory=SglangSettings, help="The sglang engine's own settings."
+    )
     max_adapters: int = setting(
         16,
         help="Named LoRA adapters (RolloutService.LoadAdapter) each rollout server holds at most "
@@ -1223,6 +1301,7 @@ REPLACED_KEYS = {
     **{f"launcher.{k}": f"launcher.attach.{k}" for k in AttachSettings.__dataclass_fields__},
     "trainer.ppo.behav_imp_weight_cap": "trainer.ppo.rejection.upper (null: rejection.metric=none)",
     "trainer.ppo.behav_imp_weight_mode": "trainer.ppo.rejection.action",
+    "rollout.sglang_urls": "rollout.sglang.urls",
 }
 
 
@@ -1533,16 +1612,18 @@ def _validate_rollout(cfg: RunConfig) -> None:
             raise FieldError(f"rollout.{name}", "must not be empty")
     if not 0.0 < r.sampling.top_p <= 1.0:
         raise FieldError("rollout.sampling.top_p", f"must be in (0, 1], got {r.sampling.top_p}")
-    # Attach mode starts no rollout servers, so it launches no SGLang either.
+    # Attach mode starts no rollout servers, so it hands out no SGLang URLs either.
+    urls = r.sglang.urls
     if (
         cfg.launcher.mode != "attach"
         and r.engine == "sglang"
-        and len(r.sglang_urls) != r.num_servers
+        and urls
+        and len(urls) != r.num_servers
     ):
         raise FieldError(
-            "rollout.sglang_urls",
-            f"engine sglang needs one SGLang URL per rollout server (rollout.num_servers = "
-            f"{r.num_servers}), got {len(r.sglang_urls)}",
+            "rollout.sglang.urls",
+            f"engine sglang attaches one SGLang server per rollout server (rollout.num_servers = "
+            f"{r.num_servers}), got {len(urls)} URL(s); empty: each launches its own",
         )
     v = r.vllm
     if not 0 <= v.idle_spin_s < float("inf"):

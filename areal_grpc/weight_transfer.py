@@ -161,8 +161,13 @@ class WeightGroup:
             timeout=timeout,
             wait_for_workers=False,
         )
-        # The group name prefixes every key, so several groups can share a store's port space.
-        store = dist.PrefixStore(f"areal-weights/{params.group_name}", self._store)
+        # Keys as torch.distributed names them for a group its helpers form on a rendezvous
+        # store (SGLang's init_custom_process_group does): "<group>", "<group>/", then the
+        # device's "cpu/" or "cuda/". The name keeps several groups apart on one port space,
+        # and a receiver that forms its side that way (an SGLang server) meets ours.
+        device_prefix = "cpu/" if params.backend == "gloo" else "cuda/"
+        store = dist.PrefixStore(params.group_name, self._store)
+        store = dist.PrefixStore(device_prefix, dist.PrefixStore(f"{params.group_name}/", store))
         if params.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
@@ -186,9 +191,9 @@ class WeightGroup:
             self.pg = nccl(store, params.rank, params.world_size, nopts)
         else:
             raise ValueError(f"unknown backend {params.backend!r}")
-        # One collective now so both sides fail here, not on the first bucket, when a rank is
-        # missing (gloo connects lazily per collective otherwise).
-        self.barrier()
+        # No collective of its own here: an SGLang member makes none before the first
+        # broadcast, and would never answer one. Gloo connects every rank while the group
+        # forms (a missing one fails that); NCCL forms its communicator on the first broadcast.
 
     @property
     def rank(self) -> int:
@@ -201,11 +206,6 @@ class WeightGroup:
         opts.rootRank = src
         opts.rootTensor = 0
         self.pg.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]
-
-    def barrier(self) -> None:
-        """Waits for every rank (a tiny all-reduce, which every backend supports)."""
-        t = torch.zeros(1, device=self.device)
-        self.pg.allreduce([t]).wait()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Releases the group's connections (best effort)."""

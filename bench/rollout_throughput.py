@@ -27,6 +27,15 @@ continuous batching vs one request at a time.
        .venv/bin/python bench/rollout_throughput.py --engine vllm \
            --model smollm2-135m-instruct [--batches 8,64] [--repeats 3]
 
+4. ``--engine sglang`` (needs ``./scripts/setup --sglang``): the same RLVR episodes through
+   ``RunEpisodes`` on an ``areal-rollout`` subprocess attached to an SGLang server this
+   benchmark launches, vs the baseline: direct HTTP ``/generate`` calls to that same SGLang
+   server, one per sequence, with the same prompt ids and sampling (``rollout_sglang_b<N>``,
+   target 0.9)::
+
+       .venv/bin/python bench/rollout_throughput.py --engine sglang \
+           --model smollm2-135m-instruct --batches 8 [--repeats 3]
+
 Figures are medians over the timed rounds (``--repeats`` per side for 1,
 ``--repeats-sequential`` for 2); a CPU-seconds-per-round figure (server + client process vs
 this process) is printed too, as a view that machine load disturbs less than wall time.
@@ -361,14 +370,122 @@ async def bench_vllm(args: argparse.Namespace, server: Child) -> None:
         result(*line)
 
 
+async def raw_sglang_round(
+    url: str, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[int, float]:
+    """(generated tokens, seconds) of direct ``/generate`` calls, one per sequence, with the
+    body the engine sends (temperature 1, ignore_eos, the sampled token's log-prob)."""
+    from areal_servers.rollout.sglang_engine import (
+        generate_payload,
+        http_client,
+        http_request,
+        parse_generate_response,
+    )
+
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    async with http_client() as client:
+        start = time.perf_counter()
+        replies = await asyncio.gather(
+            *(
+                http_request(url, "POST", "/generate", generate_payload(ids, cfg), 600.0, client)
+                for ids in prompts
+            )
+        )
+        seconds = time.perf_counter() - start
+    return sum(len(parse_generate_response(r.json())[0]) for r in replies), seconds
+
+
+async def bench_sglang(args: argparse.Namespace, server: Child, url: str) -> None:
+    tokenizer = load_tokenizer(args.model)
+    channel = aio_channel(server.address)
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+    results: list[tuple[str, float, str, float, str]] = []
+    try:
+        for batch in args.batches:
+            prompts_n = max(1, batch // args.group_size)
+            tasks = episode_tasks(argparse.Namespace(**{**vars(args), "prompts": prompts_n}))
+            ctx = types.SimpleNamespace(
+                engine=types.SimpleNamespace(check_prompt=lambda *a: None),
+                tokenizer=tokenizer,
+                sampling=SamplingConfig(max_new_tokens=args.max_new_tokens),
+            )
+            prompts = [
+                prompt_ids_of(ctx, json_format.MessageToDict(t.data))[1]  # type: ignore[arg-type]
+                for t in tasks
+                for _ in range(args.group_size)
+            ]
+            expected = len(prompts) * args.max_new_tokens
+            print(
+                f"batch {len(prompts)}: {len(tasks)} prompts x {args.group_size} samples x "
+                f"{args.max_new_tokens} new tokens = {expected} tokens/round; {args.model}",
+                flush=True,
+            )
+            await grpc_round(stub, tasks)
+            await raw_sglang_round(url, prompts, args.max_new_tokens)
+            grpc_s: list[tuple[int, float]] = []
+            raw_s: list[tuple[int, float]] = []
+            for r in range(args.repeats):
+                for side in ("grpc", "raw") if r % 2 == 0 else ("raw", "grpc"):
+                    if side == "grpc":
+                        grpc_s.append(await grpc_round(stub, tasks))
+                    else:
+                        raw_s.append(await raw_sglang_round(url, prompts, args.max_new_tokens))
+            for n, _ in grpc_s + raw_s:
+                if n != expected:
+                    raise RuntimeError(f"a round generated {n} tokens, expected {expected}")
+            g = summary("gRPC RunEpisodes (sglang)", grpc_s)
+            raw = summary("direct HTTP to SGLang", raw_s)
+            results.append((f"rollout_sglang_b{len(prompts)}", g, "tok/s", raw, "0.9"))
+    finally:
+        await channel.close()
+    print("(values are medians over the timed rounds; warm-up rounds not counted)")
+    for line in results:
+        result(*line)
+
+
+def launch_sglang(args: argparse.Namespace) -> tuple[object, str]:
+    """An SGLang server for ``args.model`` as a rollout server launches one; (it, its URL)."""
+    import httpx
+    from areal_servers.rollout.served_model import served_checkpoint
+    from areal_servers.rollout.sglang_server import (
+        SGLangProcess,
+        launch_argv,
+        launch_env,
+        sglang_python,
+    )
+
+    from areal_grpc.config import SglangSettings
+    from areal_grpc.ports import free_port
+
+    settings = SglangSettings()
+    served, _ = served_checkpoint(args.model, args.seed, "bench")
+    port = free_port()
+    gpu = torch.cuda.is_available()
+    argv = launch_argv(sglang_python(settings), served, port, settings, seed=args.seed, gpu=gpu)
+    process = SGLangProcess(argv, launch_env(gpu))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + settings.start_timeout_s
+    while True:
+        if process.exit_code() is not None:
+            raise RuntimeError(f"SGLang exited: {process.last_lines()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("SGLang did not start")
+        time.sleep(1.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--engine", choices=("hf", "vllm", "sglang"), default="hf")
     parser.add_argument(
         "--batches",
         type=lambda s: [int(x) for x in s.split(",")],
         default=[8, 64],
-        help="--engine vllm: sequences per round, comma-separated (8,64)",
+        help="--engine vllm / sglang: sequences per round, comma-separated (8,64)",
     )
     parser.add_argument("--model", default="builtin:tiny")
     parser.add_argument("--task", default="first3", help="built-in task the prompts come from")
@@ -399,12 +516,20 @@ def main() -> None:
     )
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     children: list[Child] = []
+    sglang = None
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as logs:
         try:
+            if args.engine == "sglang":
+                # The rollout server attaches to it, so both sides talk to one SGLang server.
+                sglang, url = launch_sglang(args)
+                argv += ["--sglang-url", url]
             children.append(
                 start_child("rollout", argv, log_dir=Path(logs), env=env, ready_timeout_s=900)
             )
-            asyncio.run((bench_vllm if args.engine == "vllm" else bench)(args, children[0]))
+            if args.engine == "sglang":
+                asyncio.run(bench_sglang(args, children[0], url))
+            else:
+                asyncio.run((bench_vllm if args.engine == "vllm" else bench)(args, children[0]))
         except BaseException:
             for child in children:
                 if child.log_path is not None and child.log_path.exists():
@@ -412,6 +537,8 @@ def main() -> None:
             raise
         finally:
             stop_children(children)
+            if sglang is not None:
+                sglang.stop()  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ __all__ = [
     "LocalFleet",
     "Mesh",
     "MeshStartCancelled",
+    "check_sglang_url",
     "rollout_argv",
     "start_local_mesh",
     "trainer_argv",
@@ -72,13 +73,23 @@ def _launched(cfg: RunConfig, argv: list[str], role: str, index: int) -> list[st
     return argv
 
 
+def check_sglang_url(cfg: RunConfig, index: int) -> None:
+    """PreconditionError when rollout server ``index`` would attach to an SGLang server that
+    ``rollout.sglang.urls`` does not name (a server added beyond the list)."""
+    urls = cfg.rollout.sglang.urls
+    if cfg.rollout.engine == "sglang" and urls and index >= len(urls):
+        raise PreconditionError(
+            f"rollout.sglang.urls has no URL for rollout server {index}: add one first"
+        )
+
+
 def rollout_argv(cfg: RunConfig, index: int) -> list[str]:
     """Command line of rollout server ``index``: its address and the run config."""
     r = cfg.rollout
     host = server_host(cfg, "rollout", index)
     argv = ["--host", host, "--port", "0", "--log-level", cfg.output.log_level]
-    if r.engine == "sglang":
-        argv += ["--sglang-url", r.sglang_urls[index]]
+    if r.engine == "sglang" and r.sglang.urls:
+        argv += ["--sglang-url", r.sglang.urls[index]]
     argv += security_argv(cfg.security)
     return _launched(
         cfg,
@@ -382,10 +393,7 @@ class LocalFleet:
                 raise PreconditionError("the run is stopping: no rollout server is started")
             index = self._next
             self._next += 1
-        if self.cfg.rollout.engine == "sglang" and index >= len(self.cfg.rollout.sglang_urls):
-            raise PreconditionError(
-                f"rollout.sglang_urls has no URL for rollout server {index}: add one first"
-            )
+        check_sglang_url(self.cfg, index)
         child = start_child(
             f"rollout-{index}",
             rollout_argv(self.cfg, index),

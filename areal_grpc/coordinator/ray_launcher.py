@@ -47,6 +47,7 @@ from areal_grpc.config import RunConfig
 from areal_grpc.coordinator.mesh import (
     Mesh,
     MeshStartCancelled,
+    check_sglang_url,
     rollout_argv,
     trainer_argv,
     wait_healthy,
@@ -391,10 +392,7 @@ class RayMesh(Mesh):
                 raise PreconditionError("the run is stopping: no rollout server is started")
             index = self._next_rollout
             self._next_rollout += 1
-        if cfg.rollout.engine == "sglang" and index >= len(cfg.rollout.sglang_urls):
-            raise PreconditionError(
-                f"rollout.sglang_urls has no URL for rollout server {index}: add one first"
-            )
+        check_sglang_url(cfg, index)
         timeout_s = cfg.launcher.ray.start_timeout_s
         server = self._new_actor(f"rollout-{index}", None)
         try:

@@ -55,16 +55,10 @@ def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
             max_adapter_bytes=int(r.max_adapter_mib * MiB),
         )
     if r.engine == "sglang":
-        from areal_servers.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+        from areal_servers.rollout.sglang_engine import SGLangEngine
 
         return SGLangEngine(
-            SGLangEngineConfig(
-                model=run.model.source,
-                url=sglang_url,
-                seed=run.model.seed,
-                launch=not sglang_url,
-                lora=run.model.lora,
-            )
+            run.model.source, r.sglang, url=sglang_url, seed=run.model.seed, lora=run.model.lora
         )
     return HFEngine(run.model, run.rollout)
 

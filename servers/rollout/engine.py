@@ -16,8 +16,9 @@ import abc
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 from arealgrpc.v1 import common_pb2, rollout_pb2
@@ -26,6 +27,8 @@ from areal_grpc.errors import FieldError, NotFoundError, UnavailableError
 from areal_grpc.sampling import MIN_TEMPERATURE
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineDied(UnavailableError):
@@ -486,6 +489,25 @@ class PauseGate:
         await self._open.wait()
 
 
+async def unless_dead(engine: InferenceEngine, death: asyncio.Event, call: Awaitable[T]) -> T:
+    """Awaits ``call`` unless ``engine`` dies first (``death`` is set when it does): an engine
+    with processes of its own may never answer a call that waited on one that died.
+    :class:`EngineDied` either way."""
+    task = asyncio.ensure_future(call)
+    dead = asyncio.ensure_future(death.wait())
+    try:
+        await asyncio.wait({task, dead}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        dead.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        if engine.failure is None:
+            raise asyncio.CancelledError
+        raise EngineDied(engine.kind, engine.failure)
+    return task.result()
+
+
 async def generate_resumable(
     engine: InferenceEngine, input_ids: Sequence[int], params: SamplingConfig, adapter: str = ""
 ) -> GenerationResult:
@@ -533,4 +555,5 @@ __all__ = [
     "SamplingConfig",
     "TokenEvent",
     "generate_resumable",
+    "unless_dead",
 ]

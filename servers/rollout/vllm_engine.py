@@ -69,7 +69,6 @@ from areal_servers.rollout.adapters import (
     NamedAdapters,
     check_adapter_update,
     write_adapter,
-    write_checkpoint,
     write_peft_dir,
 )
 from areal_servers.rollout.engine import (
@@ -82,14 +81,22 @@ from areal_servers.rollout.engine import (
     SamplingConfig,
     TokenEvent,
     TopLogprobs,
+    unless_dead,
+)
+from areal_servers.rollout.served_model import (
+    TensorSpec,
+    check_specs,
+    checkpoint_shapes,
+    end_token_ids,
+    file_specs,
+    served_checkpoint,
+    tensor_specs,
 )
 from areal_servers.rollout.weight_staging import StagedFile
-from safetensors import SafetensorError, safe_open
 
 from areal_grpc.config import LoraSettings, VllmSettings
 from areal_grpc.errors import DataLossError, FieldError, PreconditionError
-from areal_grpc.model import load_model, load_tokenizer, resolve_source
-from areal_grpc.model_source import is_builtin
+from areal_grpc.model import load_tokenizer
 from areal_grpc.named_adapters import (
     CheckedAdapter,
     check_adapter_name,
@@ -208,7 +215,7 @@ class VLLMEngine(InferenceEngine):
         self.device_uuid = ""
         # What the worker is receiving or has received from a weight group (name, shape,
         # floating point, dtype name), checked against the model before it is loaded.
-        self._received: dict[str, tuple[tuple[int, ...], bool, str]] = {}
+        self._received: dict[str, TensorSpec] = {}
         # Where vLLM's processes put their socket files (see _build).
         self.rpc_dir: Path | None = None
         # The weight group vLLM's worker is in (None: none, or not known to be usable).
@@ -231,11 +238,11 @@ class VLLMEngine(InferenceEngine):
         self.vocab_size = int(config["vocab_size"])
         context = int(config.get("max_position_embeddings", 0) or DEFAULT_MAX_MODEL_LEN)
         self.max_context = self.settings.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
-        self._expected = await asyncio.to_thread(_checkpoint_shapes, Path(served))
+        self._expected = await asyncio.to_thread(checkpoint_shapes, Path(served))
         tokenizer = load_tokenizer(self.model_name)
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
-        self.end_token_ids = frozenset(_end_token_ids(Path(served), self.eos_token_id))
+        self.end_token_ids = frozenset(end_token_ids(Path(served), self.eos_token_id))
         self._llm = self._build(served)
         # vLLM labels every step with this; a kept request's spans are read back in it.
         await self._llm.update_weight_version(str(self._version))
@@ -256,18 +263,11 @@ class VLLMEngine(InferenceEngine):
         )
 
     def _prepare_model(self) -> str:
-        """The directory vLLM loads: the model's own (a GGUF file or named model converted
-        once), or the built-in one written out."""
-        if not is_builtin(self.model_name):
-            return resolve_source(self.model_name)
-        # Built-in models are initialised from the seed in every process; vLLM needs them as
-        # a checkpoint, with exactly the weights the trainer starts from.
-        root = Path(tempfile.mkdtemp(prefix="areal-vllm-model-"))
-        self._owned.append(root)
-        model = load_model(self.model_name, seed=self.seed)
-        path = root / "model"
-        write_checkpoint(self.model_name, model.state_dict(), path, "vllm-model")
-        return str(path)
+        """The directory vLLM loads (see served_checkpoint)."""
+        served, owned = served_checkpoint(self.model_name, self.seed, "vllm")
+        if owned is not None:
+            self._owned.append(owned)
+        return served
 
     def _check_model(self, config: Mapping[str, Any]) -> None:
         """FieldError for a model vLLM's CPU backend cannot serve (it would fail deep inside)."""
@@ -428,22 +428,10 @@ class VLLMEngine(InferenceEngine):
         self._death.set()
 
     async def _guard(self, call: Awaitable[T]) -> T:
-        """Awaits a call into vLLM, unless the engine dies first: vLLM may never answer a
-        call that was waiting on its engine process when that died. EngineDied either way."""
-        task = asyncio.ensure_future(call)
-        death = asyncio.ensure_future(self._death.wait())
-        try:
-            await asyncio.wait({task, death}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            death.cancel()
-            if not task.done():
-                task.cancel()
-        if not task.done() or task.cancelled():
-            if self.failure is None:
-                raise asyncio.CancelledError
-            raise EngineDied(self.kind, self.failure)
+        """Awaits a call into vLLM unless the engine dies first (see unless_dead), with
+        vLLM's own errors of a dead engine process named as its death."""
         with self._calling():
-            return task.result()
+            return await unless_dead(self, self._death, call)
 
     async def _rpc(self, method: str, *args: Any) -> Any:
         """A call of our worker extension's ``method`` (:meth:`_guard`ed); its answers."""
@@ -804,30 +792,8 @@ class VLLMEngine(InferenceEngine):
         if self._tied:
             # The head is the embedding: vLLM loads no head of a tied model.
             tensors.pop("lm_head.weight", None)
-        self._check_specs(
-            {n: (tuple(t.shape), t.is_floating_point(), str(t.dtype)) for n, t in tensors.items()}
-        )
+        check_specs(self._expected, tensor_specs(tensors))
         return tensors
-
-    def _check_specs(self, specs: Mapping[str, tuple[tuple[int, ...], bool, str]]) -> None:
-        """ValueError unless the tensors named (shape, floating point, dtype name) are
-        exactly the model's, with its shapes."""
-        expected = self._expected
-        if not expected:
-            return
-        unknown = sorted(set(specs) - set(expected))
-        if unknown:
-            raise ValueError(f"state dict has unknown tensors: {unknown[:5]}")
-        missing = sorted(set(expected) - set(specs))
-        if missing:
-            raise ValueError(f"state dict lacks tensors: {missing[:5]}")
-        for name, (shape, floating, dtype) in specs.items():
-            if shape != expected[name]:
-                raise ValueError(
-                    f"{name}: shape {shape} does not match the model's {expected[name]}"
-                )
-            if not floating:
-                raise ValueError(f"{name}: dtype {dtype} is not a floating-point one")
 
     async def load_weight_files(self, files: Sequence[Path], version: int) -> int:
         """Loads a version stored as safetensors files (a disk or shared-memory update)
@@ -837,9 +803,9 @@ class VLLMEngine(InferenceEngine):
         self._check_alive()
         async with self._update_lock:
             self._check_newer(version)
-            specs = await asyncio.to_thread(_file_specs, files)
+            specs = await asyncio.to_thread(file_specs, files)
             skip = ["lm_head.weight"] if self._tied else []
-            self._check_specs({n: v for n, v in specs.items() if n not in skip})
+            check_specs(self._expected, {n: v for n, v in specs.items() if n not in skip})
             async with self._swapping(version):
                 start = time.perf_counter()
                 count = await self._rpc("areal_load_files", [str(f) for f in files], skip)
@@ -902,7 +868,7 @@ class VLLMEngine(InferenceEngine):
             if not received:
                 raise RuntimeError("no weights were received to load")
             skip = ["lm_head.weight"] if self._tied else []
-            self._check_specs({n: v for n, v in received.items() if n not in skip})
+            check_specs(self._expected, {n: v for n, v in received.items() if n not in skip})
             async with self._swapping(version):
                 start = time.perf_counter()
                 count = _first(await self._rpc("areal_group_load", skip, keep))
@@ -1049,10 +1015,6 @@ def _logprobs(
     return lps, top
 
 
-# Floating-point dtypes as safetensors headers name them.
-_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
-
-
 def _labelled(held: Sequence[TokenEvent], first: int, spans: Any) -> list[TokenEvent] | None:
     """``held`` (output tokens ``first`` on) with each token's version from vLLM's final
     weight-version spans, or None when the spans do not cover them with our integer labels."""
@@ -1074,42 +1036,3 @@ def _labelled(held: Sequence[TokenEvent], first: int, spans: Any) -> list[TokenE
             index += 1
         out.append(TokenEvent(e.token_ids, e.logprobs, versions, top=e.top))
     return out
-
-
-def _file_specs(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], bool, str]]:
-    """Name -> (shape, floating point, dtype) of every tensor in safetensors ``files``, from
-    their headers only (safetensors also checks that each file covers what its header
-    declares); ValueError for an unreadable file or a tensor in two of them."""
-    specs: dict[str, tuple[tuple[int, ...], bool, str]] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), "pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if name in specs:
-                        raise ValueError(f"tensor {name!r} appears in two files")
-                    part = f.get_slice(name)
-                    dtype = part.get_dtype()
-                    specs[name] = (tuple(part.get_shape()), dtype in _FLOAT_DTYPES, dtype)
-        except (OSError, SafetensorError) as exc:
-            raise ValueError(f"cannot read {file.name}: {exc}") from None
-    return specs
-
-
-def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a safetensors checkpoint (read from the headers only)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
-
-
-def _end_token_ids(path: Path, eos: int | None) -> set[int]:
-    """Ids that end a turn: the tokenizer's EOS and the generation config's."""
-    ends = {int(eos)} if eos is not None else set()
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        ends |= {int(v) for v in ([value] if isinstance(value, int) else value or [])}
-    return ends

@@ -90,11 +90,15 @@ class CoordinatorCommand:
         resume: bool = False,
         env: Mapping[str, str] | None = None,
         unset_env: Sequence[str] = (),
+        config: Path | None = None,
     ) -> subprocess.Popen[str]:
-        """The command writing to ``out``; stdout and stderr merged into ``proc.stdout``."""
+        """The command writing to ``out`` (``config``: its --config file); stdout and stderr
+        merged into ``proc.stdout``."""
         argv = [sys.executable, "-m", "areal_grpc.coordinator"]
         if resume:
             argv.append("--resume")
+        if config is not None:
+            argv += ["--config", str(config)]
         argv += [f"output.dir={out}", "output.progress_bar=false", *overrides]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         for name in unset_env:
@@ -139,9 +143,12 @@ class CoordinatorCommand:
         resume: bool = False,
         env: Mapping[str, str] | None = None,
         unset_env: Sequence[str] = (),
+        config: Path | None = None,
     ) -> tuple[int, str]:
         """A whole run: (exit code, output)."""
-        proc = self.start(out, *overrides, resume=resume, env=env, unset_env=unset_env)
+        proc = self.start(
+            out, *overrides, resume=resume, env=env, unset_env=unset_env, config=config
+        )
         log = self.finish(proc, timeout=timeout)
         return proc.returncode, log
 

@@ -1,4 +1,4 @@
-"""Fixtures of the system tier: what vLLM and the Node tests need from this machine."""
+"""Fixtures of the system tier: what vLLM, SGLang and the Node tests need from this machine."""
 
 from __future__ import annotations
 
@@ -20,6 +20,25 @@ def vllm_installed() -> None:
     message = "vLLM is not installed (./scripts/setup --vllm installs its CPU build)"
     if os.environ.get("AREAL_REQUIRE_VLLM"):
         pytest.fail(message + ", and AREAL_REQUIRE_VLLM is set")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def sglang_installed() -> None:
+    """Skips (or, with AREAL_REQUIRE_SGLANG=1 as CI sets, fails) where SGLang's venv is not
+    installed."""
+    from areal_servers.rollout.sglang_server import sglang_python
+
+    from areal_grpc.config import SglangSettings
+    from areal_grpc.errors import FieldError
+
+    try:
+        sglang_python(SglangSettings())
+        return
+    except FieldError as exc:
+        message = f"SGLang is not installed ({exc})"
+    if os.environ.get("AREAL_REQUIRE_SGLANG"):
+        pytest.fail(message + ", and AREAL_REQUIRE_SGLANG is set")
     pytest.skip(message)
 
 

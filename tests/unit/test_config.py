@@ -214,12 +214,22 @@ def test_attach_mode_needs_an_address_per_server_and_rank():
     assert cfg.launcher.attach.trainer_addresses == ["h:2", "h:3"]
 
 
-def test_sglang_engine_needs_a_url_per_server():
+def test_sglang_engine_launches_its_servers_or_attaches_one_url_per_server():
+    assert load_config(None, ["rollout.engine=sglang"]).rollout.sglang.urls == []
     with pytest.raises(FieldError) as err:
-        load_config(None, ["rollout.engine=sglang"])
-    assert err.value.field == "rollout.sglang_urls"
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_urls=[http://h:30000]"])
-    assert cfg.rollout.sglang_urls == ["http://h:30000"]
+        load_config(
+            None,
+            [
+                "rollout.engine=sglang",
+                "rollout.num_servers=2",
+                "rollout.sglang.urls=[http://h:30000]",
+            ],
+        )
+    assert err.value.field == "rollout.sglang.urls"
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.urls=[http://h:30000]"])
+    assert cfg.rollout.sglang.urls == ["http://h:30000"]
+    with pytest.raises(FieldError, match=r"rollout\.sglang\.urls"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang_urls=[http://h:30000]"])
 
 
 def test_bad_yaml_file_errors_name_the_key_or_file(tmp_path):
@@ -341,7 +351,7 @@ def test_lora_settings_are_checked_by_name():
             [
                 "model.lora.rank=8",
                 "rollout.engine=sglang",
-                "rollout.sglang_urls=[http://h:30000]",
+                "rollout.sglang.urls=[http://h:30000]",
                 "weight_sync.methods=[distributed]",
             ],
             "weight_sync.methods",
@@ -350,7 +360,7 @@ def test_lora_settings_are_checked_by_name():
         with pytest.raises(FieldError) as err:
             load_config(None, overrides)
         assert err.value.field == field, overrides
-    sglang = ["model.lora.rank=8", "rollout.engine=sglang", "rollout.sglang_urls=[http://h:3]"]
+    sglang = ["model.lora.rank=8", "rollout.engine=sglang", "rollout.sglang.urls=[http://h:3]"]
     assert load_config(None, sglang).model.lora.rank == 8
 
 

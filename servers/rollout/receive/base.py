@@ -102,7 +102,7 @@ def check_specs(tensors: Sequence[tensor_pb2.TensorSpec], max_total_bytes: int) 
 
 def is_sglang(engine: InferenceEngine) -> bool:
     """Whether the engine is an SGLang server (it joins weight groups itself)."""
-    return engine.kind == "sglang" and hasattr(engine, "update_weights_from_distributed")
+    return engine.kind == "sglang" and hasattr(engine, "receive_distributed")
 
 
 def receives_in_worker(engine: InferenceEngine) -> bool:

@@ -1,7 +1,8 @@
 """DISK (``UpdateFromDisk``): a versioned safetensors directory that must lie inside this
 server's own configured root (``..``, absolute paths elsewhere and symlinks leading out are
-INVALID_ARGUMENT naming ``path``). The ``sglang`` engine gets ``/update_weights_from_disk``
-(with LoRA, the adapters are loaded and rewritten as the peft directory SGLang reads).
+INVALID_ARGUMENT naming ``path``). An engine that reads the files itself (vLLM's worker, an
+SGLang server through ``/update_weights_from_disk``) is handed them as they are (with LoRA,
+the adapters are loaded and rewritten as the peft directory such a server reads).
 
 DISK shards need no receive buffer: safetensors maps each file privately (copy-on-write), and
 the mapped tensors are handed over as they are, so the served weights share the page cache
@@ -63,19 +64,14 @@ class DiskReceiver(Receiver):
 
 async def load_directory(state: ReceiverState, root: str, path: str, version: int) -> int:
     """Loads the version directory ``path`` (confined to ``root``) as ``version``; the
-    number of tensors loaded (0 when SGLang reads the directory itself)."""
+    number of tensors loaded."""
     state.check_version(version)
     directory = resolve_confined(root, path, "path")
     async with state.update_lock:
         state.check_version(version)
-        if state.sglang and not state.engine.adapters_only:
-            await state.engine.update_weights_from_disk(  # type: ignore[attr-defined]
-                str(directory), version
-            )
-            return 0
         load_files = getattr(state.engine, "load_weight_files", None)
         if load_files is not None and not state.engine.adapters_only:
-            # An engine that reads the files itself (vLLM's worker) is handed them as they are.
+            # An engine that reads the files itself (vLLM's worker, SGLang) is handed them.
             files = weight_files(directory, Path(root), "path")
             state.spare = {}
             try:

@@ -28,7 +28,6 @@ from areal_grpc.weight_transfer import (
     GroupParams,
     WeightGroup,
     cuda_uuid,
-    plan_buckets,
     run_in_thread,
 )
 
@@ -52,13 +51,12 @@ class DistributedReceiver(Receiver):
         if state.config.backends is not None:
             self.backends = tuple(state.config.backends)
         elif state.sglang:
-            self.backends = ("nccl",)
+            # SGLang forms the group itself: NCCL on a GPU, gloo on a CPU (or beside NCCL).
+            self.backends = ("nccl", "gloo") if torch.cuda.is_available() else ("gloo",)
         else:
             self.backends = ("gloo", "nccl") if torch.cuda.is_available() else ("gloo",)
         # The group joined (kept between updates of the same plan parameters).
         self.member = GroupMember()
-        # For the sglang engine: the group SGLang was told to join.
-        self._sglang_group: GroupParams | None = None
 
     def supported(self) -> str | None:
         if not self.enabled or not self.backends:
@@ -112,7 +110,7 @@ class DistributedReceiver(Receiver):
             raise FieldError(f"{w}.bucket_bytes", f"is negative ({d.bucket_bytes})")
         params = self.group_params(d)
         if self.state.sglang:
-            current = self._sglang_group
+            current = self.state.engine.group  # type: ignore[attr-defined]
         elif self.state.in_worker:
             current = self.state.engine.worker_group  # type: ignore[attr-defined]
         else:
@@ -165,12 +163,12 @@ class DistributedReceiver(Receiver):
         state = self.state
         plan = state.plan(request.plan_id, self.method, required=True)
         assert plan is not None and plan.group is not None
-        sizes = self._check_specs(request)
+        self._check_specs(request)
         if request.policy_version <= 0:
             raise FieldError("policy_version", f"must be > 0, got {request.policy_version}")
         async with state.update_lock:
             if state.sglang:
-                count = await self._sglang_update(plan, request, sizes)
+                count = await self._sglang_update(plan, request)
             else:
                 specs = [
                     (s.name, tc.dtype_from_proto(s.dtype), [int(d) for d in s.shape])
@@ -218,37 +216,23 @@ class DistributedReceiver(Receiver):
             log.warning("weight group %s abandoned: the sender cancelled", params.group_name)
             raise
 
-    async def _sglang_update(
-        self, plan: Plan, request: pb.UpdateFromDistributedRequest, sizes: list[int]
-    ) -> int:
-        """Translates the update into SGLang's HTTP calls (SGLang joins the group itself)."""
-        engine = self.state.engine
+    async def _sglang_update(self, plan: Plan, request: pb.UpdateFromDistributedRequest) -> int:
+        """SGLang joins the group and takes the broadcasts itself (one call for every tensor:
+        it loads them only once all have arrived)."""
         params = plan.group
         assert params is not None
         # Refused before SGLang is told anything: SGLang cannot receive and drop. The sender
         # checks the version from Negotiate first, so this is a race between two senders.
         self.state.check_version(request.policy_version)
-        if self._sglang_group != params:
-            await engine.init_weights_update_group(  # type: ignore[attr-defined]
-                master_address=params.master_address,
-                master_port=params.master_port,
-                rank_offset=params.rank,
-                world_size=params.world_size,
-                group_name=params.group_name,
-                backend=params.backend,
+        specs = [
+            (s.name, tc.dtype_from_proto(s.dtype), [int(d) for d in s.shape])
+            for s in request.tensors
+        ]
+        return int(
+            await self.state.engine.receive_distributed(  # type: ignore[attr-defined]
+                params, specs, request.policy_version
             )
-            self._sglang_group = params
-        buckets = plan_buckets(sizes, request.bucket_bytes)
-        for b, bucket in enumerate(buckets):
-            specs = [request.tensors[i] for i in bucket]
-            await engine.update_weights_from_distributed(  # type: ignore[attr-defined]
-                names=[s.name for s in specs],
-                dtypes=[str(tc.dtype_from_proto(s.dtype)).removeprefix("torch.") for s in specs],
-                shapes=[[int(d) for d in s.shape] for s in specs],
-                group_name=params.group_name,
-                version=request.policy_version if b == len(buckets) - 1 else None,
-            )
-        return len(request.tensors)
+        )
 
     @property
     def group(self) -> WeightGroup | None:

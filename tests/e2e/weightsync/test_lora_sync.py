@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from areal_clients.fleet import update_fleet_weights
-from areal_servers.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+from areal_servers.rollout.sglang_engine import SGLangEngine
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from areal_grpc.config import LoraSettings
+from areal_grpc.config import LoraSettings, SglangSettings
 from areal_grpc.model import load_model
 from tests.support.sglang import FakeSGLangHTTP
 from tests.support.weightsync import (
@@ -105,19 +105,17 @@ def test_a_full_update_into_a_lora_server_is_refused_by_name(make_rollout: MakeR
 
 
 @pytest.mark.parametrize("method", ["stream", "disk"])
-def test_lora_update_into_sglang_fake_http_loads_each_version_as_a_peft_adapter(
+def test_lora_update_into_sglang_gpu_only_fake_http_loads_each_version_as_a_peft_adapter(
     lora_trainers: Trainers, make_rollout: MakeRollout, tmp_path: Path, method: str
 ) -> None:
-    """SGLang cannot run here, so a fake HTTP server records what it is sent (SGLang's
+    """SGLang serves LoRA on a GPU only, so a fake HTTP server records what it is sent (SGLang's
     documented LoRA protocol): each update is a peft directory loaded by /load_lora_adapter as
     "areal-v<version>", bit-exact with the trainer's exported adapter; generation names it in
     ``lora_path``; the adapter it replaces is unloaded and its directory removed. Distributed
     is declined (SGLang's weight groups carry no adapters), so the next offer is used."""
     fake = FakeSGLangHTTP()
     adapters = tmp_path / "adapters"
-    engine = SGLangEngine(
-        SGLangEngineConfig(model=MODEL, url=fake.url, lora=LORA, weights_dir=str(adapters))
-    )
+    engine = SGLangEngine(MODEL, SglangSettings(weights_dir=str(adapters)), url=fake.url, lora=LORA)
     rollout = make_rollout(disk_root=lora_trainers.weights_root, engine=engine)
     try:
         rollout.greedy(PROMPT, n=1)

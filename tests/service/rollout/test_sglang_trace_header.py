@@ -1,6 +1,6 @@
 """The sglang engine's HTTP requests carry the W3C ``traceparent`` of the current span, so an
-SGLang server started with ``--enable-trace`` joins the episode's trace (fake server: SGLang
-needs a GPU; the test checks the documented W3C header on the wire)."""
+SGLang server started with ``--enable-trace`` joins the episode's trace: what our HTTP client
+puts on the wire, read by a plain socket server (no SGLang involved)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ async def _capture_server(heads: list[str]) -> asyncio.Server:
     return await asyncio.start_server(handle, "127.0.0.1", 0)
 
 
-async def test_sglang_protocol_fake_server_requests_carry_traceparent():
+async def test_http_requests_to_sglang_carry_the_spans_traceparent():
     heads: list[str] = []
     server = await _capture_server(heads)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"

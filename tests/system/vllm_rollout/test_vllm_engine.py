@@ -7,72 +7,42 @@ seed is the reference for tokens and log-probs.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from areal_clients.rollout import item_struct
 from areal_servers.rollout.engine import SamplingConfig
-from areal_servers.rollout.hf_engine import HFEngine
 from arealgrpc.v1 import common_pb2, rollout_pb2, weight_sync_pb2
 
 from areal_grpc import tensor_codec as tc
-from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import field_violations
 from areal_grpc.model import load_model
 from areal_grpc.ports import free_port
 from areal_grpc.shared_memory import own_root
 from areal_grpc.weight_disk import write_version
 from areal_grpc.weight_transfer import GroupParams, WeightGroup
+from tests.support.engine_contract import (
+    DYING_SENDER,
+    LOGPROB_TOL,
+    PROMPT,
+    check_versions_and_logprobs_across,
+    expect_invalid,
+    hf_reference,
+    initial_weights,
+    join_as_sender,
+    long_episode_across_an_update,
+    negotiate_gloo,
+)
 from tests.support.vllm import RPC_TIMEOUT, SETTINGS, TINY, VllmServer, start_vllm_server
-from tests.support.weightsync import distributed_offer, push_messages
-
-PROMPT = [5, 17, 42, 99, 7, 64, 128, 3, 250, 11]
-# Tokens of the episode that lives through an update.
-LONG = 150
-# Log-probs of vLLM's CPU kernels against transformers' eager fp32 forward.
-LOGPROB_TOL = 2e-4
-
-
-def hf_reference(
-    prompt: list[int], params: SamplingConfig, state_dict: dict[str, torch.Tensor] | None = None
-):
-    """The hf engine's answer on the same model and seed (optionally other weights)."""
-
-    async def run():
-        engine = HFEngine(ModelConfig(source=TINY), RolloutConfig(device="cpu"))
-        try:
-            if state_dict is not None:
-                await engine.load_weights(state_dict, 1)
-            return await engine.generate(prompt, params)
-        finally:
-            await engine.close()
-
-    return asyncio.run(run())
-
-
-def initial_weights() -> dict[str, torch.Tensor]:
-    """The weights the server started from (the trainer's initial ones, from the seed), as a
-    trainer sends them: the tied output head is the embedding, and is left out."""
-    sd = load_model(TINY, seed=0).state_dict()
-    return {k: v.clone() for k, v in sd.items() if k != "lm_head.weight"}
-
-
-def expect_invalid(call, field: str) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    assert [f for f, _ in field_violations(info.value)] == [field], info.value.details()
+from tests.support.weightsync import push_messages
 
 
 def test_greedy_tokens_and_logprobs_equal_the_hf_engine(vllm_server: VllmServer):
@@ -231,42 +201,6 @@ def test_an_update_changes_logprobs_and_the_original_weights_restore_them_exactl
     assert list(restored.output_logprobs) == list(before.output_logprobs)
 
 
-def _negotiate_gloo(
-    vllm_server: VllmServer, port: int, group: str
-) -> weight_sync_pb2.NegotiateResponse:
-    """A DISTRIBUTED (gloo) plan for the group at ``port`` with this process as rank 0."""
-    plan = vllm_server.sync.Negotiate(
-        weight_sync_pb2.NegotiateRequest(
-            offers=[
-                distributed_offer(
-                    backend=weight_sync_pb2.COLLECTIVE_BACKEND_GLOO,
-                    master_port=port,
-                    group_name=group,
-                )
-            ],
-            sender_id="test",
-        ),
-        timeout=RPC_TIMEOUT,
-    )
-    assert plan.plan.method == weight_sync_pb2.TRANSFER_METHOD_DISTRIBUTED
-    return plan
-
-
-def _join_as_sender(vllm_server: VllmServer, tensors: dict[str, torch.Tensor], version: int):
-    """Negotiates a DISTRIBUTED (gloo) plan as its rank 0; (the group's parameters, the
-    update's request)."""
-    port = free_port()
-    group = f"vllm-worker-{port}"
-    plan = _negotiate_gloo(vllm_server, port, group)
-    assert not plan.plan.distributed.joined
-    request = weight_sync_pb2.UpdateFromDistributedRequest(
-        plan_id=plan.plan_id,
-        policy_version=version,
-        tensors=[tc.tensor_spec(n, t) for n, t in tensors.items()],
-    )
-    return GroupParams("127.0.0.1", port, 2, 0, group, "gloo", timeout_s=60), request
-
-
 def test_a_distributed_update_lands_in_vllms_worker_while_vllm_goes_on_generating(
     vllm_server: VllmServer,
 ):
@@ -274,7 +208,7 @@ def test_a_distributed_update_lands_in_vllms_worker_while_vllm_goes_on_generatin
     changed = {k: (t * 1.05 if "mlp" in k or "embed" in k else t) for k, t in original.items()}
     before = vllm_server.greedy(PROMPT)
     v = vllm_server.version()
-    params, request = _join_as_sender(vllm_server, changed, v + 1)
+    params, request = join_as_sender(vllm_server, changed, v + 1)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
         # Returns once vLLM's worker has joined; it now waits for the broadcast on a thread
@@ -299,7 +233,7 @@ def test_a_distributed_update_lands_in_vllms_worker_while_vllm_goes_on_generatin
     assert vllm_server.engine.last_staged_bytes == 0
     # The worker is still in the group, which a new plan for it says (so a sender keeps its
     # group); the original weights then restore the original log-probs exactly.
-    again = _negotiate_gloo(vllm_server, params.master_port, params.group_name)
+    again = negotiate_gloo(vllm_server, params.master_port, params.group_name)
     assert again.plan.distributed.joined
     request.plan_id = again.plan_id
     request.policy_version = v + 2
@@ -323,7 +257,7 @@ def test_a_distributed_update_that_does_not_fit_the_model_is_invalid_argument_na
     wrong = {**original, name: torch.zeros(3, 5)}
     before = vllm_server.greedy(PROMPT)
     v = vllm_server.version()
-    params, request = _join_as_sender(vllm_server, wrong, v + 1)
+    params, request = join_as_sender(vllm_server, wrong, v + 1)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
         group = WeightGroup(params)
@@ -348,26 +282,13 @@ def test_a_distributed_update_that_does_not_fit_the_model_is_invalid_argument_na
     assert vllm_server.fatal == []
 
 
-# A sender that joins the group, broadcasts the first half of the tensors, and dies.
-DYING_SENDER = """
-import os, signal, sys, torch
-from areal_grpc.weight_transfer import GroupParams, WeightGroup
-port, name, count = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-shapes = [[int(d) for d in s.split("x")] for s in sys.argv[4:]]
-group = WeightGroup(GroupParams("127.0.0.1", port, 2, 0, name, "gloo", timeout_s=60))
-for shape in shapes[:count]:
-    group.broadcast(torch.full(shape, 7.0))
-os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
 def test_a_sender_that_dies_mid_broadcast_fails_the_update_and_the_old_weights_keep_serving(
     vllm_server: VllmServer,
 ):
     original = initial_weights()
     before = vllm_server.greedy(PROMPT)
     v = vllm_server.version()
-    params, request = _join_as_sender(vllm_server, original, v + 1)
+    params, request = join_as_sender(vllm_server, original, v + 1)
     shapes = ["x".join(map(str, t.shape)) or "1" for t in original.values()]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
@@ -391,14 +312,14 @@ def test_a_sender_that_dies_mid_broadcast_fails_the_update_and_the_old_weights_k
     assert "did not receive the weights" in (info.value.details() or "")
     assert vllm_server.version() == v
     # The broken group is left: a plan for it again needs a rendezvous.
-    assert not _negotiate_gloo(
+    assert not negotiate_gloo(
         vllm_server, params.master_port, params.group_name
     ).plan.distributed.joined
     kept = vllm_server.greedy(PROMPT)
     assert list(kept.output_logprobs) == list(before.output_logprobs)
     # The next update forms a new group with the worker and lands.
     changed = {k: t * 1.05 if "mlp" in k else t for k, t in original.items()}
-    params, request = _join_as_sender(vllm_server, changed, v + 1)
+    params, request = join_as_sender(vllm_server, changed, v + 1)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(vllm_server.sync.UpdateFromDistributed, request, timeout=RPC_TIMEOUT)
         group = WeightGroup(params)
@@ -464,76 +385,6 @@ def test_a_corrupted_or_mismatched_update_is_refused_and_the_old_weights_keep_se
     assert vllm_server.greedy(PROMPT).output_logprobs != pytest.approx(
         list(before.output_logprobs), abs=1e-4
     )
-
-
-def long_episode_across_an_update(
-    server: VllmServer, new: dict[str, torch.Tensor]
-) -> tuple[rollout_pb2.PauseGenerationResponse, common_pb2.Trajectory]:
-    """Runs one long sampled episode through RunEpisodes and, once some of its tokens are
-    out, Pause, an update to ``new`` and Resume; the pause's answer and the trajectory."""
-    results: list[rollout_pb2.RunEpisodesResponse] = []
-
-    def run() -> None:
-        task = rollout_pb2.EpisodeTask(
-            task_id="long",
-            data=item_struct({"input_ids": PROMPT, "answer": "-"}),
-            workflow="rlvr",
-            workflow_params=item_struct({"reward_fn": "exact_match"}),
-            group_size=1,
-            sampling=common_pb2.SamplingParams(
-                temperature=1.0, max_new_tokens=LONG, ignore_eos=True, seed=5
-            ),
-        )
-
-        def requests():
-            yield rollout_pb2.RunEpisodesRequest(task=task)
-            while not results:
-                time.sleep(0.05)
-
-        for res in server.rollout.RunEpisodes(requests(), timeout=RPC_TIMEOUT):
-            results.append(res)
-            break
-
-    v = server.version()
-    start = server.engine.status().generated_tokens
-    worker = threading.Thread(target=run)
-    worker.start()
-    # Let some tokens come out under the old weights.
-    deadline = time.monotonic() + 60
-    while server.engine.status().generated_tokens < start + 20 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    paused = server.rollout.PauseGeneration(
-        rollout_pb2.PauseGenerationRequest(), timeout=RPC_TIMEOUT
-    )
-    assert server.push(new, v + 1).policy_version == v + 1
-    server.rollout.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), timeout=RPC_TIMEOUT)
-    worker.join(timeout=120)
-    assert not worker.is_alive()
-    [res] = results
-    assert res.outcome == rollout_pb2.EPISODE_OUTCOME_ACCEPTED, res.reason
-    [traj] = res.group.trajectories
-    return paused, traj
-
-
-def check_versions_and_logprobs_across(
-    traj: common_pb2.Trajectory, v: int, new: dict[str, torch.Tensor]
-) -> None:
-    """The tokens before the update carry version ``v`` and those after it ``v + 1``, and
-    the log-probs after it are the new weights' (as the trainer recomputes them)."""
-    gen = [i for i, m in enumerate(traj.loss_mask) if m]
-    versions = [traj.versions[i] for i in gen]
-    assert len(gen) == LONG
-    # Old version first, then the new one: the episode went on after the update.
-    assert versions[0] == v and versions[-1] == v + 1
-    switch = versions.index(v + 1)
-    assert versions == [v] * switch + [v + 1] * (LONG - switch)
-    model = load_model(TINY, seed=0)
-    model.load_state_dict(new, strict=False)  # the tied head is the embedding
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([list(traj.token_ids)])).logits[0], -1)
-    want = [logp[i - 1, traj.token_ids[i]].item() for i in gen[switch:]]
-    got = [traj.logprobs[i] for i in gen[switch:]]
-    assert got == pytest.approx(want, abs=LOGPROB_TOL)
 
 
 def test_a_request_in_flight_during_an_update_is_interrupted_and_completes_after_it(
@@ -731,13 +582,14 @@ def test_vllms_engine_killed_under_a_load_and_a_generate_names_one_death_on_ever
     watchdog and every later call name the same death, UNAVAILABLE; the version stays."""
     import psutil
 
+    def engine_cores() -> set[psutil.Process]:
+        procs = psutil.Process().children(recursive=True)
+        return {p for p in procs if p.name().startswith("VLLM::EngineCore")}
+
+    others = engine_cores()  # the module's server's, when it runs
     server = start_vllm_server()
     try:
-        [core] = [
-            p
-            for p in psutil.Process().children(recursive=True)
-            if p.name().startswith("VLLM::EngineCore")
-        ]
+        [core] = engine_cores() - others
         assert server.greedy(PROMPT, 4).output_ids
         core.send_signal(signal.SIGSTOP)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:

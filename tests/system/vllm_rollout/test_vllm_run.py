@@ -153,24 +153,22 @@ def test_vllms_engine_killed_under_64_episodes_fails_none_and_the_run_finishes(
         "rollout.vllm.max_num_seqs=256",
     )
     coordinator_command.address(proc)
-    try:
-        wait_for(lambda: coordinator_command.trained_steps(out) >= 1, what="a step")
-        wait_for(lambda: rollout_child(out, "rollout-0") is not None, what="mesh.json")
-        first = rollout_child(out, "rollout-0")
-        assert first is not None
-        [engine_core] = [p for p in vllm_processes(first["pid"]) if "EngineCore" in p.name()]
-        wait_for(
-            lambda: running_episodes(first["address"]) >= IN_FLIGHT,
-            timeout=300,
-            what=f"{IN_FLIGHT} episodes in flight",
-        )
-        engine_core.send_signal(signal.SIGKILL)
-        trained = coordinator_command.trained_steps(out)
-        assert coordinator_command.needs_rollouts_after(trained, LOADED_STEPS, 1), trained
-        log = coordinator_command.finish(proc, timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    wait_for(lambda: coordinator_command.trained_steps(out) >= 1, what="a step")
+    wait_for(lambda: rollout_child(out, "rollout-0") is not None, what="mesh.json")
+    first = rollout_child(out, "rollout-0")
+    assert first is not None
+    [engine_core] = [p for p in vllm_processes(first["pid"]) if "EngineCore" in p.name()]
+    wait_for(
+        lambda: running_episodes(first["address"]) >= IN_FLIGHT,
+        timeout=300,
+        what=f"{IN_FLIGHT} episodes in flight",
+    )
+    engine_core.send_signal(signal.SIGKILL)
+    trained = coordinator_command.trained_steps(out)
+    assert coordinator_command.needs_rollouts_after(trained, LOADED_STEPS, 1), trained
+    log = coordinator_command.finish(proc, timeout=900)
+    # (A run still going is stopped by the fixture as Ctrl-C does, with its mesh: a killed
+    # coordinator would leave its servers running.)
     assert proc.returncode == 0, log
     assert f"done: {LOADED_STEPS} steps" in log
     assert "episodes in a row failed" not in log
