@@ -400,10 +400,12 @@ class SGLangEngine(InferenceEngine):
 
         async def healthy() -> bool:
             if self.process is not None and self.process.exit_code() is not None:
-                raise RuntimeError(
-                    f"rollout.sglang: the SGLang server {self.process.exited()[4:]} before it "
-                    f"served: {self.process.last_lines()}"
-                )
+                why = f"SGLang's {self.process.exited()[4:]} before it served: "
+                why += self.process.last_lines()
+                if any(w in why for w in ("ImportError", "ModuleNotFoundError")):
+                    # A broken install, not a broken run.
+                    raise FieldError("rollout.sglang.python", why)
+                raise RuntimeError(f"rollout.sglang: {why}")
             try:
                 health = await http_request(self.url, "GET", "/health", None, 30.0, self._http)
             except TransientHTTPError:
@@ -434,7 +436,9 @@ class SGLangEngine(InferenceEngine):
             with contextlib.suppress(BaseException):
                 await t
         if self.process is not None:
-            await asyncio.to_thread(self.process.stop)
+            # A dead or frozen SGLang drains nothing: no grace to wait out.
+            grace_s = 10.0 if self.failure is None else 1.0
+            await asyncio.to_thread(self.process.stop, grace_s)
         await self._http.aclose()
         for path in self._owned:
             shutil.rmtree(path, ignore_errors=True)

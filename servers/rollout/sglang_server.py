@@ -106,6 +106,9 @@ def launch_argv(
         "--skip-tokenizer-init",
         "--skip-server-warmup",
         "--sleep-on-idle",
+        # Its HTTP server logs every request at INFO: a line per generation.
+        "--log-level-http",
+        "warning",
     ]
     dtype = settings.dtype
     if dtype == "auto" and not gpu:

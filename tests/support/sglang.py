@@ -39,8 +39,9 @@ from tests.support.weightsync import push_messages
 RPC_TIMEOUT = 120.0
 # The built-in model the SGLang tests serve (about 1M parameters).
 TINY = "builtin:tiny"
-# A small KV cache: several servers fit on a 24 GiB machine; quick health checks.
-SETTINGS = SglangSettings(kv_cache_tokens=4096, health_interval_s=1.0, health_timeout_s=10.0)
+# A small KV cache: several servers fit on a 24 GiB machine; quick health checks (an idle
+# SGLang answers /health in well under a second here: one token of the tiny model).
+SETTINGS = SglangSettings(kv_cache_tokens=4096, health_interval_s=1.0, health_timeout_s=5.0)
 
 
 @dataclass

@@ -29,7 +29,7 @@ def test_the_real_model_example_runs_on_sglang(
         f"total_steps={STEPS}",
         f"data.path={data / 'train.jsonl'}",
         f"data.eval_path={data / 'test.jsonl'}",
-        "eval.max_prompts=16",
+        "eval.max_prompts=8",
         timeout=1500,
         config=ROOT / "examples" / "smollm2_arith.yaml",
     )

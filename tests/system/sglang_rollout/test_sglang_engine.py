@@ -3,7 +3,9 @@
 
 One rollout server on SGLang (built-in tiny model, the trainer's initial weights) answers
 Generate, RunEpisodes and WeightSync calls; an hf engine on the same model and seed, and the
-model's own forward, are the references for tokens and log-probs.
+model's own forward, are the references for tokens and log-probs. The module's last test
+freezes the server (one SGLang start less: SGLang takes about 20 s to start here); killed
+processes, through a whole run, are test_sglang_run.py's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 
 import grpc
+import psutil
 import pytest
 import torch
 from areal_servers.rollout.engine import SamplingConfig
@@ -352,3 +355,40 @@ def negotiate_offers(server: SglangServer, backend: int) -> grpc.RpcError:
             timeout=RPC_TIMEOUT,
         )
     return info.value
+
+
+def test_a_frozen_scheduler_is_the_engines_death_and_nothing_is_left_behind(
+    sglang_server: SglangServer,
+):
+    """Last in the module: it ends the module's server. SGLang's scheduler frozen (SIGSTOP):
+    /health fails twice, which is the engine's death, named once; the call waiting on it stops
+    waiting, later calls are UNAVAILABLE, and closing the engine leaves none of SGLang's
+    processes behind."""
+    assert sglang_server.engine.process is not None
+    root = psutil.Process(sglang_server.engine.process.pid)
+    procs = [root, *root.children(recursive=True)]
+    [scheduler] = [p for p in procs if "scheduler" in p.name()]
+    scheduler.send_signal(signal.SIGSTOP)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(sglang_server.greedy, PROMPT, 8)
+        # Two /health checks of health_timeout_s each, health_interval_s apart.
+        deadline = time.monotonic() + 90
+        while not sglang_server.deaths and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sglang_server.deaths, "no death in 90 s"
+        assert "did not answer /health" in sglang_server.deaths[0], sglang_server.deaths
+        with pytest.raises(grpc.RpcError) as info:
+            waiting.result(timeout=30)
+    death = f"the sglang engine died: {sglang_server.deaths[0]}"
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert death in (info.value.details() or "")
+    with pytest.raises(grpc.RpcError) as later:
+        sglang_server.greedy(PROMPT, 4)
+    assert later.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert death in (later.value.details() or "")
+    assert len(sglang_server.deaths) == 1
+    sglang_server.server.call(sglang_server.engine.close(), timeout_s=120)
+    deadline = time.monotonic() + 30
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
+        assert time.monotonic() < deadline, [p for p in procs if p.is_running()]
+        time.sleep(0.2)

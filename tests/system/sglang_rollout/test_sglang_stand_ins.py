@@ -1,6 +1,6 @@
 """Why SGLang's CPU launch carries the stand-ins of servers/rollout/sglang_cpu: without each,
 SGLang's own venv (./scripts/setup --sglang) cannot import what its server imports on a CPU.
-(With both it serves: every other test here.)"""
+(With both it imports and serves: every other test here.)"""
 
 from __future__ import annotations
 
@@ -38,4 +38,3 @@ def test_without_either_stand_in_sglangs_cpu_path_does_not_import(sglang_install
     schemas_only = run_in_sglang(SCHEDULER_IMPORT, tmp_path)
     assert schemas_only.returncode != 0
     assert "No module named 'sgl_kernel'" in schemas_only.stderr
-    assert run_in_sglang(SCHEDULER_IMPORT, STAND_INS).returncode == 0

@@ -575,44 +575,42 @@ def test_an_idle_worker_gives_its_core_back(vllm_server: VllmServer):
 
 
 def test_vllms_engine_killed_under_a_load_and_a_generate_names_one_death_on_every_path(
-    vllm_installed,
+    vllm_server: VllmServer,
 ):
-    """Where the kill lands does not change what is said: with vLLM's engine process frozen, a
-    weight update and a generate are sent (both wait on it), then it is killed. Both calls, the
-    watchdog and every later call name the same death, UNAVAILABLE; the version stays."""
+    """Last in the module: it ends the module's server. Where the kill lands does not change
+    what is said: with vLLM's engine process frozen, a weight update and a generate are sent
+    (both wait on it), then it is killed. Both calls, the watchdog and every later call name
+    the same death, UNAVAILABLE; the version stays."""
     import psutil
 
-    def engine_cores() -> set[psutil.Process]:
-        procs = psutil.Process().children(recursive=True)
-        return {p for p in procs if p.name().startswith("VLLM::EngineCore")}
-
-    others = engine_cores()  # the module's server's, when it runs
-    server = start_vllm_server()
-    try:
-        [core] = engine_cores() - others
-        assert server.greedy(PROMPT, 4).output_ids
-        core.send_signal(signal.SIGSTOP)
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            load = pool.submit(server.push, initial_weights(), 1)
-            generate = pool.submit(server.greedy, PROMPT, 8)
-            # Both are under way (the load has paused generation; the generate waits).
-            time.sleep(2.0)
-            assert not load.done() and not generate.done()
-            core.send_signal(signal.SIGKILL)
-            errors = []
-            for call in (load, generate):
-                with pytest.raises(grpc.RpcError) as info:
-                    call.result(timeout=RPC_TIMEOUT)
-                errors.append(info.value)
-        death = "the vllm engine died: its engine process died"
-        for error in errors:
-            assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
-            assert death in error.details()
-        assert server.fatal == ["its engine process died"]
-        with pytest.raises(grpc.RpcError) as later:
-            server.greedy(PROMPT, 4)
-        assert later.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert death in later.value.details()
-        assert server.engine.version == 0
-    finally:
-        server.close()
+    server = vllm_server
+    [core] = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.name().startswith("VLLM::EngineCore")
+    ]
+    v = server.version()
+    assert server.greedy(PROMPT, 4).output_ids
+    core.send_signal(signal.SIGSTOP)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        load = pool.submit(server.push, initial_weights(), v + 1)
+        generate = pool.submit(server.greedy, PROMPT, 8)
+        # Both are under way (the load has paused generation; the generate waits).
+        time.sleep(2.0)
+        assert not load.done() and not generate.done()
+        core.send_signal(signal.SIGKILL)
+        errors = []
+        for call in (load, generate):
+            with pytest.raises(grpc.RpcError) as info:
+                call.result(timeout=RPC_TIMEOUT)
+            errors.append(info.value)
+    death = "the vllm engine died: its engine process died"
+    for error in errors:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        assert death in error.details()
+    assert server.fatal == ["its engine process died"]
+    with pytest.raises(grpc.RpcError) as later:
+        server.greedy(PROMPT, 4)
+    assert later.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert death in later.value.details()
+    assert server.engine.version == v

@@ -1,10 +1,12 @@
 """A whole run on vLLM (``python -m areal_grpc.coordinator rollout.engine=vllm``), through
-the failures a user can cause: vLLM's engine process killed, then a rollout server killed.
+the failures a user can cause: vLLM's engine process killed under load, then a rollout server
+killed.
 
-Each kill lands while the coordinator is paused with steps left that only a rollout server
-can feed, so the replacement cannot be skipped by a run that ends first. Neither ends in a
-hang: the server whose vLLM died exits (its watchdog), the launcher replaces both, and no
-vLLM process of a killed server is left behind.
+Each kill lands with steps left that only a rollout server can feed, so the replacement cannot
+be skipped by a run that ends first (the second while the coordinator is paused; the first
+while 64 episodes are in flight, which needs it running). Neither ends in a hang: the server
+whose vLLM died exits, the launcher replaces both, and no vLLM process of a killed server is
+left behind.
 """
 
 from __future__ import annotations
@@ -20,7 +22,20 @@ import psutil
 
 from areal_grpc.coordinator.metrics import read_jsonl
 
-STEPS = 12
+STEPS = 10
+# The example's load (8 prompts x 8 samples): at least 64 episodes in flight on the server
+# when its engine dies, every one of them failed by vLLM at once.
+IN_FLIGHT = 64
+BATCH = 64
+LOADED = (
+    f"total_steps={STEPS}",
+    f"staleness.batch_size={BATCH}",
+    "rollout.max_concurrent_rollouts=128",
+    # Long generations (the random-init model rarely samples its EOS), so that the episodes
+    # are still running when the kill lands.
+    "rollout.sampling.max_new_tokens=96",
+    "rollout.vllm.max_num_seqs=256",
+)
 VLLM_RUN = (
     "model.source=builtin:tiny",
     "rollout.engine=vllm",
@@ -63,58 +78,6 @@ def gone(procs: list[psutil.Process]) -> bool:
     return True
 
 
-def test_killed_vllm_processes_and_servers_are_replaced_and_the_run_finishes(
-    vllm_installed, tmp_path, coordinator_command
-):
-    out = tmp_path / "run"
-    proc = coordinator_command.start(
-        out, *coordinator_command.SMALL_RUN, *VLLM_RUN, f"total_steps={STEPS}"
-    )
-    coordinator_command.address(proc)
-    try:
-        wait_for(lambda: coordinator_command.trained_steps(out) >= 2, what="two steps")
-        first = rollout_child(out, "rollout-0")
-        assert first is not None
-        first_vllm = vllm_processes(first["pid"])
-        [engine_core] = [p for p in first_vllm if "EngineCore" in p.name()]
-        # 1. vLLM's engine process dies: its server exits and is replaced.
-        with coordinator_command.paused(proc.pid, out) as trained:
-            assert coordinator_command.needs_rollouts_after(trained, STEPS), trained
-            engine_core.send_signal(signal.SIGKILL)
-        wait_for(lambda: rollout_child(out, "rollout-1") is not None, what="a replacement")
-        second = rollout_child(out, "rollout-1")
-        assert second is not None
-        wait_for(lambda: len(vllm_processes(second["pid"])) >= 2, what="its vLLM")
-        second_vllm = vllm_processes(second["pid"])
-        wait_for(lambda: coordinator_command.trained_steps(out) > trained, what="a step after it")
-        # 2. The rollout server itself is killed: its vLLM processes cannot be stopped by it.
-        with coordinator_command.paused(proc.pid, out) as trained:
-            assert coordinator_command.needs_rollouts_after(trained, STEPS), trained
-            os.kill(second["pid"], signal.SIGKILL)
-        log = coordinator_command.finish(proc, timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, log
-    assert f"done: {STEPS} steps" in log
-    restarts = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "rollout_restart"]
-    assert [r["old_address"] for r in restarts] == [first["address"], second["address"]]
-    assert all("process is gone" in r["cause"] for r in restarts), restarts
-    # The first server said why it went: its watchdog saw vLLM's engine process die.
-    first_log = (out / "logs" / "rollout-0.log").read_text()
-    assert "vllm engine failed: its engine process died" in first_log
-    # Nothing of either killed server's vLLM is left running.
-    wait_for(lambda: gone(first_vllm) and gone(second_vllm), timeout=60, what="vLLM leftovers")
-    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-
-
-# The example's load (8 prompts x 8 samples): at least 64 episodes in flight on the server
-# when its engine dies, every one of them failed by vLLM at once.
-IN_FLIGHT = 64
-LOADED_STEPS = 5
-
-
 def running_episodes(address: str) -> int:
     """Episodes the rollout server at ``address`` is running now (0 when it does not answer)."""
     from arealgrpc.v1 import rollout_pb2, rollout_pb2_grpc
@@ -132,32 +95,24 @@ def running_episodes(address: str) -> int:
         channel.close()
 
 
-def test_vllms_engine_killed_under_64_episodes_fails_none_and_the_run_finishes(
+def test_killed_vllm_processes_and_servers_are_replaced_and_the_run_finishes(
     vllm_installed, tmp_path, coordinator_command
 ):
-    """The issue's run, small: vLLM's engine process is killed while 64 episodes are in
-    flight. Its server names the death, stops taking work and exits; not one episode counts as
-    failed (the run would stop at fault_tolerance.rollout.max_failed_episodes=64); the
-    replacement takes the work, and every step is trained once, on distinct groups."""
+    """vLLM's engine process is killed under the example's load (64 episodes in flight, as
+    its 8 prompts x 8 samples are), then a rollout server is killed. Not one episode counts as
+    failed (the run would stop at fault_tolerance.rollout.max_failed_episodes=64, as it did
+    before a dead engine was told apart from the run's own code); every step is trained once,
+    on distinct groups."""
     out = tmp_path / "run"
-    proc = coordinator_command.start(
-        out,
-        *coordinator_command.SMALL_RUN,
-        *VLLM_RUN,
-        f"total_steps={LOADED_STEPS}",
-        f"staleness.batch_size={IN_FLIGHT}",
-        "staleness.max_staleness=1",
-        # Long generations (EOS ignored by no one: the random-init model rarely samples it),
-        # so that the episodes are still running when the kill lands.
-        "rollout.sampling.max_new_tokens=96",
-        "rollout.vllm.max_num_seqs=256",
-    )
+    proc = coordinator_command.start(out, *coordinator_command.SMALL_RUN, *VLLM_RUN, *LOADED)
     coordinator_command.address(proc)
     wait_for(lambda: coordinator_command.trained_steps(out) >= 1, what="a step")
     wait_for(lambda: rollout_child(out, "rollout-0") is not None, what="mesh.json")
     first = rollout_child(out, "rollout-0")
     assert first is not None
-    [engine_core] = [p for p in vllm_processes(first["pid"]) if "EngineCore" in p.name()]
+    first_vllm = vllm_processes(first["pid"])
+    [engine_core] = [p for p in first_vllm if "EngineCore" in p.name()]
+    # 1. vLLM's engine process dies under load: its server exits and is replaced.
     wait_for(
         lambda: running_episodes(first["address"]) >= IN_FLIGHT,
         timeout=300,
@@ -165,21 +120,35 @@ def test_vllms_engine_killed_under_64_episodes_fails_none_and_the_run_finishes(
     )
     engine_core.send_signal(signal.SIGKILL)
     trained = coordinator_command.trained_steps(out)
-    assert coordinator_command.needs_rollouts_after(trained, LOADED_STEPS, 1), trained
+    assert coordinator_command.needs_rollouts_after(trained, STEPS), trained
+    wait_for(lambda: rollout_child(out, "rollout-1") is not None, what="a replacement")
+    second = rollout_child(out, "rollout-1")
+    assert second is not None
+    wait_for(lambda: len(vllm_processes(second["pid"])) >= 2, what="its vLLM")
+    second_vllm = vllm_processes(second["pid"])
+    wait_for(lambda: coordinator_command.trained_steps(out) > trained, what="a step after it")
+    # 2. The rollout server itself is killed: its vLLM processes cannot be stopped by it.
+    with coordinator_command.paused(proc.pid, out) as trained:
+        assert coordinator_command.needs_rollouts_after(trained, STEPS), trained
+        os.kill(second["pid"], signal.SIGKILL)
+    # (A run still going at the end is stopped by the fixture as Ctrl-C does, with its mesh: a
+    # killed coordinator would leave its servers running.)
     log = coordinator_command.finish(proc, timeout=900)
-    # (A run still going is stopped by the fixture as Ctrl-C does, with its mesh: a killed
-    # coordinator would leave its servers running.)
     assert proc.returncode == 0, log
-    assert f"done: {LOADED_STEPS} steps" in log
+    assert f"done: {STEPS} steps" in log
     assert "episodes in a row failed" not in log
     # No episode was reported FAILED (the coordinator's line), nor failed on the server.
     assert re.search(r"episode \S+ failed on", log) is None
-    first_log = (out / "logs" / "rollout-0.log").read_text()
-    assert "vllm engine failed: its engine process died" in first_log
-    assert re.search(r"episode \S+ failed:", first_log) is None
     restarts = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "rollout_restart"]
-    assert [r["old_address"] for r in restarts] == [first["address"]]
+    assert [r["old_address"] for r in restarts] == [first["address"], second["address"]]
+    assert all("process is gone" in r["cause"] for r in restarts), restarts
+    # The first server said why it went, once, and failed no episode.
+    first_log = (out / "logs" / "rollout-0.log").read_text()
+    assert first_log.count("vllm engine failed: its engine process died") == 1
+    assert re.search(r"episode \S+ failed:", first_log) is None
+    # Nothing of either killed server's vLLM is left running.
+    wait_for(lambda: gone(first_vllm) and gone(second_vllm), timeout=60, what="vLLM leftovers")
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, LOADED_STEPS + 1))
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     groups = [g for b in read_jsonl(out / "batches.jsonl") for g in b["groups"]]
-    assert len({g["task_id"] for g in groups}) == len(groups) == LOADED_STEPS * IN_FLIGHT
+    assert len({g["task_id"] for g in groups}) == len(groups) == STEPS * BATCH

@@ -10,9 +10,11 @@ import os
 import subprocess
 import sys
 
-from areal_servers.rollout.sglang_server import STAND_INS, launch_argv, launch_env
+import pytest
+from areal_servers.rollout.sglang_server import STAND_INS, launch_argv, launch_env, sglang_python
 
 from areal_grpc.config import SglangSettings
+from areal_grpc.errors import FieldError
 
 
 def run_with_stand_ins(code: str) -> str:
@@ -105,3 +107,17 @@ def test_a_cpu_launch_takes_sglangs_cpu_path_with_the_stand_ins_and_fp32():
     assert "--device" not in gpu and "--attention-backend" not in gpu
     assert gpu[gpu.index("--dtype") + 1] == "auto"
     assert launch_env(gpu=True).get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+
+
+def test_a_python_without_sglang_is_refused_naming_the_setting(tmp_path):
+    # A Python whose `import sglang` probe fails: sglang's find_spec comes back None.
+    bare = tmp_path / "python"
+    bare.write_text("#!/bin/sh\nexit 1\n")
+    bare.chmod(0o755)
+    with pytest.raises(FieldError) as info:
+        sglang_python(SglangSettings(python=str(bare)))
+    assert info.value.field == "rollout.sglang.python"
+    assert "./scripts/setup --sglang" in str(info.value)
+    with pytest.raises(FieldError) as missing:
+        sglang_python(SglangSettings(python=str(tmp_path / "no-python")))
+    assert missing.value.field == "rollout.sglang.python"
