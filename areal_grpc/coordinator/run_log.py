@@ -97,6 +97,12 @@ def zero_advantage(stats: trainer_pb2.StepStats, batch: Sequence[Finished]) -> b
     return groups_with_signal(batch) == 0
 
 
+# The trainer's measure of the train/rollout log-prob gap (StepStats.extra): mean and max of
+# |trainer's log-prob - the engine's| over the trained tokens the trained weights sampled, a
+# KL estimate between the two, and how many tokens that was.
+LOGP_GAP_KEYS = ("logp_gap_mean", "logp_gap_max", "logp_gap_kl", "logp_gap_tokens")
+
+
 class SignalWatch:
     """Counts steps in a row whose every advantage was 0, and words the warning a run
     prints when there have been ``every`` of them (and every as many after; see
@@ -256,6 +262,8 @@ class RunLog:
             "sequences": stats.sequences,
             "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
             "staleness_max": max(lags) if lags else 0,
+            # The train/rollout log-prob gap on the step's fresh tokens, when measured.
+            **{k: stats.extra[k] for k in LOGP_GAP_KEYS if k in stats.extra},
         }
 
     def rewind(self, step: int) -> None:

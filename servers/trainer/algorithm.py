@@ -254,6 +254,12 @@ class LossStats:
     capped_tokens: float = 0.0
     # Sum of the KL-loss estimate over the kept tokens (0 without a KL loss).
     kl_sum: float = 0.0
+    # The train/rollout log-prob gap (logp_gap) over the tokens it was measured on: the sum
+    # and max of |trainer - engine|, the sum of the KL estimate, and their count.
+    gap_abs_sum: float = 0.0
+    gap_abs_max: float = 0.0
+    gap_kl_sum: float = 0.0
+    gap_tokens: float = 0.0
 
     @property
     def imp_weight_mean(self) -> float:
@@ -271,6 +277,46 @@ class LossStats:
         self.tokens += other.tokens
         self.capped_tokens += other.capped_tokens
         self.kl_sum += other.kl_sum
+        self.gap_abs_sum += other.gap_abs_sum
+        self.gap_abs_max = max(self.gap_abs_max, other.gap_abs_max)
+        self.gap_kl_sum += other.gap_kl_sum
+        self.gap_tokens += other.gap_tokens
+
+
+def logp_gap(
+    trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor
+) -> LossStats:
+    """The train/rollout gap on the ``mask``ed tokens: the trainer's log-prob of each sampled
+    token (at the version that sampled it) against the one the inference engine reported.
+
+    Sums of |d| and of the KL estimate ``k3 = e^d - 1 - d`` (d = trainer - engine: an unbiased,
+    non-negative estimate of KL(engine || trainer) from the engine's own samples), the
+    largest |d|, and the token count, in float64.
+    """
+    d = trainer_logp.double() - engine_logp.double()
+    m = mask.bool()
+    if not bool(m.any()):
+        return LossStats()
+    d = d[m]
+    return LossStats(
+        gap_abs_sum=float(d.abs().sum()),
+        gap_abs_max=float(d.abs().max()),
+        gap_kl_sum=float((d.exp() - 1.0 - d).sum()),
+        gap_tokens=float(d.numel()),
+    )
+
+
+def gap_stats(abs_sum: float, abs_max: float, kl_sum: float, tokens: float) -> dict[str, float]:
+    """The step's ``logp_gap_*`` statistics (StepStats.extra) from the global sums of
+    :func:`logp_gap`; the mean, max and KL only when some token was measured."""
+    if tokens <= 0:
+        return {"logp_gap_tokens": 0.0}
+    return {
+        "logp_gap_mean": abs_sum / tokens,
+        "logp_gap_max": abs_max,
+        "logp_gap_kl": kl_sum / tokens,
+        "logp_gap_tokens": tokens,
+    }
 
 
 def loglinear_prox_logp(

@@ -36,7 +36,9 @@ import torch.distributed.checkpoint as dcp
 from areal_servers.trainer.algorithm import (
     LossStats,
     compute_advantages,
+    gap_stats,
     loglinear_prox_logp,
+    logp_gap,
     masked_token_logprobs,
     ppo_loss,
     trainable_mask,
@@ -577,10 +579,13 @@ class TrainerEngine:
             if report is not None:
                 report("update", done, total)
 
-        for _ in range(plan.epochs):
-            for part, counts in zip(plan.minis, plan.mini_counts, strict=True):
+        for epoch in range(plan.epochs):
+            for m, (part, counts) in enumerate(zip(plan.minis, plan.mini_counts, strict=True)):
+                # Until the first optimizer step the weights are the ones that sampled the
+                # step's fresh tokens: where the train/rollout gap can be read off exactly.
+                first = epoch == 0 and m == 0
                 grad_norms.append(
-                    self._update(part, counts, prox_mode, scale, stats, approx, trained_one)
+                    self._update(part, counts, prox_mode, scale, stats, approx, trained_one, first)
                 )
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -610,12 +615,16 @@ class TrainerEngine:
                     stats.tokens,
                     stats.capped_tokens,
                     stats.kl_sum,
+                    stats.gap_abs_sum,
+                    stats.gap_kl_sum,
+                    stats.gap_tokens,
                 ],
                 dtype=torch.float64,
                 device=self.device,
             )
         ).tolist()
         imp_max = self._reduce_max_float(stats.imp_weight_max)
+        gap_max = self._reduce_max_float(stats.gap_abs_max)
         tokens = sums[4]
         kept = tokens - sums[5]
         kl = {"kl_loss_mean": sums[6] / kept if kept else 0.0} if self.cfg.ppo.kl_loss_coef else {}
@@ -637,6 +646,7 @@ class TrainerEngine:
             microbatches=len(plan.microbatches),
             extra=self._extra_stats(sums[5], plan.staleness_sum, adv_stats, plan.total_tokens)
             | self._approx_stats(prox_mode, approx, tokens)
+            | gap_stats(sums[7], gap_max, sums[8], sums[9])
             | kl,
         )
 
@@ -649,8 +659,10 @@ class TrainerEngine:
         stats: LossStats,
         approx: torch.Tensor,
         trained_one: Callable[[], None],
+        first: bool = False,
     ) -> float:
-        """One optimizer step over the micro-batches of one mini-batch; its gradient norm."""
+        """One optimizer step over the micro-batches of one mini-batch; its gradient norm.
+        ``first``: no optimizer step of this train step came before it."""
         cfg = self.cfg.ppo
         self.optimizer.zero_grad(set_to_none=True)
         for k, (_, mb) in enumerate(part):
@@ -672,6 +684,7 @@ class TrainerEngine:
             )
             (loss * scale).backward()
             stats.add(mb_stats)
+            stats.add(self._gap(mb, logp, prox_mode, first))
             trained_one()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.grad is not None], self.cfg.optimizer.grad_clip
@@ -680,6 +693,19 @@ class TrainerEngine:
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         return float(grad_norm)
+
+    def _gap(self, mb: Batch, logp: torch.Tensor, prox_mode: str, first: bool) -> LossStats:
+        """The train/rollout log-prob gap (algorithm.logp_gap) on the micro-batch's trained
+        tokens that the weights being trained sampled (version == this step's): recomputed
+        log-probs when the step has them, else this forward's while it is the first update."""
+        if prox_mode in ("recompute", "metrics"):
+            trainer = mb["prox_logp"]
+        elif first:
+            trainer = logp.detach()
+        else:
+            return LossStats()
+        fresh = mb["train_mask"].bool() & (mb["versions"] == self.version)
+        return logp_gap(trainer, mb["logprobs"], fresh)
 
     def _prox_logp(
         self, mb: Batch, current: torch.Tensor, prox_mode: str, approx: torch.Tensor

@@ -108,6 +108,12 @@ def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert [r["version"] for r in train] == list(range(1, steps + 1))
     assert all(r["sequences"] == batch * 2 for r in train)
+    # The train/rollout log-prob gap, on the tokens the trained weights sampled: fp32 on both
+    # sides and the same weights, so float rounding of other kernels (~1e-6 here) only.
+    measured = [r for r in train if r["logp_gap_tokens"] > 0]
+    assert measured, "no step trained a token its own weights sampled"
+    assert max(r["logp_gap_max"] for r in measured) < 1e-4
+    assert all(0 <= r["logp_gap_kl"] < 1e-8 for r in measured)
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 4, 8, 9]
     # Greedy eval over the whole eval split, spread over both servers.

@@ -15,8 +15,10 @@ import torch
 from areal_servers.trainer.algorithm import (
     behaviour_weights,
     compute_advantages,
+    gap_stats,
     kl_estimate,
     loglinear_prox_logp,
+    logp_gap,
     masked_token_logprobs,
     normalize,
     overlong_penalty,
@@ -656,3 +658,28 @@ def test_loglinear_reads_the_pre_step_version_off_a_line_through_behaviour_and_c
         torch.tensor([[-0.75]]), torch.tensor([[-1.5]]), torch.tensor([[1]]), version=3
     )
     assert got.item() == pytest.approx(-1.25, abs=1e-6)
+
+
+def test_the_logp_gaps_kl_estimate_is_the_kl_from_the_engines_distribution_to_the_trainers():
+    """Tokens the engine sampled from q, log-probs of both: the mean k3 estimate converges to
+    KL(q || p), within four standard errors of its own sample, and |d| is what it says."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], dtype=torch.float64)
+    p = torch.tensor([0.3, 0.3, 0.2, 0.1, 0.1], dtype=torch.float64)
+    n = 200_000
+    x = torch.multinomial(q, n, replacement=True, generator=gen)
+    engine, trainer = q.log()[x], p.log()[x]
+    stats = logp_gap(trainer, engine, torch.ones(n, dtype=torch.bool))
+    assert stats.gap_tokens == n
+    d = trainer - engine
+    assert stats.gap_abs_sum == pytest.approx(float(d.abs().sum()))
+    assert stats.gap_abs_max == pytest.approx(float(d.abs().max()))
+    k3 = d.exp() - 1 - d
+    kl = float((q * (q.log() - p.log())).sum())
+    standard_error = float(k3.std()) / math.sqrt(n)
+    assert stats.gap_kl_sum / n == pytest.approx(kl, abs=4 * standard_error)
+    # Masked-out tokens count for nothing, and no token gives no statistics.
+    half = logp_gap(trainer, engine, torch.arange(n) % 2 == 0)
+    assert half.gap_tokens == n // 2
+    assert logp_gap(trainer, engine, torch.zeros(n, dtype=torch.bool)).gap_tokens == 0
+    assert gap_stats(0.0, 0.0, 0.0, 0.0) == {"logp_gap_tokens": 0.0}

@@ -4,6 +4,8 @@ tests/e2e/trainer/test_engine.py)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -289,3 +291,35 @@ def test_update_phase_takes_one_optimizer_step_per_minibatch_and_epoch_and_one_v
     assert (engine.version, engine.global_step) == (1, 1)
     assert stats.tokens == 2 * plan.total_tokens  # every trained token, once per epoch
     assert grad_norm > 0 and max_diff(params(engine), before) > 0
+
+
+@pytest.mark.parametrize("n_minibatches", [1, 2])
+def test_the_logp_gap_is_measured_on_the_tokens_the_trained_weights_sampled(
+    make_batch, n_minibatches
+):
+    """The engine's log-probs set to the model's own on the tokens of the trained version, one
+    of them off by 0.25, and far off on tokens of another version: the gap is that one token's,
+    over the fresh tokens only (read off the training forward in one update, off the proximal
+    pass with mini-batches)."""
+    batch = make_batch()
+    engine = TrainerEngine(ppo_config(fsdp=False, n_minibatches=n_minibatches, epochs=1), POLICY)
+    model = engine.model
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    exact, _ = token_logprobs(logits.double(), batch["input_ids"])
+    mask = trainable_mask(batch["loss_mask"], batch["attention_mask"])
+    other = torch.zeros_like(mask)
+    other[::2] = mask[::2]  # every other row: sampled by another version
+    batch["versions"] = torch.where(other, 7, torch.where(mask, engine.version, -1))
+    fresh = mask & ~other
+    behave = torch.where(other, exact - 3.0, exact)
+    off = fresh.nonzero()[0].tolist()
+    behave[off[0], off[1]] -= 0.25
+    batch["logprobs"] = behave.float() * batch["loss_mask"]
+    extra = engine.train_step(batch).extra
+    assert extra["logp_gap_tokens"] == int(fresh.sum())
+    # The rest agree to float32 rounding of the engine's log-probs (|logp| < 10: < 1e-6).
+    assert extra["logp_gap_max"] == pytest.approx(0.25, abs=1e-5)
+    assert extra["logp_gap_mean"] == pytest.approx(0.25 / int(fresh.sum()), abs=1e-5)
+    d = 0.25  # k3 = e^d - 1 - d of the one token off
+    assert extra["logp_gap_kl"] == pytest.approx((math.exp(d) - 1 - d) / int(fresh.sum()), rel=1e-3)

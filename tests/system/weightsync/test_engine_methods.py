@@ -1,11 +1,12 @@
-"""Weights into vLLM by every negotiated method (real vLLM, CPU build).
+"""Weights into vLLM and SGLang by every negotiated method (real vLLM, CPU build; real SGLang,
+its CPU path).
 
-Two real ``areal-trainer`` processes (FSDP2 over gloo, the built-in tiny model vLLM's CPU
-attention serves) train a step, then the coordinator's fleet update moves the weights by one
-method into a rollout server on vLLM. Every method lands through the engine's one receiving
-path (vLLM's layerwise reload in its worker); greedy tokens and log-probs must then equal an
-hf engine loaded from the trainer's own HF export. With LoRA, only the adapters travel and
-vLLM serves them as a run-time adapter per version.
+Two real ``areal-trainer`` processes (FSDP2 over gloo, the built-in tiny model both serve)
+train a step, then the coordinator's fleet update moves the weights by one method into a
+rollout server on the engine. Every method lands (vLLM: through its layerwise reload in its
+worker; SGLang: from files, or from the sender's gloo group, which it joins itself); greedy
+tokens and log-probs must then equal an hf engine loaded from the trainer's own HF export.
+With LoRA, only the adapters travel and vLLM serves them as a run-time adapter per version.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import pytest
 from areal_clients.fleet import update_fleet_weights
 from areal_servers.rollout.engine import SamplingConfig
 from areal_servers.rollout.hf_engine import HFEngine
+from areal_servers.rollout.sglang_engine import SGLangEngine
 from areal_servers.rollout.vllm_engine import VLLMEngine
 from peft import PeftModel
 
 from areal_grpc.config import LoraSettings, ModelConfig, RolloutConfig, VllmSettings
 from areal_grpc.model import load_model
+from tests.support.sglang import SETTINGS as SGLANG_SETTINGS
 from tests.support.weightsync import MakeRollout, Rollout, Trainers, start_trainers, stop_trainers
 
 TINY = "builtin:tiny"
@@ -29,7 +32,7 @@ SETTINGS = VllmSettings(kv_cache_gib=0.25, max_model_len=256, max_num_seqs=16)
 LORA = LoraSettings(rank=4, alpha=8.0)
 PROMPT = [5, 17, 42, 99, 7, 64, 128, 3]
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
-# vLLM's CPU kernels against transformers' eager fp32 forward.
+# vLLM's and SGLang's CPU kernels against transformers' eager fp32 forward.
 LOGPROB_TOL = 2e-4
 
 
@@ -109,6 +112,33 @@ def test_every_method_lands_in_vllm_and_it_serves_the_trained_weights(
     # The weights really moved.
     assert served_greedy(rollout)[1] != pytest.approx(initial[1], abs=1e-3)
     assert rollout.fatal == []  # type: ignore[attr-defined]
+
+
+def test_every_method_lands_in_sglang_and_it_serves_the_trained_weights(
+    sglang_installed: None, tiny_trainers: Trainers, make_rollout: MakeRollout
+) -> None:
+    deaths: list[str] = []
+    engine = SGLangEngine(TINY, SGLANG_SETTINGS)
+    engine.on_death(deaths.append)
+    rollout = make_rollout(disk_root=tiny_trainers.weights_root, engine=engine)
+    initial = served_greedy(rollout)
+    for method in ("stream", "disk", "distributed", "socket", "shared_memory"):
+        version = tiny_trainers.train_step()
+        result = asyncio.run(
+            update_fleet_weights(
+                tiny_trainers.addresses, [rollout.address], methods=(method,), timeout_s=120
+            )
+        )
+        assert result.failed_servers == [], [s.error for s in result.servers]
+        assert [s.method for s in result.servers] == [method]
+        assert result.version == version == rollout.version()
+        ids, logprobs = served_greedy(rollout)
+        export = tiny_trainers.export(f"sglang-{method}-v{version}")
+        want_ids, want_logprobs = hf_greedy(str(export))
+        assert ids == want_ids, method
+        assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_TOL), method
+    assert served_greedy(rollout)[1] != pytest.approx(initial[1], abs=1e-3)
+    assert deaths == []
 
 
 @pytest.mark.parametrize("method", ["stream", "disk"])
