@@ -78,13 +78,11 @@ __all__ = [
 
 Engine = Literal["hf", "vllm", "sglang"]
 ENGINES: tuple[str, ...] = get_args(Engine)
-# Model dtypes the vllm engine loads.
-VllmDtype = Literal["float32", "bfloat16", "float16"]
-VLLM_DTYPES: tuple[str, ...] = get_args(VllmDtype)
+# The dtype a rollout engine serves the model in; auto: bf16 where the hardware has fast bf16
+# units, else fp32 (areal_grpc.precision).
+Precision = Literal["auto", "float32", "bfloat16", "float16"]
 # What a pause for a weight update does to vLLM's requests in flight (rollout.vllm.pause_mode).
 VllmPauseMode = Literal["abort", "keep"]
-# Model dtypes an SGLang server loads ("auto": float32 on a CPU, the checkpoint's on a GPU).
-SglangDtype = Literal["auto", "float32", "bfloat16", "float16"]
 # What a pause for a weight update does to SGLang's requests in flight (rollout.sglang.pause_mode).
 SglangPauseMode = Literal["abort", "retract"]
 Backend = Literal["auto", "gloo", "nccl"]
@@ -308,10 +306,6 @@ class VllmSettings:
         " hold one sequence of this length).",
         ge=0,
     )
-    dtype: VllmDtype = setting(
-        "float32",
-        help="The dtype vLLM loads the model in (fp32 on CPUs without fast bf16).",
-    )
     reserved_cpus: int | None = setting(
         None,
         help="CPU cores vLLM keeps for its own scheduler process (None: vLLM's default, one); "
@@ -384,12 +378,6 @@ class SglangSettings:
         ".venv-sglang/bin/python of this checkout (./scripts/setup --sglang) when it exists, "
         "else this Python.",
     )
-    dtype: SglangDtype = setting(
-        "auto",
-        help="The dtype SGLang loads the model in; auto: float32 on a CPU (SGLang would take "
-        "float16 there, whose log-probs differ from the trainer's by ~2e-2), the checkpoint's on "
-        "a GPU.",
-    )
     kv_cache_tokens: int = setting(
         8192,
         help="Tokens SGLang's KV cache holds (its --max-total-tokens; on a CPU it would size the "
@@ -456,6 +444,12 @@ class RolloutConfig:
     device: Device = setting(
         "auto",
         help="Where the rollout servers generate; auto: a GPU when one is visible, else the CPU.",
+    )
+    dtype: Precision = setting(
+        "auto",
+        help="The dtype every engine serves the model in; auto: bfloat16 where the hardware has "
+        "fast bf16 units (a CUDA GPU, a CPU with AMX-BF16 or AVX512-BF16), else float32. "
+        "Log-probs are computed in float32 either way.",
     )
     workflow: str = setting(
         "rlvr",
@@ -748,8 +742,10 @@ class TrainerConfig:
     )
     mixed_precision: MixedPrecision = setting(
         "auto",
-        help="bf16 compute with fp32 gradient reduction; auto: on GPUs that support it, off on "
-        "CPUs.",
+        help="bf16 compute (FSDP2's parameter casts, or autocast without FSDP) with weights, "
+        "optimizer state, log-probs, the loss and gradient reduction in trainer.dtype; auto: on "
+        "where the hardware has fast bf16 units (a CUDA GPU, a CPU with AMX-BF16 or "
+        "AVX512-BF16) and trainer.dtype is float32.",
     )
     fsdp: bool = setting(
         True,
@@ -1302,6 +1298,8 @@ REPLACED_KEYS = {
     "trainer.ppo.behav_imp_weight_cap": "trainer.ppo.rejection.upper (null: rejection.metric=none)",
     "trainer.ppo.behav_imp_weight_mode": "trainer.ppo.rejection.action",
     "rollout.sglang_urls": "rollout.sglang.urls",
+    "rollout.vllm.dtype": "rollout.dtype",
+    "rollout.sglang.dtype": "rollout.dtype",
 }
 
 
@@ -1371,11 +1369,11 @@ def load_config(
             algorithm = str(value)
     cfg = _merge(OmegaConf.structured(RunConfig), algorithm_settings(algorithm), "algorithm")
     for where, data in files:
-        cfg = _merge(cfg, data, where)
+        cfg = _merge(cfg, _on_off(data, RunConfig), where)
     for key, value in parsed:
         # One override at a time, so an error names the override's key even when OmegaConf
         # does not (e.g. a scalar given for a whole section).
-        cfg = _merge(cfg, _nested(key, value), key)
+        cfg = _merge(cfg, _on_off(_nested(key, value), RunConfig), key)
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -1385,6 +1383,25 @@ def load_config(
         raise TypeError(f"expected RunConfig, got {type(obj).__name__}")
     validate_config(obj, sections)
     return obj
+
+
+def _on_off(data: Any, cls: type) -> Any:
+    """``data`` (a section of ``cls``) with YAML's booleans read back as "on" / "off" where
+    the setting's choices are those words: YAML 1.1 reads a bare ``off`` as false."""
+    if not isinstance(data, dict) or not is_dataclass(cls):
+        return data
+    hints = typing.get_type_hints(cls)
+    out = dict(data)
+    for key, value in data.items():
+        hint = hints.get(key) if isinstance(key, str) else None
+        if hint is None:
+            continue
+        if isinstance(value, bool) and typing.get_origin(hint) is Literal:
+            if {"on", "off"} <= set(get_args(hint)):
+                out[key] = "on" if value else "off"
+        elif isinstance(hint, type) and is_dataclass(hint):
+            out[key] = _on_off(value, hint)
+    return out
 
 
 def _where(path: str) -> str:

@@ -65,10 +65,15 @@ def step_rewards(records: list[dict[str, Any]]) -> list[float]:
     return [round(r["reward_mean"], 3) for r in records if r["kind"] == "train"]
 
 
+# Run config overrides every run takes last (``--set``), e.g. rollout.dtype=float32.
+EXTRA: list[str] = []
+
+
 def run_coordinator(out: Path, args: list[str], timeout_s: float) -> tuple[int, float]:
-    """The coordinator with ``args`` until it exits (or ``timeout_s``); (exit code, wall s)."""
+    """The coordinator with ``args`` (and ``--set``'s) until it exits (or ``timeout_s``);
+    (exit code, wall s)."""
     start = time.monotonic()
-    with coordinator(args, out / "coordinator.log") as proc:
+    with coordinator([*args, *EXTRA], out / "coordinator.log") as proc:
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -230,7 +235,16 @@ def main() -> int:
     parser.add_argument(
         "--timeout-s", type=float, default=7200.0, help="per run; a run cut short has not reached"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a run config override for every run of the default and arith examples "
+        "(repeatable), e.g. --set rollout.dtype=float32",
+    )
     args = parser.parse_args()
+    EXTRA.extend(args.set)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     names = [n for n in args.examples.split(",") if n]
     unknown = sorted(set(names) - set(RUNS))

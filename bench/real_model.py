@@ -42,6 +42,13 @@ target); ``--vllm-reserved-cpus 0`` gives vLLM's model worker every core instead
 for its scheduler (the cases get ``_allcores``), and ``--vllm-reserved-cpus default,0`` runs
 both before the one hf run. Only the learning case runs with it.
 
+``--dtype bf16`` runs only bf16 against fp32, side by side: ``real_model_rollout_bf16`` (the
+rollout case's RunEpisodes rounds on a server with ``rollout.dtype=bfloat16`` and one with
+``float32``, alternating; ``_vllm`` with ``--engine vllm``), its ``_memory`` (peak RSS of each
+server's process tree), and ``real_model_train_bf16`` (``bench/train_step.py
+--compare-precision`` on the real model: trainer.mixed_precision on vs off) with its
+``_memory``; each ratio is bf16's over fp32's.
+
 ``--quick`` skips the learning and time-to-target runs and takes memory from a
 3-step run of the example instead; about 10 minutes on 2 cores::
 
@@ -93,6 +100,19 @@ EXAMPLE = ROOT / "examples" / "smollm2_arith.yaml"
 BENCH = Path(__file__).resolve().parent
 # Where the mesh's servers and every baseline keep the model (``--device``).
 DEVICE = "cpu"
+
+
+def real_train_step_args(model_dir: str) -> list[str]:
+    """bench/train_step.py's options for the real model: arithmetic-sized sequences."""
+    return [
+        f"--model={model_dir}",
+        "--groups=8",
+        "--group-size=8",
+        "--prompt-median=40",
+        "--response-median=8",
+        "--max-seq-len=128",
+        "--steps=3",
+    ]
 
 
 def named(case: str) -> str:
@@ -450,17 +470,21 @@ def first_at(evals: list[dict[str, Any]], target: float) -> float:
 # ------------------------------------------------------------------ rollout throughput
 
 
-def rollout_case(model_dir: str, threads: int, repeats: int) -> None:
-    """RunEpisodes on a rollout server subprocess vs model.generate in this process."""
-    tokenizer = load_tokenizer(model_dir)
-    items = [
+ROLLOUT_GROUPS, ROLLOUT_NEW = 8, 16
+ROLLOUT_SYSTEM = "Answer with just the number."
+
+
+def rollout_items() -> list[dict[str, str]]:
+    """The rollout cases' 8 chat questions."""
+    return [
         {"question": f"What is {a} + {b}?", "answer": str(a + b)}
         for a, b in zip(range(11, 19), range(31, 39), strict=True)
     ]
-    groups, new = 8, 16
-    system = "Answer with just the number."
-    prompts = [chat_ids(tokenizer, system, it["question"]) for it in items]
-    server = start_child(
+
+
+def start_rollout_server(model_dir: str, threads: int, *overrides: str) -> Any:
+    """A rollout server subprocess on the real model (run config ``overrides`` last)."""
+    return start_child(
         "rollout",
         python_module_argv(
             "areal_servers.rollout",
@@ -469,37 +493,52 @@ def rollout_case(model_dir: str, threads: int, repeats: int) -> None:
             f"model.source={model_dir}",
             f"rollout.torch_threads={threads}",
             f"rollout.device={DEVICE}",
+            *overrides,
         ),
         env={"OMP_NUM_THREADS": str(threads)},
-        ready_timeout_s=300,
+        ready_timeout_s=600,
     )
+
+
+async def episodes_round(address: str, prompts: list[list[int]]) -> tuple[int, float]:
+    """(generated tokens, seconds) of one RunEpisodes round on the server at ``address``:
+    each of the rollout items as a group of ROLLOUT_GROUPS, ROLLOUT_NEW tokens each."""
+    sampling = common_pb2.SamplingParams(
+        temperature=1.0, max_new_tokens=ROLLOUT_NEW, ignore_eos=True
+    )
+    params = {"chat_template": "on", "system_prompt": ROLLOUT_SYSTEM, "reward_fn": "gsm8k"}
+    tasks = []
+    for i, it in enumerate(rollout_items()):
+        task = rollout_pb2.EpisodeTask(
+            task_id=f"t{i}", workflow="rlvr", group_size=ROLLOUT_GROUPS, sampling=sampling
+        )
+        task.data.update(it)
+        task.workflow_params.update(params)
+        tasks.append(rollout_pb2.RunEpisodesRequest(task=task))
+    async with aio_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        t0 = time.perf_counter()
+        tokens = 0
+        async for res in stub.RunEpisodes(iter(tasks)):
+            if res.outcome != rollout_pb2.EPISODE_OUTCOME_ACCEPTED:
+                raise RuntimeError(f"{res.task_id}: {res.reason}")
+            for traj in res.group.trajectories:
+                if list(traj.token_ids[: traj.prompt_length]) != prompts[int(res.task_id[1:])]:
+                    raise RuntimeError("the server rendered another prompt")
+                tokens += len(traj.token_ids) - traj.prompt_length
+        return tokens, time.perf_counter() - t0
+
+
+def rollout_case(model_dir: str, threads: int, repeats: int) -> None:
+    """RunEpisodes on a rollout server subprocess vs model.generate in this process."""
+    tokenizer = load_tokenizer(model_dir)
+    items = rollout_items()
+    groups, new = ROLLOUT_GROUPS, ROLLOUT_NEW
+    prompts = [chat_ids(tokenizer, ROLLOUT_SYSTEM, it["question"]) for it in items]
+    server = start_rollout_server(model_dir, threads, "rollout.dtype=float32")
     torch.set_num_threads(threads)
     model = load_model(model_dir).to(DEVICE)
     model.eval()
-    params = {"chat_template": "on", "system_prompt": system, "reward_fn": "gsm8k"}
-
-    async def grpc_round() -> tuple[int, float]:
-        sampling = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)
-        tasks = []
-        for i, it in enumerate(items):
-            task = rollout_pb2.EpisodeTask(
-                task_id=f"t{i}", workflow="rlvr", group_size=groups, sampling=sampling
-            )
-            task.data.update(it)
-            task.workflow_params.update(params)
-            tasks.append(rollout_pb2.RunEpisodesRequest(task=task))
-        async with aio_channel(server.address) as channel:
-            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-            t0 = time.perf_counter()
-            tokens = 0
-            async for res in stub.RunEpisodes(iter(tasks)):
-                if res.outcome != rollout_pb2.EPISODE_OUTCOME_ACCEPTED:
-                    raise RuntimeError(f"{res.task_id}: {res.reason}")
-                for traj in res.group.trajectories:
-                    if list(traj.token_ids[: traj.prompt_length]) != prompts[int(res.task_id[1:])]:
-                        raise RuntimeError("the server rendered another prompt")
-                    tokens += len(traj.token_ids) - traj.prompt_length
-            return tokens, time.perf_counter() - t0
 
     def generate_round() -> tuple[int, float]:
         ids, mask = left_pad(prompts, tokenizer.pad_token_id)
@@ -520,13 +559,13 @@ def rollout_case(model_dir: str, threads: int, repeats: int) -> None:
         return (out.shape[1] - ids.shape[1]) * out.shape[0], time.perf_counter() - t0
 
     try:
-        asyncio.run(grpc_round())
+        asyncio.run(episodes_round(server.address, prompts))
         generate_round()
         ours, theirs = [], []
         for r in range(repeats):
             for side in ("grpc", "generate") if r % 2 == 0 else ("generate", "grpc"):
                 if side == "grpc":
-                    ours.append(asyncio.run(grpc_round()))
+                    ours.append(asyncio.run(episodes_round(server.address, prompts)))
                 else:
                     theirs.append(generate_round())
     finally:
@@ -542,6 +581,60 @@ def rollout_case(model_dir: str, threads: int, repeats: int) -> None:
         f"({len(items)} prompts x {groups} x {new} tokens, {threads} thread(s), {repeats} rounds)"
     )
     result(named("real_model_rollout"), value, "tok/s", base, "0.9")
+
+
+def rollout_dtype_case(model_dir: str, threads: int, repeats: int, engine: str) -> None:
+    """RunEpisodes tok/s and peak RSS of a rollout server in bf16 vs one in fp32, the rounds
+    alternating between them (``real_model_rollout_bf16``, ratio = bf16 / fp32)."""
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [chat_ids(tokenizer, ROLLOUT_SYSTEM, it["question"]) for it in rollout_items()]
+    engine_args = [f"rollout.engine={engine}"]
+    if engine == "vllm":
+        engine_args += ["rollout.vllm.kv_cache_gib=1", "rollout.vllm.max_model_len=512"]
+    servers = {}
+    try:
+        for dtype in ("float32", "bfloat16"):
+            servers[dtype] = start_rollout_server(
+                model_dir, threads, *engine_args, f"rollout.dtype={dtype}"
+            )
+        rates: dict[str, list[float]] = {d: [] for d in servers}
+        for server in servers.values():
+            asyncio.run(episodes_round(server.address, prompts))  # warm-up
+        for r in range(repeats):
+            for dtype in ("float32", "bfloat16") if r % 2 == 0 else ("bfloat16", "float32"):
+                n, secs = asyncio.run(episodes_round(servers[dtype].address, prompts))
+                rates[dtype].append(n / secs)
+        peak = {d: tree_rss_gib(s.process.pid) for d, s in servers.items()}
+    finally:
+        stop_children(list(servers.values()))
+    fp32, bf16 = (statistics.median(rates[d]) for d in ("float32", "bfloat16"))
+    for dtype in ("float32", "bfloat16"):
+        print(
+            f"rollout {engine} {dtype}: {' '.join(f'{x:.0f}' for x in rates[dtype])} tok/s "
+            f"(median {statistics.median(rates[dtype]):.0f}), peak RSS {peak[dtype]:.2f} GiB"
+        )
+    suffix = "" if engine == "hf" else f"_{engine}"
+    result(named(f"real_model_rollout_bf16{suffix}"), bf16, "tok/s", fp32, "1.8")
+    result(
+        named(f"real_model_rollout_bf16{suffix}_memory"),
+        peak["bfloat16"],
+        "GiB",
+        peak["float32"],
+        "none",
+    )
+
+
+def tree_rss_gib(pid: int) -> float:
+    """The peak resident memory (VmHWM) of process ``pid`` and of each of its descendants,
+    summed, in GiB."""
+    proc = psutil.Process(pid)
+    total_kib = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{p.pid}/status").read_text()
+            found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+            total_kib += int(found.group(1)) if found else 0
+    return total_kib / (1 << 20)
 
 
 # ------------------------------------------------------------------ the existing benchmarks
@@ -648,6 +741,13 @@ def main() -> int:
         help="--engine vllm: rollout.vllm.reserved_cpus values, comma-separated, one run each "
         "(default: vLLM's own, one core; 0: every core to vLLM's worker)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: only rollout and train in bf16 against fp32, side by side "
+        "(real_model_rollout_bf16[_vllm], real_model_train_bf16), on --engine",
+    )
     parser.add_argument("--plain-loop", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global DEVICE
@@ -668,6 +768,22 @@ def main() -> int:
             tmp.mkdir(parents=True, exist_ok=True)
         else:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-real-model-")))
+        if args.dtype == "bf16":
+            if "rollout" not in skip:
+                rollout_dtype_case(model_dir, args.threads, args.repeats, args.engine)
+            if "train" not in skip:
+                relabel(
+                    [
+                        str(BENCH / "train_step.py"),
+                        "--compare-precision",
+                        *real_train_step_args(model_dir),
+                    ],
+                    {
+                        "train_step_bf16": named("real_model_train_bf16"),
+                        "train_step_bf16_memory": named("real_model_train_bf16_memory"),
+                    },
+                )
+            return 0
         if args.engine == "vllm":
             vllm_learning(tmp, args)
             return 0
@@ -715,13 +831,7 @@ def main() -> int:
             relabel(
                 [
                     str(BENCH / "train_step.py"),
-                    f"--model={model_dir}",
-                    "--groups=8",
-                    "--group-size=8",
-                    "--prompt-median=40",
-                    "--response-median=8",
-                    "--max-seq-len=128",
-                    "--steps=3",
+                    *real_train_step_args(model_dir),
                     "--mb-trials=1",
                 ],
                 {"train_step": "real_model_train"},

@@ -35,6 +35,13 @@ in-process, and padding waste of the FFD token-budget packer vs fixed micro-batc
    sigma 1.0), capped at 8192), averaged over ``--mb-trials`` shards of ``--mb-groups`` groups.
 
 Reported figures are medians over the timed steps (tok/s) and means over the trials (waste).
+3. ``train_step_bf16`` (``--compare-precision``, instead of 1 and 2): trained tokens/s of
+   the same TrainStep on two 2-rank trainer groups, one computing in bf16
+   (``trainer.mixed_precision=on``: FSDP2 casts the parameters to bf16 for the forward and
+   backward, gradients are reduced and the optimizer steps in fp32) and one in fp32 (``off``),
+   the steps alternating between them; ratio = bf16 / fp32. ``train_step_bf16_memory``: the
+   peak RSS of each group's ranks.
+
 Default run: about a minute on 2 CPU cores::
 
     .venv/bin/python bench/train_step.py [--steps 8] [--groups 8] [--group-size 4]
@@ -46,6 +53,7 @@ import argparse
 import math
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -258,9 +266,17 @@ class Workers:
 class GrpcRanks:
     """Two areal-trainer processes driven through TrainStep."""
 
-    def __init__(self, args: argparse.Namespace, log_dir: Path, children: list[Child]) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        log_dir: Path,
+        children: list[Child],
+        *overrides: str,
+        name: str = "trainer",
+    ) -> None:
         port = free_port()
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.children: list[Child] = []
         self.channels = []
         self.stubs = []
         for rank in range(WORLD):
@@ -273,9 +289,11 @@ class GrpcRanks:
                 "--master-addr=127.0.0.1",
                 f"--master-port={port}",
                 *trainer_flags(args),
+                *overrides,
             )
-            child = start_child(f"trainer{rank}", argv, log_dir=log_dir, env=env)
+            child = start_child(f"{name}{rank}", argv, log_dir=log_dir, env=env)
             children.append(child)
+            self.children.append(child)
             channel = sync_channel(child.address)
             self.channels.append(channel)
             self.stubs.append(trainer_pb2_grpc.TrainerServiceStub(channel))
@@ -406,6 +424,59 @@ def summary(name: str, samples: list[tuple[float, int, float]]) -> float:
     return med
 
 
+def peak_rss_gib(children: list[Child]) -> float:
+    """The peak resident memory (VmHWM) of ``children``, summed, in GiB."""
+    total_kib = 0
+    for child in children:
+        status = Path(f"/proc/{child.process.pid}/status").read_text()
+        found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+        total_kib += int(found.group(1)) if found else 0
+    return total_kib / (1 << 20)
+
+
+def precision_main(args: argparse.Namespace) -> None:
+    """``--compare-precision``: the same TrainStep on two trainer groups, fp32 compute and
+    bf16 compute (trainer.mixed_precision off / on), steps alternating between them."""
+    torch.set_num_threads(1)
+    total = args.warmup + args.steps
+    messages = [
+        [step_messages(s, rank) for rank in shards(step_groups(args, s))] for s in range(total)
+    ]
+    print(
+        f"train step precision: {args.model}, 2 ranks FSDP2 over gloo, {args.groups} groups x "
+        f"{args.group_size} per step, {args.warmup} warm-up + {args.steps} timed steps per side",
+        flush=True,
+    )
+    children: list[Child] = []
+    sides: dict[str, GrpcRanks] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        try:
+            for label, setting in (("fp32", "off"), ("bf16", "on")):
+                sides[label] = GrpcRanks(
+                    args,
+                    Path(tmp),
+                    children,
+                    f"trainer.mixed_precision={setting}",
+                    name=f"trainer-{label}-",
+                )
+            samples: dict[str, list[tuple[float, int, float]]] = {k: [] for k in sides}
+            for s in range(total):
+                for label in ("fp32", "bf16") if s % 2 == 0 else ("bf16", "fp32"):
+                    sample = sides[label].step(messages[s])
+                    if s >= args.warmup:
+                        samples[label].append(sample)
+            peaks = {label: peak_rss_gib(side.children) for label, side in sides.items()}
+        finally:
+            for side in sides.values():
+                side.close()
+            stop_children(children)
+    rates = {label: summary(f"{label} compute", samples[label]) for label in samples}
+    for label, peak in peaks.items():
+        print(f"  {label} compute: peak RSS of its 2 ranks {peak:.2f} GiB", flush=True)
+    result("train_step_bf16", rates["bf16"], "tok/s", rates["fp32"], "1.3")
+    result("train_step_bf16_memory", peaks["bf16"], "GiB", peaks["fp32"], "none")
+
+
 def driver_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     total = args.warmup + args.steps
@@ -488,12 +559,17 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--master-port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--compare-precision",
+        action="store_true",
+        help="train_step_bf16 instead: bf16 compute vs fp32 compute, both through TrainStep",
+    )
     args = parser.parse_args()
     if args.worker:
         worker_main(args)
     else:
         signal.signal(signal.SIGTERM, exit_on_sigterm)
-        driver_main(args)
+        (precision_main if args.compare_precision else driver_main)(args)
 
 
 if __name__ == "__main__":

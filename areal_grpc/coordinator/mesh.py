@@ -36,6 +36,7 @@ from areal_grpc.launch import (
     stop_children,
 )
 from areal_grpc.ports import free_port
+from areal_grpc.precision import bf16_compute, choose_dtype
 from areal_grpc.server_config import config_argv
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Mesh",
     "MeshStartCancelled",
     "check_sglang_url",
+    "local_precision",
     "rollout_argv",
     "start_local_mesh",
     "trainer_argv",
@@ -108,6 +110,22 @@ def cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_precision(cfg: RunConfig) -> str:
+    """What the rollout engines and the trainer compute in on this machine, and why: the
+    line a local run prints at start."""
+    r = cfg.rollout
+    gpu = r.device == "cuda" or (r.device == "auto" and cuda_device_count() > 0)
+    dtype, why = choose_dtype(r.dtype, "cuda" if gpu else "cpu")
+    t = cfg.trainer
+    # Rank 1's device is rank 0's kind, without rank 0's warning (start_mesh gives that).
+    device = local_trainer_device(cfg, 1).partition(":")[0]
+    mixed, mixed_why = bf16_compute(t.mixed_precision, t.dtype, device)
+    return (
+        f"precision: rollout {dtype} ({why}); trainer {'bfloat16' if mixed else t.dtype} "
+        f"compute, {t.dtype} weights ({mixed_why})"
+    )
 
 
 def local_trainer_device(cfg: RunConfig, rank: int) -> str:

@@ -27,6 +27,7 @@ from areal_grpc.config import RunConfig, to_yaml
 from areal_grpc.coordinator.gateway_process import GatewayProcess
 from areal_grpc.coordinator.launcher import Mesh, fleet_launcher, new_mesh, start_mesh
 from areal_grpc.coordinator.loop import Coordinator, RunResult, fleet_available, fleet_weight_sync
+from areal_grpc.coordinator.mesh import local_precision
 from areal_grpc.coordinator.service import CoordinatorServicer, Worker, WorkerHooks
 from areal_grpc.errors import FieldError
 from areal_grpc.launch import Child
@@ -113,6 +114,8 @@ class Run:
                 print(f"model: {cfg.model.source} -> {source}", flush=True)
                 model = dataclasses.replace(cfg.model, source=source)
                 self.cfg = dataclasses.replace(cfg, model=model)
+            # Ray nodes and attached servers decide on their own hardware and log it there.
+            print(local_precision(cfg), flush=True)
         # Every channel this process opens (health probes, rollout and trainer clients, the
         # fleet update) speaks the run's TLS and token; restored at the end for in-process
         # callers.

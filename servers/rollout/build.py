@@ -50,6 +50,7 @@ def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
             run.model.source,
             r.vllm,
             seed=run.model.seed,
+            dtype=r.dtype,
             lora=run.model.lora,
             max_adapters=r.max_adapters,
             max_adapter_bytes=int(r.max_adapter_mib * MiB),
@@ -58,7 +59,12 @@ def create_engine(run: RunConfig, sglang_url: str = "") -> InferenceEngine:
         from areal_servers.rollout.sglang_engine import SGLangEngine
 
         return SGLangEngine(
-            run.model.source, r.sglang, url=sglang_url, seed=run.model.seed, lora=run.model.lora
+            run.model.source,
+            r.sglang,
+            url=sglang_url,
+            seed=run.model.seed,
+            dtype=r.dtype,
+            lora=run.model.lora,
         )
     return HFEngine(run.model, run.rollout)
 

@@ -48,6 +48,7 @@ from areal_grpc.named_adapters import (
     check_adapter_name,
     remove_adapter,
 )
+from areal_grpc.precision import choose_dtype
 from areal_grpc.tensor_codec import MiB
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class HFEngine(InferenceEngine):
         model: PreTrainedModel | None = None,
     ) -> None:
         """Serves the run's ``policy`` (its ``model`` section) under its ``rollout`` section
-        (device, max_running_requests, max_batch_tokens); ``model``: an already loaded one."""
+        (device, dtype, max_running_requests, max_batch_tokens); ``model``: an already loaded one,
+        served in its own dtype."""
         self.policy = policy or ModelConfig()
         self.rollout = rollout or RolloutConfig()
         device = self.rollout.device
@@ -82,7 +84,13 @@ class HFEngine(InferenceEngine):
         self.device = torch.device(device)
         self.model_name = self.policy.source
         if model is None:
-            model = load_model(self.policy.source, seed=self.policy.seed, lora=self.policy.lora)
+            name, why = choose_dtype(self.rollout.dtype, self.device.type)
+            dtype = getattr(torch, name)
+            model = load_model(
+                self.policy.source, seed=self.policy.seed, dtype=dtype, lora=self.policy.lora
+            )
+        else:
+            dtype, why = next(model.parameters()).dtype, "the model given"
         self._model = model.to(self.device)
         self._model.eval()
         # What a weight update must bring: every tensor, or with LoRA the adapters only (the
@@ -95,7 +103,7 @@ class HFEngine(InferenceEngine):
         self._params = dict(self._model.named_parameters(remove_duplicate=False))
         self._required = adapter_names(self._model) if self.adapters_only else set(self._state)
         self._model.requires_grad_(False)
-        log.info("hf engine: %s on %s", self.model_name, self.device)
+        log.info("hf engine: %s on %s in %s (%s)", self.model_name, self.device, dtype, why)
         tokenizer = load_tokenizer(self.policy.source) if model is None else None
         mcfg = self._model.config
         self.vocab_size = int(mcfg.vocab_size)

@@ -15,9 +15,9 @@ What was checked against the real server on a CPU, and how the engine contract i
   vocabulary, before top-p / top-k truncation (SGLang's sampler divides by T, takes the
   softmax, and truncates a sorted copy): our convention, so every sampling setting is taken.
   Greedy requests get ``log_softmax(logits)``. In float32 they match the trainer's to ~1e-5
-  (SGLang loads float16 on a CPU unless told: ``rollout.sglang.dtype`` ``auto`` is float32
-  there). ``sampling.seed`` is refused: SGLang honours seeds in its deterministic mode only,
-  which its CPU attention does not offer.
+  (SGLang loads float16 on a CPU unless told: a launched server is always given
+  ``rollout.dtype``'s choice). ``sampling.seed`` is refused: SGLang honours seeds in its
+  deterministic mode only, which its CPU attention does not offer.
 * Cancelling a request sends ``POST /abort_request {"rid"}`` (and closes its connection).
 * Per-token policy versions: every update names its version (``weight_version``), and each
   token takes the version of the ``meta_info.weight_versions`` span it lies in.
@@ -112,6 +112,7 @@ from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.model import load_tokenizer
 from areal_grpc.paths import remove_owned
 from areal_grpc.ports import free_port
+from areal_grpc.precision import choose_dtype
 from areal_grpc.shared_memory import own_root
 from areal_grpc.weight_transfer import GroupParams
 
@@ -305,6 +306,7 @@ class SGLangEngine(InferenceEngine):
         *,
         url: str = "",
         seed: int = 0,
+        dtype: str = "float32",
         lora: LoraSettings | None = None,
         request_timeout_s: float = 3600.0,
         request_retries: int = 3,
@@ -312,7 +314,8 @@ class SGLangEngine(InferenceEngine):
         lora_name: str = "areal",
     ) -> None:
         """Serves ``model`` (a named model, a local checkpoint or a built-in one) on the SGLang
-        server at ``url``, or on one it launches when ``url`` is empty (:meth:`start`)."""
+        server at ``url``, or on one it launches in ``dtype`` (a rollout.dtype setting) when
+        ``url`` is empty (:meth:`start`)."""
         self.settings = settings or SglangSettings()
         self.model_name = model
         self.seed = seed
@@ -323,6 +326,7 @@ class SGLangEngine(InferenceEngine):
         self.request_retries = request_retries
         self.retry_wait_s = retry_wait_s
         self.lora_name = lora_name
+        self.dtype = dtype
         self.process: SGLangProcess | None = None
         self._version = 0
         self._gate = PauseGate()
@@ -376,8 +380,17 @@ class SGLangEngine(InferenceEngine):
             python = await asyncio.to_thread(sglang_python, self.settings)
             port = free_port()
             self.url = f"http://127.0.0.1:{port}"
+            dtype, why = choose_dtype(self.dtype, "cuda" if self.gpu else "cpu")
+            log.info("sglang engine: serving %s in %s (%s)", self.model_name, dtype, why)
             argv = launch_argv(
-                python, served, port, self.settings, seed=self.seed, gpu=self.gpu, lora=self.lora
+                python,
+                served,
+                port,
+                self.settings,
+                seed=self.seed,
+                dtype=dtype,
+                gpu=self.gpu,
+                lora=self.lora,
             )
             self.process = SGLangProcess(argv, launch_env(self.gpu))
         await self.wait_healthy(self.settings.start_timeout_s)

@@ -6,8 +6,8 @@ SGLang runs in a venv of its own (``./scripts/setup --sglang`` builds ``.venv-sg
 pins differ from ours, and the rollout server speaks to it over HTTP only. On a machine
 without a GPU it runs SGLang's torch-native CPU path (``SGLANG_USE_CPU_ENGINE=1``,
 ``--device cpu --attention-backend torch_native``) with the import stand-ins of
-``sglang_cpu/`` on its ``PYTHONPATH`` (see the README there), in float32 unless
-``rollout.sglang.dtype`` says otherwise (SGLang would pick float16 on a CPU), and with
+``sglang_cpu/`` on its ``PYTHONPATH`` (see the README there), in the dtype ``rollout.dtype``
+chooses (always named: SGLang would pick float16 on a CPU), and with
 ``--sleep-on-idle`` (its idle scheduler spins a whole core otherwise).
 
 The process is started so that it dies with the rollout server (``PR_SET_PDEATHSIG``; SGLang's
@@ -84,11 +84,13 @@ def launch_argv(
     settings: SglangSettings,
     *,
     seed: int = 0,
+    dtype: str = "float32",
     gpu: bool = False,
     lora: LoraSettings | None = None,
     host: str = "127.0.0.1",
 ) -> list[str]:
-    """The command line of an SGLang server for ``model_dir`` on ``host:port``."""
+    """The command line of an SGLang server for ``model_dir`` on ``host:port``, serving it in
+    ``dtype`` (a dtype's name)."""
     argv = [
         python,
         "-m",
@@ -110,9 +112,6 @@ def launch_argv(
         "--log-level-http",
         "warning",
     ]
-    dtype = settings.dtype
-    if dtype == "auto" and not gpu:
-        dtype = "float32"
     argv += ["--dtype", dtype]
     if settings.kv_cache_tokens:
         argv += ["--max-total-tokens", str(settings.kv_cache_tokens)]

@@ -104,6 +104,7 @@ from areal_grpc.named_adapters import (
     peft_tensors,
 )
 from areal_grpc.paths import remove_owned
+from areal_grpc.precision import choose_dtype
 from areal_grpc.shared_memory import own_root
 from areal_grpc.weight_transfer import GroupParams
 
@@ -162,15 +163,20 @@ class VLLMEngine(InferenceEngine):
         settings: VllmSettings | None = None,
         *,
         seed: int = 0,
+        dtype: str = "float32",
         lora: LoraSettings | None = None,
         max_adapters: int = 16,
         max_adapter_bytes: int = 1 << 30,
     ) -> None:
-        """Serves ``model`` with vLLM; ``max_adapters`` named adapters of ``max_adapter_bytes``
-        together at most (when ``settings.max_adapter_rank`` lets vLLM serve any)."""
+        """Serves ``model`` with vLLM in ``dtype`` (a rollout.dtype setting); ``max_adapters``
+        named adapters of ``max_adapter_bytes`` together at most (when
+        ``settings.max_adapter_rank`` lets vLLM serve any)."""
         self.settings = settings or VllmSettings()
         self.model_name = model
         self.seed = seed
+        self.dtype, self._dtype_why = choose_dtype(
+            dtype, "cuda" if torch.cuda.is_available() else "cpu"
+        )
         self.lora = lora or LoraSettings()
         self.adapters_only = self.lora.rank > 0
         self._llm: Any = None
@@ -255,9 +261,10 @@ class VLLMEngine(InferenceEngine):
             self.device_uuid = _first(await self._llm.collective_rpc("areal_device_uuid"))
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         log.info(
-            "vllm engine: %s (%s, max_model_len %d, KV cache %.1f GiB)",
+            "vllm engine: %s (%s: %s, max_model_len %d, KV cache %.1f GiB)",
             self.model_name,
-            self.settings.dtype,
+            self.dtype,
+            self._dtype_why,
             self.max_context,
             self.settings.kv_cache_gib,
         )
@@ -322,7 +329,7 @@ class VLLMEngine(InferenceEngine):
             }
         args = AsyncEngineArgs(
             model=served,
-            dtype=s.dtype,
+            dtype=self.dtype,
             seed=self.seed,
             max_model_len=self.max_context,
             max_num_seqs=s.max_num_seqs,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import math
 import os
 import shutil
@@ -73,6 +74,9 @@ from areal_grpc.model import (
     save_pretrained,
 )
 from areal_grpc.paths import check_replaceable, remove_owned, replace_dir, write_marker
+from areal_grpc.precision import bf16_compute
+
+log = logging.getLogger(__name__)
 
 
 def _has_dropout(model: torch.nn.Module) -> bool:
@@ -332,12 +336,17 @@ class TrainerEngine:
         self.dtype = getattr(torch, cfg.dtype)
         self.model = build_model(policy.source, policy.seed, self.device, self.dtype, policy.lora)
         self.vocab_size = int(self.model.config.vocab_size)
+        self.mixed_precision, why = bf16_compute(cfg.mixed_precision, cfg.dtype, self.device.type)
         if cfg.fsdp:
-            # bf16 compute with fp32 reduction: "auto" on GPUs only (CPU bf16 is slow).
-            mixed = {"on": True, "off": False}.get(cfg.mixed_precision)
-            if mixed is None:
-                mixed = self.device.type == "cuda"
-            apply_fsdp(self.model, mixed, self.device)
+            apply_fsdp(self.model, self.mixed_precision, self.device)
+        if self.rank == 0:
+            log.info(
+                "trainer: %s compute, %s weights and optimizer state (%s)",
+                "bfloat16" if self.mixed_precision else cfg.dtype,
+                cfg.dtype,
+                why,
+            )
+        self._autocast = self.mixed_precision and not cfg.fsdp
         self.ref_model: PreTrainedModel | None = None
         # The reference policy is the initial one: with LoRA that is the base model, the
         # policy with its adapters switched off, so no second copy is loaded.
@@ -384,7 +393,9 @@ class TrainerEngine:
         """Log-probs and entropies of the trained tokens of ``mb`` (0 elsewhere), [B, S]."""
 
         def forward(keep: torch.Tensor) -> torch.Tensor:
-            return masked_logits(model, mb["input_ids"], mb["attention_mask"], keep)
+            # Without FSDP (whose policy casts the parameters) bf16 compute is autocast's.
+            with torch.autocast(self.device.type, torch.bfloat16, enabled=self._autocast):
+                return masked_logits(model, mb["input_ids"], mb["attention_mask"], keep)
 
         return masked_token_logprobs(forward, mb["input_ids"], mb["train_mask"], self.temperature)
 

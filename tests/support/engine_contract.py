@@ -43,7 +43,7 @@ def hf_reference(
     """The hf engine's answer on the same model and seed (optionally other weights)."""
 
     async def run():
-        engine = HFEngine(ModelConfig(source=TINY), RolloutConfig(device="cpu"))
+        engine = HFEngine(ModelConfig(source=TINY), RolloutConfig(device="cpu", dtype="float32"))
         try:
             if state_dict is not None:
                 await engine.load_weights(state_dict, 1)

@@ -72,7 +72,9 @@ def serve_beside(
 ) -> Served:
     """Serves ``trainer`` beside a real rollout server of ``model_dir`` (an hf engine unless
     ``engine`` is given), each on its own loopback gRPC server."""
-    engine = engine or HFEngine(ModelConfig(source=model_dir), RolloutConfig(device="cpu"))
+    engine = engine or HFEngine(
+        ModelConfig(source=model_dir), RolloutConfig(device="cpu", dtype="float32")
+    )
     ws = build_weight_sync_service(
         engine, ReceiverConfig(disk_root=str(weights_root), group_timeout_s=120)
     )
@@ -139,8 +141,12 @@ class Mesh:
         self.root = root
         self.trainer = TrainerService(
             TrainerServiceConfig(
+                # fp32 compute: the tests compare with fp32 engines and references.
                 trainer=TrainerConfig(
-                    fsdp=True, device="cpu", optimizer=OptimizerSettings(lr=1e-4)
+                    fsdp=True,
+                    device="cpu",
+                    mixed_precision="off",
+                    optimizer=OptimizerSettings(lr=1e-4),
                 ),
                 model=ModelConfig(source=model_dir),
                 distributed=True,

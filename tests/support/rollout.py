@@ -23,10 +23,10 @@ TOK = load_tokenizer("builtin:micro")
 async def rollout_server(max_running_requests=256, lora=None, **rollout):
     """Serves an hf engine for the block: yields (RolloutService stub, servicer); ``lora``: the
     run's LoraSettings; ``rollout``: further settings of the ``rollout`` section (e.g.
-    max_adapters)."""
+    max_adapters; dtype float32 unless given: these tests compare with fp32 references)."""
     engine = HFEngine(
         ModelConfig(source="builtin:micro", seed=0, **({"lora": lora} if lora else {})),
-        RolloutConfig(max_running_requests=max_running_requests, **rollout),
+        RolloutConfig(max_running_requests=max_running_requests, **{"dtype": "float32", **rollout}),
     )
     servicer = RolloutServicer(engine, TOK, RolloutServiceConfig(default_max_new_tokens=4))
     running = await start_server(

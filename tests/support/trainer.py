@@ -8,7 +8,7 @@ import multiprocessing as mp
 import traceback
 
 import torch
-from areal_servers.trainer.algorithm import token_logprobs
+from areal_servers.trainer.algorithm import token_logprobs, trainable_mask
 from areal_servers.trainer.engine import DistConfig, TrainerEngine, init_distributed
 
 from areal_grpc.config import ModelConfig, OptimizerSettings, PPOSettings, TrainerConfig
@@ -65,10 +65,19 @@ def rows_of(batch, rows, group_offset=0):
 
 
 def config(
-    fsdp: bool, max_tokens: int | None = None, dtype: str = "float32", lr: float = 1e-3
+    fsdp: bool,
+    max_tokens: int | None = None,
+    dtype: str = "float32",
+    lr: float = 1e-3,
+    mixed_precision: str = "off",
 ) -> TrainerConfig:
-    """The trainer section of these tests (max_tokens None: every shard in one micro-batch)."""
+    """The trainer section of these tests (max_tokens None: every shard in one micro-batch).
+
+    Computing in ``dtype`` unless told (``mixed_precision`` "auto" is bf16 on a CPU with bf16
+    units): these tests check fp32 arithmetic; bf16 compute has tests of its own.
+    """
     return TrainerConfig(
+        mixed_precision=mixed_precision,  # type: ignore[arg-type]
         dtype=dtype,
         fsdp=fsdp,
         device="cpu",
@@ -133,3 +142,17 @@ def ppo_config(
     cfg = config(fsdp=fsdp, max_tokens=max_tokens, dtype="float64")
     cfg.ppo = PPOSettings(kl_ctl=0.0, n_minibatches=n_minibatches, epochs=epochs, **ppo)  # type: ignore[arg-type]
     return cfg
+
+
+def with_exact_behaviour(engine_model, batch):
+    """``batch`` with its behaviour log-probs set to the fp32 model's own, and the largest
+    logit's magnitude: a trainer computing in fp32 finds no gap on it."""
+    with torch.no_grad():
+        logits = engine_model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits.float()
+    exact, _ = token_logprobs(logits, batch["input_ids"])
+    mask = trainable_mask(batch["loss_mask"], batch["attention_mask"])
+    batch["versions"] = torch.where(mask, 0, -1)
+    batch["logprobs"] = exact * batch["loss_mask"]
+    return batch, float(logits.abs().max())

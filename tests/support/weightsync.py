@@ -193,6 +193,8 @@ def start_trainers(
             "trainer.optimizer.lr=3e-3",
             "trainer.ppo.rejection.metric=none",
             "trainer.collective_timeout_s=120",
+            # fp32 compute: these tests compare served log-probs with fp32 references.
+            "trainer.mixed_precision=off",
             f"weight_sync.disk_root={weights_root}",
             f"output.dir={export_root}",
             "weight_sync.keep_versions=2",
@@ -284,7 +286,8 @@ def rollout_factory() -> Iterator[MakeRollout]:
     ) -> Rollout:
         if engine is None:
             engine = HFEngine(
-                ModelConfig(source=MODEL, lora=lora or LoraSettings()), RolloutConfig(device=device)
+                ModelConfig(source=MODEL, lora=lora or LoraSettings()),
+                RolloutConfig(device=device, dtype="float32"),
             )
         rollout = RolloutServicer(engine, load_tokenizer(MODEL))
         kw.setdefault("group_timeout_s", 60)
@@ -385,7 +388,11 @@ def reference_greedy(
         from areal_servers.rollout.engine import SamplingConfig
 
         model = model_factory() if model_factory is not None else None
-        engine = HFEngine(ModelConfig(source=str(path)), RolloutConfig(device=device), model=model)
+        engine = HFEngine(
+            ModelConfig(source=str(path)),
+            RolloutConfig(device=device, dtype="float32"),
+            model=model,
+        )
         try:
             result = await engine.generate(
                 prompt, SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True)

@@ -151,7 +151,8 @@ def test_bad_override_names_the_key(override, field, words):
         ("trainer.ppo.reward_norm=group", "trainer.ppo.reward_norm"),
         ("rollout.engine=trtllm", "rollout.engine"),
         ("rollout.vllm.kv_cache_gib=0", "rollout.vllm.kv_cache_gib"),
-        ("rollout.vllm.dtype=int8", "rollout.vllm.dtype"),
+        ("rollout.dtype=int8", "rollout.dtype"),
+        ("rollout.vllm.dtype=bfloat16", "rollout.vllm.dtype"),
         ("rollout.vllm.max_num_seqs=0", "rollout.vllm.max_num_seqs"),
         ("rollout.vllm.idle_spin_s=-1", "rollout.vllm.idle_spin_s"),
         ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
@@ -489,3 +490,16 @@ def test_supervision_keys_of_earlier_versions_name_their_fault_tolerance_home():
         assert f"no longer read: use {new}" in str(err.value)
     # rollout.vllm's own health settings stay where they are.
     assert load_config(None, ["rollout.vllm.health_timeout_s=9"]).rollout.vllm.health_timeout_s == 9
+
+
+def test_on_and_off_settings_take_the_bare_words_yaml_reads_as_booleans(tmp_path):
+    # YAML 1.1 reads a bare on / off as true / false; the settings whose choices are those
+    # words take them as written, on the command line and in a file.
+    cfg = load_config(None, ["trainer.mixed_precision=off", "rollout.chat_template=on"])
+    assert (cfg.trainer.mixed_precision, cfg.rollout.chat_template) == ("off", "on")
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  mixed_precision: on\nrollout:\n  chat_template: off\n")
+    cfg = load_config(str(path))
+    assert (cfg.trainer.mixed_precision, cfg.rollout.chat_template) == ("on", "off")
+    # A boolean setting still reads them as booleans.
+    assert load_config(None, ["trainer.fsdp=off"]).trainer.fsdp is False

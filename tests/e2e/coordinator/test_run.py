@@ -82,6 +82,9 @@ def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(
         "eval.every_steps=4",
         f"weight_sync.disk_root={tmp_path / 'weights'}",
         "checkpoint.every_steps=0",
+        # fp32 on both sides, for the gap below (bf16's: tests/e2e/trainer/test_precision.py).
+        "rollout.dtype=float32",
+        "trainer.mixed_precision=off",
     ]
     out = tmp_path / "run"
     # The servers' root is the run's output directory: there the coordinator's checkpoints

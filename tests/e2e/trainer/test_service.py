@@ -69,6 +69,8 @@ def start_ranks(log_dir: Path, root: Path, world: int = 2) -> list[Rank]:
             "trainer.optimizer.warmup_steps=2",
             f"trainer.max_tokens_per_mb={MAX_TOKENS}",
             "trainer.collective_timeout_s=120",
+            # fp32 compute, as the plain engine it is compared with.
+            "trainer.mixed_precision=off",
             f"output.dir={root}",
         ]
         log = open(log_dir / f"rank{r}.log", "w")  # noqa: SIM115 (lives with the process)
@@ -166,6 +168,7 @@ def plain_engine() -> TrainerEngine:
         TrainerConfig(
             fsdp=False,
             device="cpu",
+            mixed_precision="off",
             ppo=PPOSettings(),
             max_tokens_per_mb=MAX_TOKENS,
             optimizer=OptimizerSettings(lr=LR, warmup_steps=2, weight_decay=0.0),

@@ -55,10 +55,10 @@ def test_killed_sglang_processes_and_servers_are_replaced_and_the_run_finishes(
     second = rollout_child(out, "rollout-1")
     assert second is not None
     wait_for(lambda: len(sglang_processes(second["pid"])) >= 3, what="its SGLang")
-    second_sglang = sglang_processes(second["pid"])
-    wait_for(lambda: coordinator_command.trained_steps(out) > trained, what="a step after it")
-    # 2. The rollout server itself is killed: its SGLang dies with it.
+    # 2. The rollout server itself is killed as soon as its SGLang runs (a step of its own
+    # could come with the run's last, see test_vllm_run.py): its SGLang dies with it.
     with coordinator_command.paused(proc.pid, out) as trained:
+        second_sglang = sglang_processes(second["pid"])
         assert coordinator_command.needs_rollouts_after(trained, STEPS), trained
         os.kill(second["pid"], signal.SIGKILL)
     log = coordinator_command.finish(proc, timeout=900)

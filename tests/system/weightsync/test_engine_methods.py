@@ -74,7 +74,9 @@ def served_greedy(r: Rollout) -> tuple[list[int], list[float]]:
 
 def hf_greedy(model_dir: str, model=None) -> tuple[list[int], list[float]]:
     async def run():
-        engine = HFEngine(ModelConfig(source=model_dir), RolloutConfig(device="cpu"), model=model)
+        engine = HFEngine(
+            ModelConfig(source=model_dir), RolloutConfig(device="cpu", dtype="float32"), model=model
+        )
         try:
             return await engine.generate(PROMPT, GREEDY)
         finally:

@@ -17,10 +17,16 @@ from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.model import load_model
 
 
+def fp32(**rollout) -> RolloutConfig:
+    """The rollout section in float32: these tests compare with fp32 forwards at 1e-4 (bf16
+    serving: tests/unit/rollout/test_precision.py)."""
+    return RolloutConfig(dtype="float32", **rollout)
+
+
 @pytest.fixture
 def engine():
     # The engine is not bound to an event loop: each test's loop talks to its thread.
-    eng = HFEngine(ModelConfig(source="builtin:micro", seed=0))
+    eng = HFEngine(ModelConfig(source="builtin:micro", seed=0), fp32())
     yield eng
     asyncio.run(eng.close())
 
@@ -117,7 +123,7 @@ async def test_stop_tokens_and_length(engine):
 
 async def test_n_samples_differ_and_are_reproducible_by_seed():
     async def sample(seed):
-        eng = HFEngine(ModelConfig(source="builtin:micro", seed=seed))
+        eng = HFEngine(ModelConfig(source="builtin:micro", seed=seed), fp32())
         try:
             res = await eng.generate_n(
                 [9, 9, 9], SamplingConfig(max_new_tokens=6, n_samples=4, ignore_eos=True)
@@ -314,7 +320,7 @@ async def test_load_weights_refuses_stale_versions_and_bad_state_dicts(engine):
 
 
 async def test_cancelled_request_frees_its_slot_at_once():
-    eng = HFEngine(ModelConfig(source="builtin:micro"), RolloutConfig(max_running_requests=1))
+    eng = HFEngine(ModelConfig(source="builtin:micro"), fp32(max_running_requests=1))
     try:
         hog = asyncio.create_task(
             eng.generate([5, 6], SamplingConfig(max_new_tokens=500, ignore_eos=True))
@@ -367,7 +373,7 @@ async def test_request_cancelled_during_its_prefill_does_not_break_the_decode_lo
     """Regression: a request cancelled after admission but before its first token was sampled
     kept ``pending_token == -1`` and still joined the batch; the decode step of the same round
     fed -1 to the embedding (IndexError: index out of range in self) and killed the loop."""
-    eng = HFEngine(ModelConfig(source="builtin:micro"), RolloutConfig(max_running_requests=8))
+    eng = HFEngine(ModelConfig(source="builtin:micro"), fp32(max_running_requests=8))
     loop = asyncio.get_running_loop()
     try:
         hog = asyncio.create_task(
@@ -525,7 +531,7 @@ async def test_a_cancelled_pause_does_not_kill_the_decode_loop():
     """Regression: pause() whose caller is cancelled before the decode thread handles it left
     a cancelled future among the pause waiters; set_result on it raised InvalidStateError in
     the decode thread and ended the loop."""
-    eng = HFEngine(ModelConfig(source="builtin:micro"))
+    eng = HFEngine(ModelConfig(source="builtin:micro"), fp32())
     try:
         hog = asyncio.create_task(
             eng.generate([5, 6], SamplingConfig(max_new_tokens=400, ignore_eos=True))
@@ -561,7 +567,7 @@ async def test_a_decode_loop_failure_is_the_engines_death_for_every_caller(caplo
     from areal_servers.rollout.engine import EngineDied
 
     caplog.set_level(logging.ERROR, logger="areal_servers.rollout.hf_engine")
-    eng = HFEngine(ModelConfig(source="builtin:micro"))
+    eng = HFEngine(ModelConfig(source="builtin:micro"), fp32())
     heard: list[str] = []
     eng.on_death(heard.append)
     try:
@@ -675,7 +681,7 @@ async def test_max_batch_tokens_bounds_the_running_rows_and_refuses_what_never_f
     """A KV budget of 2 rows (4-token prompts + 16 new tokens each = 20 slots, budget 40):
     never more than 2 rows decode at once, every request finishes, and one that alone
     exceeds the budget is a FieldError naming max_new_tokens and the limit."""
-    eng = HFEngine(ModelConfig(source="builtin:micro", seed=0), RolloutConfig(max_batch_tokens=40))
+    eng = HFEngine(ModelConfig(source="builtin:micro", seed=0), fp32(max_batch_tokens=40))
     try:
         params = SamplingConfig(temperature=1.0, max_new_tokens=16, ignore_eos=True)
         with pytest.raises(FieldError) as info:

@@ -103,9 +103,9 @@ def test_a_cpu_launch_takes_sglangs_cpu_path_with_the_stand_ins_and_fp32():
     env = launch_env(gpu=False)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(STAND_INS)
-    gpu = launch_argv("py", "/model", 30000, SglangSettings(), gpu=True)
+    gpu = launch_argv("py", "/model", 30000, SglangSettings(), dtype="bfloat16", gpu=True)
     assert "--device" not in gpu and "--attention-backend" not in gpu
-    assert gpu[gpu.index("--dtype") + 1] == "auto"
+    assert gpu[gpu.index("--dtype") + 1] == "bfloat16"
     assert launch_env(gpu=True).get("PYTHONPATH") == os.environ.get("PYTHONPATH")
 
 

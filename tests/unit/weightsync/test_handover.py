@@ -10,14 +10,14 @@ from areal_servers.rollout.engine import SamplingConfig
 from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.weight_sync import WeightSyncServicer
 
-from areal_grpc.config import ModelConfig
+from areal_grpc.config import ModelConfig, RolloutConfig
 from areal_grpc.errors import PreconditionError
 from areal_grpc.model import load_model
 
 
 @pytest.fixture
 def engine():
-    eng = HFEngine(ModelConfig(source="builtin:micro", seed=0))
+    eng = HFEngine(ModelConfig(source="builtin:micro", seed=0), RolloutConfig(dtype="float32"))
     yield eng
     asyncio.run(eng.close())
 
