@@ -39,6 +39,9 @@ LOADED = (
 VLLM_RUN = (
     "model.source=builtin:tiny",
     "rollout.engine=vllm",
+    # fp32: in bf16 vLLM drains its episodes fast enough that 64 in flight were first seen
+    # after 6 of the 10 steps (CI), too late for a second kill that needs a rollout server.
+    "rollout.dtype=float32",
     "rollout.vllm.kv_cache_gib=0.25",
     "rollout.vllm.max_model_len=256",
     "rollout.vllm.health_interval_s=1",
