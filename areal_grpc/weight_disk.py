@@ -275,6 +275,31 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
 
 
+# safetensors' names of the floating-point dtypes (the header's "dtype" strings).
+_FLOAT_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
+def float_dtypes(files: Iterable[Path], field: str = "path") -> dict[str, torch.dtype]:
+    """The floating-point tensors of safetensors ``files`` and their dtypes, from the headers
+    alone (no tensor is read)."""
+    out: dict[str, torch.dtype] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                for name in h.keys():  # noqa: SIM118
+                    dtype = _FLOAT_DTYPES.get(h.get_slice(name).get_dtype())
+                    if dtype is not None:
+                        out[name] = dtype
+        except (OSError, ValueError, SafetensorError) as exc:
+            raise FieldError(field, f"cannot read {f.name}: {exc}") from None
+    return out
+
+
 def load_version(
     root: str | os.PathLike[str], path: str, field: str = "path"
 ) -> dict[str, torch.Tensor]:
@@ -297,6 +322,7 @@ __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
     "VersionWriter",
+    "float_dtypes",
     "list_versions",
     "load_version",
     "prune_versions",

@@ -85,6 +85,7 @@ import yaml
 from areal_servers.rollout.workflows import ChatSettings
 from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from coordinator_run import coordinator, interrupt, metrics_records, watch
+from memory import peak_rss_gib
 from results import result
 from teardown import exit_on_sigterm
 
@@ -604,7 +605,7 @@ def rollout_dtype_case(model_dir: str, threads: int, repeats: int, engine: str) 
             for dtype in ("float32", "bfloat16") if r % 2 == 0 else ("bfloat16", "float32"):
                 n, secs = asyncio.run(episodes_round(servers[dtype].address, prompts))
                 rates[dtype].append(n / secs)
-        peak = {d: tree_rss_gib(s.process.pid) for d, s in servers.items()}
+        peak = {d: peak_rss_gib([s.process.pid], descendants=True) for d, s in servers.items()}
     finally:
         stop_children(list(servers.values()))
     fp32, bf16 = (statistics.median(rates[d]) for d in ("float32", "bfloat16"))
@@ -622,19 +623,6 @@ def rollout_dtype_case(model_dir: str, threads: int, repeats: int, engine: str) 
         peak["float32"],
         "none",
     )
-
-
-def tree_rss_gib(pid: int) -> float:
-    """The peak resident memory (VmHWM) of process ``pid`` and of each of its descendants,
-    summed, in GiB."""
-    proc = psutil.Process(pid)
-    total_kib = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        with contextlib.suppress(OSError):
-            status = Path(f"/proc/{p.pid}/status").read_text()
-            found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
-            total_kib += int(found.group(1)) if found else 0
-    return total_kib / (1 << 20)
 
 
 # ------------------------------------------------------------------ the existing benchmarks

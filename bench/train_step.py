@@ -53,7 +53,6 @@ import argparse
 import math
 import os
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -65,6 +64,7 @@ from pathlib import Path
 
 import torch
 from arealgrpc.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from memory import peak_rss_gib
 from results import result
 from teardown import exit_on_sigterm
 
@@ -424,16 +424,6 @@ def summary(name: str, samples: list[tuple[float, int, float]]) -> float:
     return med
 
 
-def peak_rss_gib(children: list[Child]) -> float:
-    """The peak resident memory (VmHWM) of ``children``, summed, in GiB."""
-    total_kib = 0
-    for child in children:
-        status = Path(f"/proc/{child.process.pid}/status").read_text()
-        found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
-        total_kib += int(found.group(1)) if found else 0
-    return total_kib / (1 << 20)
-
-
 def precision_main(args: argparse.Namespace) -> None:
     """``--compare-precision``: the same TrainStep on two trainer groups, fp32 compute and
     bf16 compute (trainer.mixed_precision off / on), steps alternating between them."""
@@ -465,7 +455,10 @@ def precision_main(args: argparse.Namespace) -> None:
                     sample = sides[label].step(messages[s])
                     if s >= args.warmup:
                         samples[label].append(sample)
-            peaks = {label: peak_rss_gib(side.children) for label, side in sides.items()}
+            peaks = {
+                label: peak_rss_gib(c.process.pid for c in side.children)
+                for label, side in sides.items()
+            }
         finally:
             for side in sides.values():
                 side.close()

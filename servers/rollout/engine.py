@@ -243,6 +243,9 @@ class InferenceEngine(abc.ABC):
     max_adapter_bytes: int = 0
     #: Why the engine died (:meth:`died`); None while it serves.
     failure: str | None = None
+    #: The dtype of the floating-point weights an update brings (what the engine serves
+    #: them in): senders are told to send it. None: any (the engine converts).
+    weights_dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------------------ death
 

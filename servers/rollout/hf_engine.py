@@ -102,6 +102,12 @@ class HFEngine(InferenceEngine):
         self._state = self._model.state_dict(keep_vars=True)
         self._params = dict(self._model.named_parameters(remove_duplicate=False))
         self._required = adapter_names(self._model) if self.adapters_only else set(self._state)
+        # What updates should bring: the one floating dtype of the tensors they replace (a
+        # LoRA model's adapters may be kept wider than its base weights).
+        held = {
+            t.dtype for n, t in self._state.items() if n in self._required and t.is_floating_point()
+        }
+        self.weights_dtype = held.pop() if len(held) == 1 else None
         self._model.requires_grad_(False)
         log.info("hf engine: %s on %s in %s (%s)", self.model_name, self.device, dtype, why)
         tokenizer = load_tokenizer(self.policy.source) if model is None else None

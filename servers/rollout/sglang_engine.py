@@ -382,6 +382,8 @@ class SGLangEngine(InferenceEngine):
             self.url = f"http://127.0.0.1:{port}"
             dtype, why = choose_dtype(self.dtype, "cuda" if self.gpu else "cpu")
             log.info("sglang engine: serving %s in %s (%s)", self.model_name, dtype, why)
+            # An attached server's dtype is its own affair: updates then come as they are.
+            self.weights_dtype = getattr(torch, dtype)
             argv = launch_argv(
                 python,
                 served,

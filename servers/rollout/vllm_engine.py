@@ -177,6 +177,7 @@ class VLLMEngine(InferenceEngine):
         self.dtype, self._dtype_why = choose_dtype(
             dtype, "cuda" if torch.cuda.is_available() else "cpu"
         )
+        self.weights_dtype = getattr(torch, self.dtype)
         self.lora = lora or LoraSettings()
         self.adapters_only = self.lora.rank > 0
         self._llm: Any = None

@@ -41,6 +41,7 @@ from areal_servers.rollout.receive.socket import SocketReceiver
 from areal_servers.rollout.receive.stream import StreamReceiver
 from arealgrpc.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 
+from areal_grpc import tensor_codec as tc
 from areal_grpc.errors import (
     FieldError,
     abort_for,
@@ -175,8 +176,12 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             request.sender_id or "?",
             pb.TransferMethod.Name(plan_option.method),
         )
+        wanted = self.state.expected_dtype
         return pb.NegotiateResponse(
-            plan=plan_option, policy_version=self.engine.version, plan_id=plan.plan_id
+            plan=plan_option,
+            policy_version=self.engine.version,
+            plan_id=plan.plan_id,
+            weights_dtype=tc.dtype_to_proto(wanted) if wanted is not None else 0,
         )
 
     # --------------------------------------------------------------------------- updates

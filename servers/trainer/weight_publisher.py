@@ -31,7 +31,7 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import grpc
@@ -43,6 +43,8 @@ from areal_servers.trainer.publish.base import (
     TargetResult,
     TensorMeta,
     Transport,
+    cast_floats,
+    wire_dtype,
 )
 from areal_servers.trainer.publish.disk import DiskTransport
 from areal_servers.trainer.publish.distributed import DistributedTransport, GroupCache
@@ -360,6 +362,10 @@ class PublishSession:
         self._opened = False
         # Each transport's latest send: a transport gets its buckets one at a time, in order.
         self._sending: dict[int, asyncio.Future[None]] = {}
+        # The dtype each method's floating-point tensors travel in (None: as held).
+        self._wire: dict[int, torch.dtype | None] = {}
+        # Held while a bucket is cast and its sends are queued, so buckets keep their order.
+        self._queueing = asyncio.Lock()
 
     def _of(self, method: int) -> list[Target]:
         return [t for t in self.targets if t.alive and t.result.method == method]
@@ -463,7 +469,14 @@ class PublishSession:
                 )
             )
         for method, transport in self.transports.items():
-            await transport.open(self._of(method))
+            targets = self._of(method)
+            # In the dtype the receivers serve (bf16: half of fp32's bytes), cast once per
+            # bucket for every receiver of the method.
+            wire = wire_dtype(targets)
+            self._wire[method] = wire
+            if wire is not None:
+                transport.ctx = replace(self.ctx, metas=[m.sent_as(wire) for m in metas])
+            await transport.open(targets)
 
     async def abandon(self) -> None:
         """Ends a session if it was never opened (its negotiation is stopped); an opened one
@@ -483,18 +496,36 @@ class PublishSession:
         index = self._tensor_index
         self._tensor_index += len(bucket)
 
-        async def send(transport: Transport, previous: asyncio.Future[None] | None) -> None:
+        async def send(
+            transport: Transport,
+            tensors: dict[str, torch.Tensor],
+            previous: asyncio.Future[None] | None,
+        ) -> None:
             if previous is not None and not transport.pipelined:
                 await asyncio.wait([previous])  # its outcome is on the targets' results
-            await transport.send(bucket, index)
+            await transport.send(tensors, index)
 
         sends = []
-        for method, transport in self.transports.items():
-            # Tasks start in the order they are made: a pipelined transport sees its buckets
-            # in order.
-            task = asyncio.ensure_future(send(transport, self._sending.get(method)))
-            self._sending[method] = task
-            sends.append(task)
+        # The lock is taken in call order (it is fair): a later bucket whose cast is quicker
+        # still queues its sends after this one's.
+        async with self._queueing:
+            cast: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+            for method, transport in self.transports.items():
+                wire = self._wire.get(method)
+                if wire is None or wire in cast or not transport.active:
+                    continue
+                if any(t.is_floating_point() and t.dtype != wire for t in bucket.values()):
+                    cast[wire] = await asyncio.to_thread(cast_floats, bucket, wire)
+                else:
+                    cast[wire] = bucket
+            for method, transport in self.transports.items():
+                wire = self._wire.get(method)
+                tensors = cast.get(wire, bucket) if wire is not None else bucket
+                # Tasks start in the order they are made: a pipelined transport sees its
+                # buckets in order.
+                task = asyncio.ensure_future(send(transport, tensors, self._sending.get(method)))
+                self._sending[method] = task
+                sends.append(task)
         await asyncio.gather(*sends)
 
     async def close(self) -> list[TargetResult]:

@@ -6,8 +6,8 @@
 * :func:`rollout_factory`: rollout servers on loopback (real HFEngine, or the engine given, +
   RolloutService + WeightSyncService) on a background event loop, all stopped at the end of
   the block (the ``make_rollout`` fixtures).
-* What the tests send and compare: :func:`push_messages`, :func:`shifted`,
-  :func:`tensor_digest`, :func:`reference_greedy`.
+* What the tests send and compare: :func:`publish` (the coordinator's fleet update, checked),
+  :func:`push_messages`, :func:`shifted`, :func:`tensor_digest`, :func:`reference_greedy`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 import torch
+from areal_clients.fleet import FleetUpdateResult, update_fleet_weights
 from areal_servers.rollout.engine import InferenceEngine
 from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.receive.base import ReceiverConfig
@@ -272,9 +273,9 @@ MakeRollout = Callable[..., Rollout]
 
 @contextlib.contextmanager
 def rollout_factory() -> Iterator[MakeRollout]:
-    """``make(disk_root=None, device="cpu", lora=None, engine=None, **receiver_config)`` starts
-    a :class:`Rollout` (HFEngine on builtin:micro unless ``engine`` is given); every one
-    started is stopped when the block ends."""
+    """``make(disk_root=None, device="cpu", lora=None, engine=None, dtype="float32",
+    **receiver_config)`` starts a :class:`Rollout` (HFEngine on builtin:micro serving
+    ``dtype`` unless ``engine`` is given); every one started is stopped when the block ends."""
     started: list[Rollout] = []
 
     def make(
@@ -282,12 +283,13 @@ def rollout_factory() -> Iterator[MakeRollout]:
         device: str = "cpu",
         lora: LoraSettings | None = None,
         engine: InferenceEngine | None = None,
+        dtype: str = "float32",
         **kw: object,
     ) -> Rollout:
         if engine is None:
             engine = HFEngine(
                 ModelConfig(source=MODEL, lora=lora or LoraSettings()),
-                RolloutConfig(device=device, dtype="float32"),
+                RolloutConfig(device=device, dtype=dtype),  # type: ignore[arg-type]
             )
         rollout = RolloutServicer(engine, load_tokenizer(MODEL))
         kw.setdefault("group_timeout_s", 60)
@@ -337,6 +339,24 @@ def shifted(r: Rollout, delta: float) -> dict[str, torch.Tensor]:
     """The server's own weights plus ``delta`` (tied lm_head left out, as trainers send)."""
     sd = r.engine.model.state_dict()
     return {k: v + delta for k, v in sd.items() if k != "lm_head.weight"}
+
+
+def publish(
+    trainers: Trainers, rollouts: Sequence[Rollout], methods: Sequence[str] = ()
+) -> FleetUpdateResult:
+    """The coordinator's fleet update of ``rollouts`` from ``trainers`` by ``methods`` (all
+    of them, in the trainers' order, when empty); checks that every server took the trainers'
+    version."""
+    result = asyncio.run(
+        update_fleet_weights(
+            trainers.addresses, [r.address for r in rollouts], methods=methods, timeout_s=120
+        )
+    )
+    assert result.failed_servers == [], [s.error for s in result.servers]
+    version = trainers.version()
+    assert result.version == version
+    assert [r.version() for r in rollouts] == [version] * len(rollouts)
+    return result
 
 
 def push_messages(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -18,7 +18,14 @@ from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.security import ServerTls
 from areal_grpc.weight_transfer import MAX_CHUNK_BYTES, GroupParams, spec_nbytes
 
-__all__ = ["Plan", "Receiver", "ReceiverConfig", "ReceiverState", "check_specs"]
+__all__ = [
+    "Plan",
+    "Receiver",
+    "ReceiverConfig",
+    "ReceiverState",
+    "check_dtype",
+    "check_specs",
+]
 
 pb = weight_sync_pb2
 
@@ -73,8 +80,31 @@ class Plan:
     group: GroupParams | None = None
 
 
-def check_specs(tensors: Sequence[tensor_pb2.TensorSpec], max_total_bytes: int) -> list[int]:
-    """The byte size of each announced tensor; FieldError naming the first bad one."""
+def check_dtype(where: str, dtype: torch.dtype, expected: torch.dtype | None) -> None:
+    """FieldError at ``where`` for a floating-point dtype an ``expected``-dtype server refuses.
+
+    float32 is taken too (converted on arrival, exact for any narrower expected dtype);
+    another dtype would convert with a loss the sender did not choose (float16 into a bfloat16
+    engine, or bfloat16 weights into a float32 one whose sender held more bits).
+    """
+    if expected is None or not dtype.is_floating_point or dtype in (expected, torch.float32):
+        return
+    name = str(dtype).removeprefix("torch.")
+    want = str(expected).removeprefix("torch.")
+    raise FieldError(
+        where,
+        f"is {name}: this server serves {want} weights and takes floating-point tensors in "
+        f"{want} (its Negotiate reply's weights_dtype) or float32",
+    )
+
+
+def check_specs(
+    tensors: Sequence[tensor_pb2.TensorSpec],
+    max_total_bytes: int,
+    expected: torch.dtype | None = None,
+) -> list[int]:
+    """The byte size of each announced tensor; FieldError naming the first bad one
+    (``expected``: the server's weights dtype, see :func:`check_dtype`)."""
     if not tensors:
         raise FieldError("tensors", "must list at least one tensor")
     seen: set[str] = set()
@@ -93,6 +123,7 @@ def check_specs(tensors: Sequence[tensor_pb2.TensorSpec], max_total_bytes: int) 
             n = spec_nbytes(spec)
         except FieldError:
             raise FieldError(f"tensors[{i}].dtype", f"unknown dtype {spec.dtype}") from None
+        check_dtype(f"tensors[{i}].dtype", tc.dtype_from_proto(spec.dtype), expected)
         total += n
         if total > max_total_bytes:
             raise FieldError("tensors", f"exceed this server's {max_total_bytes} B")
@@ -124,6 +155,17 @@ class ReceiverState:
         self.update_lock = asyncio.Lock()
         # Receive buffers for the next update, by tensor name (see reuse_buffers).
         self.spare: dict[str, torch.Tensor] = {}
+
+    @property
+    def expected_dtype(self) -> torch.dtype | None:
+        """The floating-point dtype updates should bring (the engine's; None: any)."""
+        return self.engine.weights_dtype
+
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """FieldError naming the first received tensor whose dtype this server refuses."""
+        expected = self.expected_dtype
+        for name, t in tensors.items():
+            check_dtype(f"{tc.tensor_label(name)}.dtype", t.dtype, expected)
 
     def remember(self, plan: Plan) -> None:
         """Keeps ``plan`` (the oldest ones are forgotten past ``max_plans``)."""

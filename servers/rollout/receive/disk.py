@@ -12,15 +12,17 @@ the trainer wrote (pruning the directory later does not disturb a mapping).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 
-from areal_servers.rollout.receive.base import Receiver, ReceiverState
+import torch
+from areal_servers.rollout.receive.base import Receiver, ReceiverState, check_dtype
 from arealgrpc.v1 import weight_sync_pb2
 
 from areal_grpc.errors import FieldError, PreconditionError
-from areal_grpc.weight_disk import load_version, resolve_confined, weight_files
+from areal_grpc.weight_disk import float_dtypes, load_version, resolve_confined, weight_files
 
-__all__ = ["DiskReceiver", "load_directory"]
+__all__ = ["DiskReceiver", "check_file_dtypes", "load_directory"]
 
 pb = weight_sync_pb2
 
@@ -73,6 +75,7 @@ async def load_directory(state: ReceiverState, root: str, path: str, version: in
         if load_files is not None and not state.engine.adapters_only:
             # An engine that reads the files itself (vLLM's worker, SGLang) is handed them.
             files = weight_files(directory, Path(root), "path")
+            check_file_dtypes(state, float_dtypes(files, "path"))
             state.spare = {}
             try:
                 return int(await load_files(files, version))
@@ -80,7 +83,17 @@ async def load_directory(state: ReceiverState, root: str, path: str, version: in
                 raise FieldError("path", str(exc)) from None
         # Mapped, not copied: nothing to receive into (see the module docstring).
         state_dict = await asyncio.to_thread(load_version, root, str(directory))
+        check_file_dtypes(state, {n: t.dtype for n, t in state_dict.items()})
         # The weights such an update replaces may themselves be mapped files: as receive
         # buffers they would only copy-on-write, so they are let go.
         await state.load(state_dict, version, keep_spare=False)
         return len(state_dict)
+
+
+def check_file_dtypes(state: ReceiverState, dtypes: Mapping[str, torch.dtype]) -> None:
+    """FieldError naming ``path`` when a tensor of the directory has a dtype refused here."""
+    for name, dtype in dtypes.items():
+        try:
+            check_dtype(name, dtype, state.expected_dtype)
+        except FieldError as exc:
+            raise FieldError("path", f"tensor {name!r} {exc.description}") from None

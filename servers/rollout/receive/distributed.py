@@ -154,7 +154,9 @@ class DistributedReceiver(Receiver):
     def _check_specs(self, request: pb.UpdateFromDistributedRequest) -> list[int]:
         if request.bucket_bytes < 0:
             raise FieldError("bucket_bytes", f"is negative ({request.bucket_bytes})")
-        return check_specs(request.tensors, self.state.config.max_total_bytes)
+        return check_specs(
+            request.tensors, self.state.config.max_total_bytes, self.state.expected_dtype
+        )
 
     async def update(
         self, request: pb.UpdateFromDistributedRequest

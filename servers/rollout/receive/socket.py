@@ -120,7 +120,7 @@ class SocketReceiver(Receiver):
         buffers: dict[str, torch.Tensor] = {}
         try:
             state.check_version(request.policy_version)
-            check_specs(request.tensors, state.config.max_total_bytes)
+            check_specs(request.tensors, state.config.max_total_bytes, state.expected_dtype)
             for s in request.tensors:
                 dtype, shape = tc.dtype_from_proto(s.dtype), [int(d) for d in s.shape]
                 buffers[s.name] = state.take_buffer(s.name, dtype, shape)

@@ -103,6 +103,7 @@ class StreamReceiver(Receiver):
         try:
             await self._read_chunks(requests, asm, max_chunk)
             state_dict = asm.finish()
+            state.check_tensors(state_dict)
             if len(state_dict) != header.tensor_count:
                 raise FieldError(
                     "header.tensor_count",

@@ -24,6 +24,8 @@ __all__ = [
     "TargetResult",
     "TensorMeta",
     "Transport",
+    "cast_floats",
+    "wire_dtype",
 ]
 
 pb = weight_sync_pb2
@@ -69,6 +71,12 @@ class TensorMeta:
         for d in self.shape:
             n *= d
         return n * self.dtype.itemsize
+
+    def sent_as(self, wire: torch.dtype | None) -> TensorMeta:
+        """This tensor as it travels when floating-point tensors go in ``wire`` (None: as held)."""
+        if wire is None or not self.dtype.is_floating_point:
+            return self
+        return TensorMeta(self.name, wire, self.shape)
 
     def spec(self) -> tensor_pb2.TensorSpec:
         """As a ``TensorSpec``."""
@@ -120,6 +128,30 @@ class Target:
     def alive(self) -> bool:
         """Negotiated and not failed."""
         return self.plan is not None and not self.result.error
+
+
+def wire_dtype(targets: list[Target]) -> torch.dtype | None:
+    """The dtype floating-point tensors travel in to ``targets`` (one copy for all of them):
+    the one their plans name; float32 when they name several (every receiver takes it); None
+    (as the trainer holds them) when none names one."""
+    named = set()
+    for t in targets:
+        if t.plan is not None and t.plan.weights_dtype:
+            try:
+                named.add(tc.dtype_from_proto(t.plan.weights_dtype))
+            except ValueError:  # a dtype this sender does not know: the one all take
+                named.add(torch.float32)
+    if len(named) > 1:
+        return torch.float32
+    return named.pop() if named else None
+
+
+def cast_floats(bucket: dict[str, torch.Tensor], wire: torch.dtype) -> dict[str, torch.Tensor]:
+    """``bucket`` with its floating-point tensors in ``wire`` (others as they are)."""
+    return {
+        name: t.to(wire) if t.is_floating_point() and t.dtype != wire else t
+        for name, t in bucket.items()
+    }
 
 
 @dataclass

@@ -4,14 +4,12 @@ bit-exact (its greedy output equals the exported adapter loaded over the base mo
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from areal_clients.fleet import update_fleet_weights
 from areal_servers.rollout.sglang_engine import SGLangEngine
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -23,6 +21,7 @@ from tests.support.weightsync import (
     MODEL,
     MakeRollout,
     Trainers,
+    publish,
     reference_greedy,
     start_trainers,
     stop_trainers,
@@ -57,13 +56,8 @@ def test_lora_update_moves_only_the_adapters_bit_exact(
     version = lora_trainers.train_step()
     rollout = make_rollout(disk_root=lora_trainers.weights_root, lora=LORA)
     initial = rollout.digests()
-    result = asyncio.run(
-        update_fleet_weights(
-            lora_trainers.addresses, [rollout.address], methods=(method,), timeout_s=120
-        )
-    )
-    assert result.failed_servers == [], [s.error for s in result.servers]
-    assert result.version == version == rollout.version()
+    result = publish(lora_trainers, [rollout], (method,))
+    assert result.version == version
     export = lora_trainers.export(f"lora-{method}-v{version}")
     adapter = load_file(str(export / "adapter_model.safetensors"))
     served = rollout.digests()
@@ -124,16 +118,8 @@ def test_lora_update_into_sglang_gpu_only_fake_http_loads_each_version_as_a_peft
         for _ in range(2):
             version = lora_trainers.train_step()
             fake.posts.clear()
-            result = asyncio.run(
-                update_fleet_weights(
-                    lora_trainers.addresses,
-                    [rollout.address],
-                    methods=("distributed", method),
-                    timeout_s=120,
-                )
-            )
-            assert result.failed_servers == [], [s.error for s in result.servers]
-            assert result.servers[0].method == method and rollout.version() == version
+            result = publish(lora_trainers, [rollout], ("distributed", method))
+            assert result.servers[0].method == method and result.version == version
             name = f"areal-v{version}"
             loads = [body for path, body in fake.posts if path == "/load_lora_adapter"]
             assert loads == [{"lora_name": name, "lora_path": str(adapters / f"lora-v{version}")}]

@@ -13,9 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from arealgrpc.v1 import tensor_pb2
 from arealgrpc.v1 import weight_sync_pb2 as pb
 
 from areal_grpc.errors import field_violations
+from areal_grpc.ports import free_port
+from areal_grpc.tensor_codec import tensor_spec
 from areal_grpc.weight_disk import write_version
 from tests.support.weightsync import (
     RPC_TIMEOUT,
@@ -220,3 +223,63 @@ def test_updates_reuse_replaced_weights_and_a_broken_stream_still_leaves_them_se
     # Received in place: every tensor sits in the memory version 1 used (the cut stream
     # gave back what it had taken).
     assert [k for k in new if now[k].data_ptr() != v1[k]] == []
+
+
+def test_a_bf16_server_asks_for_bf16_takes_it_or_float32_and_refuses_float16_by_every_method(
+    make_rollout: MakeRollout, tmp_path: Path
+) -> None:
+    """The plan names the dtype the engine serves; a tensor in another narrow dtype is
+    INVALID_ARGUMENT naming its dtype field (or the directory's path) and nothing changes."""
+    r = make_rollout(disk_root=tmp_path, dtype="bfloat16")
+    stream = pb.TransferOption(
+        method=pb.TRANSFER_METHOD_STREAM, stream=pb.StreamParams(max_chunk_bytes=1 << 20)
+    )
+    reply = r.sync.Negotiate(pb.NegotiateRequest(offers=[stream]), timeout=RPC_TIMEOUT)
+    assert reply.weights_dtype == tensor_pb2.DTYPE_BFLOAT16
+    before = r.digests()
+    served = shifted(r, 0.0)
+    assert {t.dtype for t in served.values()} == {torch.bfloat16}
+    half = {k: v.to(torch.float16) for k, v in served.items()}
+    first = next(iter(half))
+
+    err = expect_error(lambda: push(r, push_messages(half, 1)), grpc.StatusCode.INVALID_ARGUMENT)
+    assert [f for f, _ in field_violations(err)] == [f'tensor["{first}"].dtype']
+    assert "bfloat16" in (err.details() or "")
+    specs = [tensor_spec(k, v) for k, v in half.items()]
+    gloo = distributed_offer(backend=pb.COLLECTIVE_BACKEND_GLOO, master_port=free_port())
+    plan = r.sync.Negotiate(pb.NegotiateRequest(offers=[gloo]), timeout=RPC_TIMEOUT)
+    err = expect_error(
+        lambda: r.sync.UpdateFromDistributed(
+            pb.UpdateFromDistributedRequest(plan_id=plan.plan_id, policy_version=1, tensors=specs),
+            timeout=RPC_TIMEOUT,
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert [f for f, _ in field_violations(err)] == ["tensors[0].dtype"]
+    socket = pb.TransferOption(
+        method=pb.TRANSFER_METHOD_SOCKET, socket=pb.SocketParams(max_frame_bytes=4096)
+    )
+    plan = r.sync.Negotiate(pb.NegotiateRequest(offers=[socket]), timeout=RPC_TIMEOUT)
+    err = expect_error(
+        lambda: r.sync.UpdateFromSocket(
+            pb.UpdateFromSocketRequest(plan_id=plan.plan_id, policy_version=1, tensors=specs),
+            timeout=RPC_TIMEOUT,
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert [f for f, _ in field_violations(err)] == ["tensors[0].dtype"]
+    write_version(tmp_path, 1, [half], 1)
+    err = expect_error(lambda: disk_update(r, "v00000001", 1), grpc.StatusCode.INVALID_ARGUMENT)
+    assert [f for f, _ in field_violations(err)] == ["path"]
+    assert r.version() == 0 and r.digests() == before
+
+    # float32 is converted on arrival; bfloat16 is installed as sent.
+    wide = {k: v.float() + 0.01 for k, v in served.items()}
+    assert push(r, push_messages(wide, 1)).policy_version == 1
+    got = r.digests()
+    assert all(got[k] == tensor_digest(v.to(torch.bfloat16)) for k, v in wide.items())
+    narrow = {k: (v + 0.02).to(torch.bfloat16) for k, v in wide.items()}
+    assert push(r, push_messages(narrow, 2)).policy_version == 2
+    got = r.digests()
+    assert all(got[k] == tensor_digest(v) for k, v in narrow.items())
+    assert r.greedy(PROMPT)  # still generating

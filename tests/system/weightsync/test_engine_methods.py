@@ -15,7 +15,6 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from areal_clients.fleet import update_fleet_weights
 from areal_servers.rollout.engine import SamplingConfig
 from areal_servers.rollout.hf_engine import HFEngine
 from areal_servers.rollout.sglang_engine import SGLangEngine
@@ -25,7 +24,14 @@ from peft import PeftModel
 from areal_grpc.config import LoraSettings, ModelConfig, RolloutConfig, VllmSettings
 from areal_grpc.model import load_model
 from tests.support.sglang import SETTINGS as SGLANG_SETTINGS
-from tests.support.weightsync import MakeRollout, Rollout, Trainers, start_trainers, stop_trainers
+from tests.support.weightsync import (
+    MakeRollout,
+    Rollout,
+    Trainers,
+    publish,
+    start_trainers,
+    stop_trainers,
+)
 
 TINY = "builtin:tiny"
 SETTINGS = VllmSettings(kv_cache_gib=0.25, max_model_len=256, max_num_seqs=16)
@@ -93,14 +99,9 @@ def test_every_method_lands_in_vllm_and_it_serves_the_trained_weights(
     initial = served_greedy(rollout)
     for method in ("stream", "disk", "distributed", "socket", "shared_memory"):
         version = tiny_trainers.train_step()
-        result = asyncio.run(
-            update_fleet_weights(
-                tiny_trainers.addresses, [rollout.address], methods=(method,), timeout_s=120
-            )
-        )
-        assert result.failed_servers == [], [s.error for s in result.servers]
+        result = publish(tiny_trainers, [rollout], (method,))
         assert [s.method for s in result.servers] == [method]
-        assert result.version == version == rollout.version()
+        assert result.version == version
         # A version stored as files (disk, shared memory) is read by vLLM's worker from
         # them, and a broadcast lands in the worker itself; the others are written once for
         # it.
@@ -126,14 +127,9 @@ def test_every_method_lands_in_sglang_and_it_serves_the_trained_weights(
     initial = served_greedy(rollout)
     for method in ("stream", "disk", "distributed", "socket", "shared_memory"):
         version = tiny_trainers.train_step()
-        result = asyncio.run(
-            update_fleet_weights(
-                tiny_trainers.addresses, [rollout.address], methods=(method,), timeout_s=120
-            )
-        )
-        assert result.failed_servers == [], [s.error for s in result.servers]
+        result = publish(tiny_trainers, [rollout], (method,))
         assert [s.method for s in result.servers] == [method]
-        assert result.version == version == rollout.version()
+        assert result.version == version
         ids, logprobs = served_greedy(rollout)
         export = tiny_trainers.export(f"sglang-{method}-v{version}")
         want_ids, want_logprobs = hf_greedy(str(export))
@@ -152,13 +148,7 @@ def test_a_lora_update_loads_as_a_vllm_adapter_and_serves_as_the_trainers_adapte
     for _ in range(2):
         # Two versions: the second replaces the first adapter, which vLLM then drops.
         version = lora_trainers.train_step()
-        result = asyncio.run(
-            update_fleet_weights(
-                lora_trainers.addresses, [rollout.address], methods=(method,), timeout_s=120
-            )
-        )
-        assert result.failed_servers == [], [s.error for s in result.servers]
-        assert result.version == version == rollout.version()
+        assert publish(lora_trainers, [rollout], (method,)).version == version
     export = lora_trainers.export(f"lora-{method}-v{version}")
     ids, logprobs = served_greedy(rollout)
     want_ids, want_logprobs = hf_greedy(

@@ -113,14 +113,16 @@ class NegotiateRequest(_message.Message):
     def __init__(self, offers: _Optional[_Iterable[_Union[TransferOption, _Mapping]]] = ..., sender_id: _Optional[str] = ...) -> None: ...
 
 class NegotiateResponse(_message.Message):
-    __slots__ = ("plan", "policy_version", "plan_id")
+    __slots__ = ("plan", "policy_version", "plan_id", "weights_dtype")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     plan: TransferOption
     policy_version: int
     plan_id: str
-    def __init__(self, plan: _Optional[_Union[TransferOption, _Mapping]] = ..., policy_version: _Optional[int] = ..., plan_id: _Optional[str] = ...) -> None: ...
+    weights_dtype: _tensor_pb2.Dtype
+    def __init__(self, plan: _Optional[_Union[TransferOption, _Mapping]] = ..., policy_version: _Optional[int] = ..., plan_id: _Optional[str] = ..., weights_dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
     __slots__ = ("header", "chunk")

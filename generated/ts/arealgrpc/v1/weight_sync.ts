@@ -20,7 +20,7 @@ import {
   type ServiceError,
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
-import { TensorChunk, TensorSpec } from "./tensor";
+import { Dtype, dtypeFromJSON, dtypeToJSON, TensorChunk, TensorSpec } from "./tensor";
 
 export const protobufPackage = "arealgrpc.v1";
 
@@ -255,6 +255,13 @@ export interface NegotiateResponse {
   policyVersion: number;
   /** Identifier to quote in the update calls of this plan. */
   planId: string;
+  /**
+   * The dtype this server serves floating-point weights in. A sender converts floating-point
+   * tensors to it before sending (half the bytes of float32 for bfloat16); float32 is also
+   * accepted (converted here), any other floating-point dtype is INVALID_ARGUMENT naming the
+   * tensor's dtype field. DTYPE_UNSPECIFIED: any dtype is converted here.
+   */
+  weightsDtype: Dtype;
 }
 
 /** One message on the PushWeights stream: a header first, then chunks. */
@@ -1230,7 +1237,7 @@ export const NegotiateRequest: MessageFns<NegotiateRequest> = {
 };
 
 function createBaseNegotiateResponse(): NegotiateResponse {
-  return { plan: undefined, policyVersion: 0, planId: "" };
+  return { plan: undefined, policyVersion: 0, planId: "", weightsDtype: 0 };
 }
 
 export const NegotiateResponse: MessageFns<NegotiateResponse> = {
@@ -1243,6 +1250,9 @@ export const NegotiateResponse: MessageFns<NegotiateResponse> = {
     }
     if (message.planId !== "") {
       writer.uint32(26).string(message.planId);
+    }
+    if (message.weightsDtype !== 0) {
+      writer.uint32(32).int32(message.weightsDtype);
     }
     return writer;
   },
@@ -1284,6 +1294,14 @@ export const NegotiateResponse: MessageFns<NegotiateResponse> = {
             message.planId = reader.string();
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.weightsDtype = reader.int32() as any;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1309,6 +1327,11 @@ export const NegotiateResponse: MessageFns<NegotiateResponse> = {
         : isSet(object.plan_id)
         ? globalThis.String(object.plan_id)
         : "",
+      weightsDtype: isSet(object.weightsDtype)
+        ? dtypeFromJSON(object.weightsDtype)
+        : isSet(object.weights_dtype)
+        ? dtypeFromJSON(object.weights_dtype)
+        : 0,
     };
   },
 
@@ -1323,6 +1346,9 @@ export const NegotiateResponse: MessageFns<NegotiateResponse> = {
     if (message.planId !== "") {
       obj.planId = message.planId;
     }
+    if (message.weightsDtype !== 0) {
+      obj.weightsDtype = dtypeToJSON(message.weightsDtype);
+    }
     return obj;
   },
 
@@ -1336,6 +1362,7 @@ export const NegotiateResponse: MessageFns<NegotiateResponse> = {
       : undefined;
     message.policyVersion = object.policyVersion ?? 0;
     message.planId = object.planId ?? "";
+    message.weightsDtype = object.weightsDtype ?? 0;
     return message;
   },
 };
