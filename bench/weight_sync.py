@@ -51,6 +51,9 @@ worker joins the group and takes the broadcast itself). Its cases are
 ``weight_sync_<method>_vllm``, the transfer alone (the fleet update less the server's own
 load, which it logs) against the method's floor; the load prints apart as
 ``weight_sync_vllm_load_<method>`` against a memcpy of the same bytes (no target).
+``--dtype bfloat16`` has the rollout servers serve bf16, so the trainer (fp32 weights) sends
+bf16: half the bytes. Its cases are ``weight_sync_<method>_bf16``, each against the same method
+into float32 servers in the same run (target 0.7: half the bytes, plus the sender's cast).
 """
 
 from __future__ import annotations
@@ -151,10 +154,11 @@ def serve_rollout(
     netns: str | None = None,
     host: str = "127.0.0.1",
     engine_kind: str = "hf",
+    dtype: str = "float32",
 ) -> None:
     """Child mode: a rollout server with WeightSyncService on ``host`` (under TLS with
     ``cert_key``, the certificate and key files; inside ``netns`` when given); prints
-    LISTENING host:port."""
+    LISTENING host:port; the engine serves ``dtype``, which the trainer then sends."""
     if netns:
         shaped.enter(netns)
     from areal_servers.rollout.hf_engine import HFEngine
@@ -181,10 +185,15 @@ def serve_rollout(
             # Its per-update load times, which the parent reads from this child's log.
             logging.basicConfig(level=logging.WARNING)
             logging.getLogger("areal_servers.rollout.vllm_engine").setLevel(logging.INFO)
-            engine = VLLMEngine(model, VllmSettings(kv_cache_gib=0.5, max_model_len=512))
+            engine = VLLMEngine(
+                model, VllmSettings(kv_cache_gib=0.5, max_model_len=512), dtype=dtype
+            )
             await engine.start()
         else:
-            engine = HFEngine(ModelConfig(source=model), RolloutConfig(device=device))
+            engine = HFEngine(
+                ModelConfig(source=model),
+                RolloutConfig(device=device, dtype=dtype),  # type: ignore[arg-type]
+            )
         rollout = RolloutServicer(engine, load_tokenizer(model))
         services = [
             service(rollout, rollout_pb2_grpc.add_RolloutServiceServicer_to_server, rollout_pb2),
@@ -434,6 +443,13 @@ def main() -> int:
     parser.add_argument(
         "--engine", choices=("hf", "vllm"), default="hf", help="the rollout servers' engine"
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="what the rollout servers serve (and the trainer sends); bfloat16: each method's "
+        "bf16 update against its float32 update, measured in the same run",
+    )
     parser.add_argument("--serve-rollout", nargs=2, metavar=("MODEL", "DISK_ROOT"))
     parser.add_argument("--serve-tls", nargs=2, help=argparse.SUPPRESS)  # child: cert, key
     parser.add_argument("--serve-netns", nargs=2, help=argparse.SUPPRESS)  # child: netns, host
@@ -447,6 +463,7 @@ def main() -> int:
             netns=netns,
             host=host,
             engine_kind=args.engine,
+            dtype=args.dtype,
         )
         return 0
     torch.set_num_threads(1)
@@ -550,9 +567,10 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                     lambda: broadcast_baseline(model_dir, link),
                 ),
             }
-            for method in methods:
-                label, baseline_fn = baselines[method]
-                # Rollout servers of their own per method, updated repeatedly as in a run.
+
+            def measure(method: str, dtype: str) -> tuple[list[float], list[float], list[Child]]:
+                """Unmeasured and measured syncs of rollout servers of their own serving
+                ``dtype``, updated repeatedly as in a run (the servers, stopped, returned)."""
                 argv = [
                     sys.executable,
                     __file__,
@@ -561,25 +579,25 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                     str(weights_root),
                     f"--device={args.device}",
                     f"--engine={args.engine}",
+                    f"--dtype={dtype}",
                     *pki_argv,
                     *(["--serve-netns", link.netns, link.peer_ip] if link else []),
                 ]
                 rollouts: list[Child] = []
+                warm, syncs = [], []
                 try:
                     start_children(
-                        [(f"rollout-{method}-{i}", argv) for i in range(args.servers)],
+                        [(f"rollout-{method}-{dtype}-{i}", argv) for i in range(args.servers)],
                         rollouts.append,
                         log_dir=base / "logs",
                         ready_timeout_s=900,
                     )
                     addresses = [r.address for r in rollouts]
-                    syncs = []
                     # Unmeasured rounds first: the first update of a process pays one-off
                     # costs (page faults of fresh buffers, connection set-up), and until
                     # DISK has KEEP_VERSIONS versions on disk each new one grows the page
                     # cache instead of taking over the pages of the one pruned (3-4x the
                     # steady state here). A run pays both once; thousands of syncs follow.
-                    warm = []
                     for _ in range(KEEP_VERSIONS):
                         train()
                         warm.append(fleet.time_sync(trainer.address, addresses, method))
@@ -588,6 +606,29 @@ def run(args: argparse.Namespace, methods: list[str], link: shaped.Link | None) 
                         syncs.append(fleet.time_sync(trainer.address, addresses, method))
                 finally:
                     stop_children(rollouts)
+                return warm, syncs, rollouts
+
+            for method in methods:
+                label, baseline_fn = baselines[method]
+                if args.dtype == "bfloat16":
+                    # The same method into float32 servers, then into bfloat16 ones.
+                    _, wide, _ = measure(method, "float32")
+                    warm, narrow, _ = measure(method, "bfloat16")
+                    print(
+                        f"{method}: float32 syncs {[round(x, 3) for x in wide]} s, bfloat16 "
+                        f"(unmeasured {[round(x, 3) for x in warm]}) "
+                        f"{[round(x, 3) for x in narrow]} s",
+                        flush=True,
+                    )
+                    result(
+                        f"weight_sync_{method}_bf16",
+                        statistics.median(narrow),
+                        "s",
+                        statistics.median(wide),
+                        "0.7",
+                    )
+                    continue
+                warm, syncs, rollouts = measure(method, "float32")
                 # The baseline in a block of its own, after the syncs, likewise warmed up:
                 # interleaved, each side writes into the page-cache memory the other just
                 # freed (cheap here) and leaves it to grow the page cache (several times
