@@ -747,6 +747,13 @@ class TrainerConfig:
         "where the hardware has fast bf16 units (a CUDA GPU, a CPU with AMX-BF16 or "
         "AVX512-BF16) and trainer.dtype is float32.",
     )
+    prefix_sharing: MixedPrecision = setting(
+        "auto",
+        help="Compute each prefix the rows of a group share once: the group's rows go through "
+        "the model as one tree (a trie of their tokens, each token attending to its "
+        "ancestors), with the same log-probs, loss and gradients; auto: on where that is exact "
+        "(attention sdpa or eager, no sliding-window layers).",
+    )
     fsdp: bool = setting(
         True,
         help="Shard the model with FSDP2 in a process group; false: one plain process (one rank "

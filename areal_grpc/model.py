@@ -206,15 +206,21 @@ def masked_logits(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     keep: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The logits at the positions where the boolean ``keep`` [B, S] is set, [N, V]."""
+    """The logits at the positions where the boolean ``keep`` [B, S] is set, [N, V].
+
+    ``attention_mask``: [B, S] (True on real tokens, causal attention), or a boolean
+    [B, 1, S, S] of what each position sees, with its ``position_ids`` [B, S].
+    """
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids
     if _MASK_LOGITS_TO_KEEP:
         # Only the kept positions go through the vocabulary projection.
-        return model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep
-        ).logits
+        return model(**inputs, logits_to_keep=keep).logits
     # An older transformers: every position's logits, then the mask (same values, more memory).
-    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[keep]
+    return model(**inputs).logits[keep]
 
 
 def _load_base(source: str, seed: int, dtype: torch.dtype) -> PreTrainedModel:

@@ -41,6 +41,14 @@ Reported figures are medians over the timed steps (tok/s) and means over the tri
    backward, gradients are reduced and the optimizer steps in fp32) and one in fp32 (``off``),
    the steps alternating between them; ratio = bf16 / fp32. ``train_step_bf16_memory``: the
    peak RSS of each group's ranks.
+4. ``train_step_tree_groups`` and ``train_step_tree_sessions`` (``--prefix-sharing``, instead
+   of 1 and 2): trained tokens/s of the same TrainStep on two 2-rank trainer groups, one
+   computing each prefix a group shares once (``trainer.prefix_sharing=on``) and one computing
+   every row whole (``off``), steps alternating; ratio = shared / unshared. ``groups``: the
+   arithmetic example's shape (``--groups`` groups of 16 completions of a 28-token prompt, 4-16
+   tokens each); ``sessions``: the agent example's (``--groups`` sessions of 4 turns, one
+   trajectory per turn holding the conversation so far). Each case prints the tokens per step
+   unshared and the nodes computed shared.
 
 Default run: about a minute on 2 CPU cores::
 
@@ -72,6 +80,7 @@ from areal_grpc.dispatch import dispatch_groups
 from areal_grpc.durations import seconds
 from areal_grpc.launch import Child, python_module_argv, start_child, stop_children
 from areal_grpc.ports import free_port
+from areal_grpc.prefixes import prefix_nodes
 from areal_grpc.server import sync_channel
 
 WORLD = 2
@@ -424,6 +433,44 @@ def summary(name: str, samples: list[tuple[float, int, float]]) -> float:
     return med
 
 
+def compare_sides(
+    args: argparse.Namespace,
+    sides: dict[str, str],
+    messages: list[list[list[trainer_pb2.TrainStepRequest]]],
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The same TrainStep ``messages`` (per step, per rank) on one 2-rank trainer group per
+    side (label -> a run config override), steps alternating between the sides: each side's
+    median trained tokens/s and its ranks' peak RSS (GiB)."""
+    total = args.warmup + args.steps
+    children: list[Child] = []
+    groups: dict[str, GrpcRanks] = {}
+    labels = list(sides)
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        try:
+            for label, override in sides.items():
+                groups[label] = GrpcRanks(
+                    args, Path(tmp), children, override, name=f"trainer-{label}-"
+                )
+            samples: dict[str, list[tuple[float, int, float]]] = {k: [] for k in sides}
+            for s in range(total):
+                for label in labels if s % 2 == 0 else labels[::-1]:
+                    sample = groups[label].step(messages[s])
+                    if s >= args.warmup:
+                        samples[label].append(sample)
+            peaks = {
+                label: peak_rss_gib(c.process.pid for c in side.children)
+                for label, side in groups.items()
+            }
+        finally:
+            for side in groups.values():
+                side.close()
+            stop_children(children)
+    rates = {label: summary(label, samples[label]) for label in samples}
+    for label, peak in peaks.items():
+        print(f"  {label}: peak RSS of its 2 ranks {peak:.2f} GiB", flush=True)
+    return rates, peaks
+
+
 def precision_main(args: argparse.Namespace) -> None:
     """``--compare-precision``: the same TrainStep on two trainer groups, fp32 compute and
     bf16 compute (trainer.mixed_precision off / on), steps alternating between them."""
@@ -437,37 +484,106 @@ def precision_main(args: argparse.Namespace) -> None:
         f"{args.group_size} per step, {args.warmup} warm-up + {args.steps} timed steps per side",
         flush=True,
     )
-    children: list[Child] = []
-    sides: dict[str, GrpcRanks] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        try:
-            for label, setting in (("fp32", "off"), ("bf16", "on")):
-                sides[label] = GrpcRanks(
-                    args,
-                    Path(tmp),
-                    children,
-                    f"trainer.mixed_precision={setting}",
-                    name=f"trainer-{label}-",
-                )
-            samples: dict[str, list[tuple[float, int, float]]] = {k: [] for k in sides}
-            for s in range(total):
-                for label in ("fp32", "bf16") if s % 2 == 0 else ("bf16", "fp32"):
-                    sample = sides[label].step(messages[s])
-                    if s >= args.warmup:
-                        samples[label].append(sample)
-            peaks = {
-                label: peak_rss_gib(c.process.pid for c in side.children)
-                for label, side in sides.items()
-            }
-        finally:
-            for side in sides.values():
-                side.close()
-            stop_children(children)
-    rates = {label: summary(f"{label} compute", samples[label]) for label in samples}
-    for label, peak in peaks.items():
-        print(f"  {label} compute: peak RSS of its 2 ranks {peak:.2f} GiB", flush=True)
-    result("train_step_bf16", rates["bf16"], "tok/s", rates["fp32"], "1.3")
-    result("train_step_bf16_memory", peaks["bf16"], "GiB", peaks["fp32"], "none")
+    rates, peaks = compare_sides(
+        args,
+        {
+            "fp32 compute": "trainer.mixed_precision=off",
+            "bf16 compute": "trainer.mixed_precision=on",
+        },
+        messages,
+    )
+    result("train_step_bf16", rates["bf16 compute"], "tok/s", rates["fp32 compute"], "1.3")
+    result("train_step_bf16_memory", peaks["bf16 compute"], "GiB", peaks["fp32 compute"], "none")
+
+
+def trajectory(
+    tokens: list[int], trained_from: int, trained_to: int, step: int, rng: random.Random, group: str
+) -> common_pb2.Trajectory:
+    """A trajectory trained on ``tokens[trained_from:trained_to]``, behaviour log-probs near
+    the uniform policy's."""
+    uniform_logp = -math.log(384)
+    n = len(tokens)
+    mask = [trained_from <= i < trained_to for i in range(n)]
+    return common_pb2.Trajectory(
+        token_ids=tokens,
+        logprobs=[min(0.0, uniform_logp + rng.gauss(0.0, 0.05)) if m else 0.0 for m in mask],
+        versions=[step if m else -1 for m in mask],
+        loss_mask=mask,
+        reward=float(rng.random() < 0.5),
+        prompt_length=trained_from,
+        group_id=group,
+        task_id=group,
+    )
+
+
+def arith_groups(args: argparse.Namespace, step: int) -> list[common_pb2.TrajectoryGroup]:
+    """The arithmetic example's shape: --groups groups of 16 completions of one 28-token
+    prompt, each completion 4-16 tokens (lognormal, median 9)."""
+    rng = random.Random(args.seed * 1_000_003 + step)
+    groups = []
+    for g in range(args.groups):
+        prompt = [rng.randrange(3, 384) for _ in range(28)]
+        group = common_pb2.TrajectoryGroup(group_id=f"s{step}g{g}", task_id=f"s{step}g{g}")
+        for _ in range(16):
+            n = min(16, max(4, round(rng.lognormvariate(math.log(9), 0.4))))
+            tokens = prompt + [rng.randrange(3, 384) for _ in range(n)]
+            group.trajectories.append(
+                trajectory(tokens, 28, len(tokens), step, rng, group.group_id)
+            )
+        groups.append(group)
+    return groups
+
+
+def agent_sessions(args: argparse.Namespace, step: int) -> list[common_pb2.TrajectoryGroup]:
+    """The agent example's shape: --groups sessions (one group each) of 4 turns, recorded
+    as the gateway records them: one trajectory per turn, the conversation so far (a
+    56-token system prompt and question, then per turn a 12-token tool result or user
+    message and a 24-token reply), trained on that turn's reply."""
+    rng = random.Random(args.seed * 1_000_003 + step)
+    groups = []
+    for g in range(args.groups):
+        group = common_pb2.TrajectoryGroup(group_id=f"s{step}g{g}", task_id=f"s{step}g{g}")
+        conversation = [rng.randrange(3, 384) for _ in range(56)]
+        for _ in range(4):
+            conversation += [rng.randrange(3, 384) for _ in range(12)]
+            start = len(conversation)
+            conversation += [rng.randrange(3, 384) for _ in range(24)]
+            group.trajectories.append(
+                trajectory(list(conversation), start, len(conversation), step, rng, group.group_id)
+            )
+        groups.append(group)
+    return groups
+
+
+def sharing_main(args: argparse.Namespace) -> None:
+    """``--prefix-sharing``: the same TrainStep on two trainer groups, one computing each
+    shared prefix once (trainer.prefix_sharing=on) and one computing every row whole (off),
+    on GRPO groups and on agent sessions."""
+    torch.set_num_threads(1)
+    total = args.warmup + args.steps
+    for case, make in (("groups", arith_groups), ("sessions", agent_sessions)):
+        batches = [make(args, s) for s in range(total)]
+        tokens = [sum(len(t.token_ids) for g in b for t in g.trajectories) for b in batches]
+        nodes = [
+            sum(prefix_nodes([list(t.token_ids) for t in g.trajectories]) for g in b)
+            for b in batches
+        ]
+        print(
+            f"prefix sharing, {case}: {args.model}, 2 ranks FSDP2 over gloo, {args.groups} "
+            f"groups of {len(batches[0][0].trajectories)} per step; tokens per step "
+            f"{statistics.median(tokens):.0f} unshared, {statistics.median(nodes):.0f} computed "
+            f"shared ({statistics.median(n / t for n, t in zip(nodes, tokens, strict=True)):.3f}); "
+            f"{args.warmup} warm-up + {args.steps} timed steps per side",
+            flush=True,
+        )
+        messages = [[step_messages(s, rank) for rank in shards(batches[s])] for s in range(total)]
+        rates, _ = compare_sides(
+            args,
+            {"unshared": "trainer.prefix_sharing=off", "shared": "trainer.prefix_sharing=on"},
+            messages,
+        )
+        target = "1.6" if case == "groups" else "2"
+        result(f"train_step_tree_{case}", rates["shared"], "tok/s", rates["unshared"], target)
 
 
 def driver_main(args: argparse.Namespace) -> None:
@@ -553,6 +669,12 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--master-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
+        "--prefix-sharing",
+        action="store_true",
+        help="train_step_tree_groups and _sessions instead: shared prefixes computed once "
+        "vs every row whole, both through TrainStep",
+    )
+    parser.add_argument(
         "--compare-precision",
         action="store_true",
         help="train_step_bf16 instead: bf16 compute vs fp32 compute, both through TrainStep",
@@ -562,7 +684,10 @@ def main() -> None:
         worker_main(args)
     else:
         signal.signal(signal.SIGTERM, exit_on_sigterm)
-        (precision_main if args.compare_precision else driver_main)(args)
+        if args.prefix_sharing:
+            sharing_main(args)
+        else:
+            (precision_main if args.compare_precision else driver_main)(args)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,9 @@ class Coordinator:
             restart=restart_trainers,
             client_factory=trainer_client,
             health=health,
+            # auto is on for every model the trainer builds but a few (see prefix_tree): the
+            # balance is what matters here, not exactness.
+            share_prefixes=cfg.trainer.prefix_sharing != "off",
         )
         self.syncer = WeightSyncer(
             cfg.weight_sync,

@@ -26,12 +26,14 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from arealgrpc.v1 import common_pb2
 
 from areal_grpc.coordinator.dataloader import PromptLoader
 from areal_grpc.errors import FieldError
+from areal_grpc.prefixes import prefix_nodes
 from areal_grpc.staleness import StalenessManager
 from areal_grpc.trajectory import validate_group
 
@@ -89,6 +91,12 @@ class Finished:
     group: common_pb2.TrajectoryGroup
     head_version: int  # version of the earliest first generated token of the group
     tokens: int
+
+    @cached_property
+    def prefix_nodes(self) -> int:
+        """Its tokens with each prefix its members share counted once (what a trainer that
+        shares prefixes computes)."""
+        return prefix_nodes([t.token_ids for t in self.group.trajectories])
 
 
 @dataclass

@@ -101,6 +101,9 @@ def zero_advantage(stats: trainer_pb2.StepStats, batch: Sequence[Finished]) -> b
 # |trainer's log-prob - the engine's| over the trained tokens the trained weights sampled, a
 # KL estimate between the two, and how many tokens that was.
 LOGP_GAP_KEYS = ("logp_gap_mean", "logp_gap_max", "logp_gap_kl", "logp_gap_tokens")
+# Prefix sharing (trainer.prefix_sharing): the tokens the trainer computed / the rows'
+# tokens unshared, over the step's micro-batches.
+SHARING_KEYS = ("prefix_sharing_ratio",)
 
 
 class SignalWatch:
@@ -263,7 +266,7 @@ class RunLog:
             "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
             "staleness_max": max(lags) if lags else 0,
             # The train/rollout log-prob gap on the step's fresh tokens, when measured.
-            **{k: stats.extra[k] for k in LOGP_GAP_KEYS if k in stats.extra},
+            **{k: stats.extra[k] for k in LOGP_GAP_KEYS + SHARING_KEYS if k in stats.extra},
         }
 
     def rewind(self, step: int) -> None:

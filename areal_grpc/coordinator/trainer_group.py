@@ -113,10 +113,14 @@ class TrainerGroup:
         restart: RestartTrainers | None = None,
         client_factory: Callable[[str], TrainerLike] = TrainerClient,
         health: HealthCheck = check_health,
+        share_prefixes: bool = False,
     ) -> None:
         """``restart`` replaces a failed group (the local launcher's restart); None (attach
-        mode) waits for the same addresses to come back, restarted by their own supervisor."""
+        mode) waits for the same addresses to come back, restarted by their own supervisor.
+        ``share_prefixes``: the ranks compute each prefix a group shares once, so a group's
+        load is its trie's nodes, not its tokens."""
         self.cfg = cfg
+        self.share_prefixes = share_prefixes
         self._restart = restart
         self._client = client_factory
         self._health = health
@@ -148,8 +152,9 @@ class TrainerGroup:
         return self.version
 
     async def train_step(self, step: int, batch: Sequence[Finished]) -> trainer_pb2.StepStats:
-        """Dispatches ``batch`` over the ranks by token count and runs TrainStep on all."""
-        counts = [f.tokens for f in batch]
+        """Dispatches ``batch`` over the ranks by what each group computes and runs
+        TrainStep on all."""
+        counts = [f.prefix_nodes if self.share_prefixes else f.tokens for f in batch]
         plan = dispatch_groups(counts, len(self.clients))
         version = self.version
         stats = await self.watched(

@@ -50,6 +50,7 @@ from areal_servers.trainer.microbatch import (
     plan_minibatches,
     split_microbatches,
 )
+from areal_servers.trainer.prefix_tree import Forest, attention_weight, pack_forest, sharing
 from areal_servers.trainer.safe_checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -268,6 +269,9 @@ class StepPlan:
     # Per mini-batch: (trained tokens, sequences) over all ranks.
     mini_counts: list[tuple[float, float]]
     epochs: int
+    # Prefix sharing: the nodes of the micro-batches' tries and their rows' tokens (0, 0 off).
+    packed_nodes: int = 0
+    packed_tokens: int = 0
 
     @property
     def microbatches(self) -> list[tuple[list[int], Batch]]:
@@ -337,15 +341,24 @@ class TrainerEngine:
         self.model = build_model(policy.source, policy.seed, self.device, self.dtype, policy.lora)
         self.vocab_size = int(self.model.config.vocab_size)
         self.mixed_precision, why = bf16_compute(cfg.mixed_precision, cfg.dtype, self.device.type)
+        self.prefix_sharing, sharing_why = sharing(cfg.prefix_sharing, self.model)
+        self.microbatch.share_prefixes = self.prefix_sharing
+        self._pair_cost = attention_weight(self.model)
         if cfg.fsdp:
             apply_fsdp(self.model, self.mixed_precision, self.device)
         if self.rank == 0:
             log.info(
-                "trainer: %s compute, %s weights and optimizer state (%s)",
+                "trainer: %s compute, %s weights and optimizer state (%s); shared prefixes "
+                "computed %s (%s)",
                 "bfloat16" if self.mixed_precision else cfg.dtype,
                 cfg.dtype,
                 why,
+                "once" if self.prefix_sharing else "per row",
+                sharing_why,
             )
+        # The step's micro-batches packed as tries (prefix sharing), by id of the micro-batch:
+        # set by plan_step, dropped when the step ends.
+        self._forests: dict[int, Forest] = {}
         self._autocast = self.mixed_precision and not cfg.fsdp
         self.ref_model: PreTrainedModel | None = None
         # The reference policy is the initial one: with LoRA that is the base model, the
@@ -392,9 +405,14 @@ class TrainerEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of the trained tokens of ``mb`` (0 elsewhere), [B, S]."""
 
+        forest = self._forests.get(id(mb))
+        packed = forest.forward(model) if forest is not None else None
+
         def forward(keep: torch.Tensor) -> torch.Tensor:
             # Without FSDP (whose policy casts the parameters) bf16 compute is autocast's.
             with torch.autocast(self.device.type, torch.bfloat16, enabled=self._autocast):
+                if packed is not None:
+                    return packed(keep)
                 return masked_logits(model, mb["input_ids"], mb["attention_mask"], keep)
 
         return masked_token_logprobs(forward, mb["input_ids"], mb["train_mask"], self.temperature)
@@ -415,13 +433,16 @@ class TrainerEngine:
         """
         start = time.perf_counter()
         report = progress or (lambda phase, done, total: None)
-        plan = self.plan_step(batch)
-        report("received", 0, len(plan.microbatches))
-        prox_mode = self.proximal_mode(plan)
-        self.proximal_logprobs(plan, prox_mode, report)
-        adv_stats = self.advantages(plan)
-        lr = float(self.scheduler.get_last_lr()[0])
-        stats, approx, grad_norm = self.update(plan, prox_mode, report)
+        try:
+            plan = self.plan_step(batch)
+            report("received", 0, len(plan.microbatches))
+            prox_mode = self.proximal_mode(plan)
+            self.proximal_logprobs(plan, prox_mode, report)
+            adv_stats = self.advantages(plan)
+            lr = float(self.scheduler.get_last_lr()[0])
+            stats, approx, grad_norm = self.update(plan, prox_mode, report)
+        finally:
+            self._forests.clear()
         return self._step_result(plan, stats, approx, grad_norm, lr, adv_stats, prox_mode, start)
 
     def plan_step(self, batch: Batch | None) -> StepPlan:
@@ -471,6 +492,26 @@ class TrainerEngine:
                 mb.setdefault("train_mask", torch.zeros_like(mb["loss_mask"]))
                 part[k] = (part[k][0], {key: v.to(self.device) for key, v in mb.items()})
             minis.append(part)
+        packed = [0, 0]  # nodes computed, tokens unshared
+        self._forests.clear()
+        if self.prefix_sharing:
+            for part in minis:
+                for rows, mb in part:
+                    if not rows:  # a dummy micro-batch
+                        continue
+                    # None where packing would not pay (see pack_forest): the rows as they are.
+                    forest = pack_forest(
+                        mb["input_ids"],
+                        mb["attention_mask"],
+                        mb.get("group_index"),
+                        self.pad_token_id,
+                        self._pair_cost,
+                    )
+                    tokens = int(mb["attention_mask"].sum())
+                    if forest is not None:
+                        self._forests[id(mb)] = forest
+                    packed[0] += forest.nodes if forest is not None else tokens
+                    packed[1] += tokens
         # Each update's loss is normalised over its own mini-batch (all ranks): its trained
         # tokens and the sequences that have any.
         mini_counts = [(total_tokens, total_seqs)]
@@ -494,6 +535,8 @@ class TrainerEngine:
             minis=minis,
             mini_counts=mini_counts,
             epochs=max(1, cfg.epochs),
+            packed_nodes=packed[0],
+            packed_tokens=packed[1],
         )
 
     def proximal_mode(self, plan: StepPlan) -> str:
@@ -629,11 +672,15 @@ class TrainerEngine:
                     stats.gap_abs_sum,
                     stats.gap_kl_sum,
                     stats.gap_tokens,
+                    plan.packed_nodes,
+                    plan.packed_tokens,
                 ],
                 dtype=torch.float64,
                 device=self.device,
             )
         ).tolist()
+        # Tokens computed / tokens unshared, over the step's micro-batches on every rank.
+        shared = {"prefix_sharing_ratio": sums[10] / sums[11]} if sums[11] else {}
         imp_max = self._reduce_max_float(stats.imp_weight_max)
         gap_max = self._reduce_max_float(stats.gap_abs_max)
         tokens = sums[4]
@@ -658,7 +705,8 @@ class TrainerEngine:
             extra=self._extra_stats(sums[5], plan.staleness_sum, adv_stats, plan.total_tokens)
             | self._approx_stats(prox_mode, approx, tokens)
             | gap_stats(sums[7], gap_max, sums[8], sums[9])
-            | kl,
+            | kl
+            | shared,
         )
 
     def _update(

@@ -11,6 +11,11 @@ Gradient accumulation scales each micro-batch loss by ``1 / N`` with ``N`` the t
 tokens of the *global* batch (all ranks, all micro-batches), see
 :func:`areal_servers.trainer.algorithm.ppo_loss`, so the accumulated gradient is that of the
 global token mean whatever the packing.
+
+With prefix sharing (``MicroBatchSpec.share_prefixes``) the packed items are groups, not
+rows: a group's rows stay in one micro-batch, where their shared prefix is computed once, and
+the budget counts what that computes, the nodes of the group's trie
+(:func:`areal_grpc.prefixes.prefix_nodes`); a group over the budget is packed row by row.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from areal_grpc.ffd import ffd_allocate
+from areal_grpc.prefixes import prefix_nodes
 
 Batch = dict[str, torch.Tensor]
 
@@ -39,6 +45,9 @@ class MicroBatchSpec:
     max_tokens_per_mb: int | None = None
     # At least this many micro-batches per rank.
     min_mbs: int = 1
+    # Keep each group's rows together and count its trie's nodes against the budget (the
+    # trainer computes each shared prefix once).
+    share_prefixes: bool = False
 
 
 def _no_reduce(values: list[int]) -> list[int]:
@@ -119,6 +128,30 @@ def plan_minibatches(tokens: Sequence[int], n: int) -> list[list[int]]:
     return out
 
 
+def _units(
+    batch: Batch, subset: list[int], seqlens: list[int], share: bool, capacity: int | None
+) -> tuple[list[list[int]], list[int]]:
+    """What micro-batches are packed from, and what each costs: the rows by their tokens; with
+    prefix sharing the rows of each group together, by their trie's nodes (what the packed
+    forward computes), a group over the budget row by row."""
+    if not share or "group_index" not in batch:
+        return [[i] for i in subset], [seqlens[i] for i in subset]
+    groups: dict[int, list[int]] = {}
+    for i, g in zip(subset, batch["group_index"][subset].tolist(), strict=True):
+        groups.setdefault(int(g), []).append(i)
+    units, costs = [], []
+    ids = batch["input_ids"]
+    for members in groups.values():
+        cost = prefix_nodes([ids[i, : seqlens[i]].tolist() for i in members])
+        if capacity is not None and cost > capacity and len(members) > 1:
+            units += [[i] for i in members]
+            costs += [seqlens[i] for i in members]
+        else:
+            units.append(members)
+            costs.append(cost)
+    return units, costs
+
+
 def split_microbatches(
     batch: Batch | None,
     spec: MicroBatchSpec,
@@ -131,12 +164,16 @@ def split_microbatches(
     ``rows``: only those rows of the shard (a PPO mini-batch); the pairs name shard rows.
     Empty micro-batches come back as ``([], dummy_microbatch())``.
     """
-    seqlens = [] if batch is None else batch["attention_mask"].sum(dim=1).tolist()
+    seqlens = [] if batch is None else [int(n) for n in batch["attention_mask"].sum(dim=1)]
     subset = list(range(len(seqlens))) if rows is None else list(rows)
-    plan = plan_microbatches([int(seqlens[i]) for i in subset], spec, reduce_max)
+    units: list[list[int]] = []
+    costs: list[int] = []
+    if batch is not None:
+        units, costs = _units(batch, subset, seqlens, spec.share_prefixes, spec.max_tokens_per_mb)
+    plan = plan_microbatches(costs, spec, reduce_max)
     out: list[tuple[list[int], Batch]] = []
     for picked in plan:
-        chosen = [subset[i] for i in picked]
+        chosen = sorted(row for u in picked for row in units[u])
         if chosen:
             assert batch is not None
             out.append((chosen, select_rows(batch, chosen)))

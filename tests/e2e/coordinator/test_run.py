@@ -117,6 +117,9 @@ def test_attach_mode_run_trains_every_prompt_once_within_the_staleness_bound(
     assert measured, "no step trained a token its own weights sampled"
     assert max(r["logp_gap_max"] for r in measured) < 1e-4
     assert all(0 <= r["logp_gap_kl"] < 1e-8 for r in measured)
+    # Each group's two samples share their prompt, which the trainer computed once (its
+    # log-probs, above, are those of the packed forward).
+    assert all(0 < r["prefix_sharing_ratio"] < 1 for r in train)
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 4, 8, 9]
     # Greedy eval over the whole eval split, spread over both servers.

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from areal_grpc.ports import free_port
 from areal_grpc.weight_transfer import plan_buckets
+from tests.support.prefix_sharing import grpo_groups, sessions
 from tests.support.trainer import (
     POLICY,
     config,
@@ -222,3 +223,36 @@ def test_bucketed_gathers_on_three_ranks_give_each_parameters_full_tensor() -> N
     for _, in_order, wrong, uneven in results:
         assert in_order and wrong == []
         assert uneven > 0  # the model has tensors whose rows 3 ranks do not split evenly
+
+
+def test_two_rank_fsdp_steps_with_shared_prefixes_equal_one_plain_process():
+    """Prefix sharing under FSDP2 (gloo), in float64: the same updates as one plain process
+    sharing prefixes, and the same losses as one that does not. (Parameters are compared
+    with sharing on both sides: Adam's first step turns a gradient's last-bit differences
+    into up to lr / eps = 1e5 times as much on near-zero gradients. Gradients themselves are
+    compared with the unshared step in tests/unit/trainer/test_prefix_tree.py.)"""
+    batch1, batch2 = grpo_groups(1), sessions(2)
+    shards = [
+        [rows_of(batch1, [0, 1, 2, 3, 4, 5, 6, 7]), rows_of(batch1, [8, 9, 10, 11])],
+        [rows_of(batch2, [0, 1, 2]), rows_of(batch2, [3, 4, 5])],
+    ]
+    on = config(fsdp=True, dtype="float64")
+    on.prefix_sharing = "on"
+    got = two_ranks(shards, on)
+    want = {}
+    for setting in ("on", "off"):
+        cfg = config(fsdp=False, dtype="float64")
+        cfg.prefix_sharing = setting  # type: ignore[assignment]
+        plain = TrainerEngine(cfg, POLICY)
+        want[setting] = ([plain.train_step(batch1), plain.train_step(batch2)], params(plain))
+    diff = max_diff({k: torch.from_numpy(v) for k, v in got[0][1].items()}, want["on"][1])
+    assert diff <= 1e-9, diff
+    for rank in (0, 1):
+        for r, w in zip(got[rank][0], want["on"][0], strict=True):
+            # Weights within 1e-9 (above) give losses within about as much.
+            assert r.loss == pytest.approx(w.loss, abs=1e-9)
+            assert r.extra["prefix_sharing_ratio"] == w.extra["prefix_sharing_ratio"] < 1.0
+        # The first step starts from the same weights with and without sharing.
+        first = want["off"][0][0]
+        assert got[rank][0][0].loss == pytest.approx(first.loss, abs=1e-9)
+        assert "prefix_sharing_ratio" not in first.extra
