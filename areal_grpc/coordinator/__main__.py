@@ -83,13 +83,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 class Progress:
-    """A rich progress bar with reward, eval and step time (plain lines when not a TTY)."""
+    """A rich progress bar with reward, eval, the train/rollout log-prob gap (the latest
+    measured ``logp_gap_mean``) and step time; plain lines without the gap when not a TTY."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._bar: Any = None
         self._task: Any = None
         self._eval: float | None = None
+        # The latest measured train/rollout gap (not every step trains fresh tokens).
+        self._gap: float | None = None
 
     def start(self, done: int, total: int) -> None:
         """Shows the bar at ``done`` of ``total`` steps."""
@@ -104,12 +107,13 @@ class Progress:
             MofNCompleteColumn(),
             TextColumn("reward {task.fields[reward]}"),
             TextColumn("eval {task.fields[eval]}"),
+            TextColumn("gap {task.fields[gap]}"),
             TextColumn("{task.fields[step_s]} s/step"),
             TimeElapsedColumn(),
         )
         self._bar.start()
         self._task = self._bar.add_task(
-            "train", total=total, completed=done, reward="-", eval="-", step_s="-"
+            "train", total=total, completed=done, reward="-", eval="-", gap="-", step_s="-"
         )
 
     def update(self, record: dict[str, Any]) -> None:
@@ -117,7 +121,11 @@ class Progress:
         if record.get("eval_accuracy") is not None:
             self._eval = record["eval_accuracy"]
         ev = "-" if self._eval is None else f"{self._eval:.3f}"
+        if record.get("logp_gap_mean") is not None:
+            self._gap = record["logp_gap_mean"]
+        gap = "-" if self._gap is None else f"{self._gap:.1e}"
         if self._bar is None:
+            # The plain line keeps its documented form; the gap is in metrics.jsonl.
             print(
                 f"step {record['step']}: reward {record['reward_mean']:.3f} eval {ev} "
                 f"version {record['version']} {record['step_s']:.2f} s/step",
@@ -129,6 +137,7 @@ class Progress:
             completed=record["step"],
             reward=f"{record['reward_mean']:.3f}",
             eval=ev,
+            gap=gap,
             step_s=f"{record['step_s']:.2f}",
         )
 
