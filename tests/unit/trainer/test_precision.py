@@ -9,6 +9,7 @@ import pytest
 import torch
 from areal_servers.trainer.engine import TrainerEngine
 
+from areal_grpc.config import load_config
 from areal_grpc.precision import bf16_compute
 from tests.support.precision import FP32_GAP, bf16_logprob_tol
 from tests.support.trainer import POLICY, config, with_exact_behaviour
@@ -45,3 +46,27 @@ def test_the_same_step_in_fp32_finds_no_gap(make_batch):
     engine = TrainerEngine(config(fsdp=False, mixed_precision="off"), POLICY)
     batch, _ = with_exact_behaviour(engine.model, make_batch(seed=3))
     assert engine.train_step(batch).extra["logp_gap_max"] <= FP32_GAP
+
+
+def test_icepop_drops_no_token_for_the_bf16_gap_and_still_drops_those_outside_its_band(
+    make_batch,
+):
+    """IcePop acts on the train/rollout ratio exp(prox - behaviour): bf16 compute moves it by
+    at most e^(bf16 tolerance) (inside IcePop's [0.5, 5] band for these logits), so no fresh
+    token is dropped for rounding; tokens whose behaviour probability is 10x off either way
+    still are, exactly those (algorithms.md's description of the preset)."""
+    cfg = config(fsdp=False, mixed_precision="on")
+    cfg.ppo.rejection = load_config(None, ["algorithm=icepop"]).trainer.ppo.rejection
+    assert (cfg.ppo.rejection.lower, cfg.ppo.rejection.upper) == (0.5, 5.0)
+    engine = TrainerEngine(cfg, POLICY)
+    batch, max_logit = with_exact_behaviour(engine.model, make_batch(seed=5))
+    tol = bf16_logprob_tol(max_logit)
+    assert math.exp(-tol) > 0.5 and math.exp(tol) < 5.0
+    rows, cols = batch["loss_mask"].nonzero(as_tuple=True)
+    assert TrainerEngine(cfg, POLICY).train_step(dict(batch)).extra["capped_tokens"] == 0
+    shifted = {k: v.clone() for k, v in batch.items()}
+    # Behaviour 10x more likely (ratio 0.1) on 5 tokens, 10x less likely (ratio 10) on 5.
+    shifted["logprobs"][rows[:5], cols[:5]] += math.log(10)
+    shifted["logprobs"][rows[5:10], cols[5:10]] -= math.log(10)
+    assert bool((shifted["logprobs"] <= 0).all())
+    assert engine.train_step(shifted).extra["capped_tokens"] == 10
