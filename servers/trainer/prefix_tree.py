@@ -1,5 +1,5 @@
 """Shared prefixes computed once: the rows of a micro-batch packed as tries (AReaL's tree
-training, ``docs/en/reference/tree_training.md`` in areal-project/AReaL).
+training, https://github.com/areal-project/AReaL/blob/main/docs/en/reference/tree_training.md).
 
 The rows of one group (a GRPO group's completions of one prompt; an agent session's
 conversations, whose turns extend each other) become one trie over their token ids: a token

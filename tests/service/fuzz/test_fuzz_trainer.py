@@ -94,10 +94,11 @@ class Trainer:
 
 
 def trajectory(
-    n: int = 8, prompt: int = 3, reward: float = 1.0, version: int = 0
+    n: int = 8, prompt: int = 3, reward: float = 1.0, version: int = 0, answer: int = 0
 ) -> common_pb2.Trajectory:
+    """``answer`` shifts the completion's tokens (samples of one prompt that differ)."""
     return common_pb2.Trajectory(
-        token_ids=[(5 + 13 * i) % VOCAB for i in range(n)],
+        token_ids=[(5 + 13 * i + (answer if i >= prompt else 0)) % VOCAB for i in range(n)],
         logprobs=[0.0] * prompt + [-5.9] * (n - prompt),
         versions=[-1] * prompt + [version] * (n - prompt),
         loss_mask=[False] * prompt + [True] * (n - prompt),
@@ -111,9 +112,10 @@ def valid_groups(count: int, version: int = 0) -> list[common_pb2.TrajectoryGrou
         common_pb2.TrajectoryGroup(
             task_id=f"t{g}",
             group_id=f"g{g}",
+            # Two different answers: the same one rewarded 1 and 0 would cancel exactly.
             trajectories=[
                 trajectory(8, reward=1.0, version=version),
-                trajectory(8, reward=0.0, version=version),
+                trajectory(8, reward=0.0, version=version, answer=1),
             ],
         )
         for g in range(count)
