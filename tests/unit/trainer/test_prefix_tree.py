@@ -212,3 +212,37 @@ def test_rows_that_would_cost_more_packed_stay_apart(model: torch.nn.Module) -> 
     short = [head * 40 + [rng.randrange(3, 380) for _ in range(4)] for _ in range(8)]
     group = batch_of(short, [320] * 8, [0] * 8)
     assert pack_forest(group["input_ids"], group["attention_mask"], None, 0, weight) is not None
+
+
+def test_the_proximal_and_reference_log_probs_with_shared_prefixes_equal_the_unshared_ones() -> (
+    None
+):
+    """The recompute path (several updates per step) and the reference policy (a KL term) go
+    through the packed forward too: their log-probs, recomputed before any update, equal the
+    unshared ones to 1e-5 (the micro-batches differ: sharing packs them by group)."""
+    batch = grpo_groups(5)
+    got = {}
+    for setting in ("on", "off"):
+        cfg = config(fsdp=False, max_tokens=40)
+        cfg.prefix_sharing = setting  # type: ignore[assignment]
+        cfg.ppo.n_minibatches = 2
+        cfg.ppo.kl_loss_coef = 0.1
+        cfg.ppo.prox_logp_method = "recompute"
+        engine = TrainerEngine(cfg, POLICY)
+        plan = engine.plan_step(dict(batch))
+        assert engine.proximal_mode(plan) == "recompute"
+        engine.proximal_logprobs(plan, "recompute")
+        if setting == "on":
+            assert len(engine._forests) > 0  # packed micro-batches were used
+        out = {k: torch.zeros(batch["input_ids"].shape) for k in ("prox_logp", "ref_logp")}
+        for rows, mb in plan.microbatches:
+            for key, full in out.items():
+                width = mb[key].shape[1]
+                full[rows, :width] = mb[key]
+        got[setting] = out
+    for key in ("prox_logp", "ref_logp"):
+        ref = got["off"][key]
+        assert bool(ref.ne(0).any())
+        torch.testing.assert_close(
+            got["on"][key], ref, rtol=RTOL, atol=RTOL * float(ref.abs().max())
+        )
