@@ -114,9 +114,11 @@ def _rank_main_cfg(
 def two_ranks(
     shards, cfg: TrainerConfig, policy: ModelConfig = POLICY
 ) -> dict[int, tuple[list, dict | None]]:
-    """Trains ``shards[step][rank]`` on 2 forked FSDP2 ranks (gloo on loopback): per rank, its
+    """Trains ``shards[step][rank]`` on 2 spawned FSDP2 ranks (gloo on loopback): per rank, its
     step results and (rank 0) its final full parameters."""
-    ctx = mp.get_context("fork")
+    # spawn, not fork: the test process may hold threads (gRPC, an SDK's heartbeats) whose
+    # locks a forked child inherits taken; in CI two forked ranks once spun for 37 minutes.
+    ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [
@@ -126,13 +128,18 @@ def two_ranks(
     for p in procs:
         p.start()
     got = {}
-    for _ in range(2):
-        rank, results, state = out.get(timeout=120)
-        assert not isinstance(results, str), results
-        got[rank] = (results, state)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    try:
+        for _ in range(2):
+            rank, results, state = out.get(timeout=120)
+            assert not isinstance(results, str), results
+            got[rank] = (results, state)
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:  # a rank that hung is not left running
+            if p.is_alive():
+                p.kill()
     return got
 
 

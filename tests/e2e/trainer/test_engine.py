@@ -148,7 +148,7 @@ def _publish_after_forward_main(port: int, batch, out: mp.Queue) -> None:
 def test_weights_published_after_a_forward_are_the_sharded_parameters(make_batch):
     # published_tensors used to read the parameters before state_dict() (whose hook
     # reshards a model a forward left unsharded): it got the unsharded ones, about to be freed.
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")  # see tests/support/trainer.py: two_ranks
     out = ctx.Queue()
     proc = ctx.Process(target=_publish_after_forward_main, args=(free_port(), make_batch(), out))
     proc.start()
@@ -199,7 +199,7 @@ def _bucketed_gather_main(port: int, rank: int, world: int, out: mp.Queue) -> No
 def test_bucketed_gathers_on_three_ranks_give_each_parameters_full_tensor() -> None:
     """A bucket's sharded parameters are gathered in one collective and cut apart again:
     every tensor equals its own ``full_tensor()``, rows split unevenly over 3 ranks included."""
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")  # see tests/support/trainer.py: two_ranks
     out = ctx.Queue()
     port, world = free_port(), 3
     procs = [
