@@ -247,27 +247,21 @@ def test_a_bf16_server_asks_for_bf16_takes_it_or_float32_and_refuses_float16_by_
     assert "bfloat16" in (err.details() or "")
     specs = [tensor_spec(k, v) for k, v in half.items()]
     gloo = distributed_offer(backend=pb.COLLECTIVE_BACKEND_GLOO, master_port=free_port())
-    plan = r.sync.Negotiate(pb.NegotiateRequest(offers=[gloo]), timeout=RPC_TIMEOUT)
-    err = expect_error(
-        lambda: r.sync.UpdateFromDistributed(
-            pb.UpdateFromDistributedRequest(plan_id=plan.plan_id, policy_version=1, tensors=specs),
-            timeout=RPC_TIMEOUT,
-        ),
-        grpc.StatusCode.INVALID_ARGUMENT,
-    )
-    assert [f for f, _ in field_violations(err)] == ["tensors[0].dtype"]
     socket = pb.TransferOption(
         method=pb.TRANSFER_METHOD_SOCKET, socket=pb.SocketParams(max_frame_bytes=4096)
     )
-    plan = r.sync.Negotiate(pb.NegotiateRequest(offers=[socket]), timeout=RPC_TIMEOUT)
-    err = expect_error(
-        lambda: r.sync.UpdateFromSocket(
-            pb.UpdateFromSocketRequest(plan_id=plan.plan_id, policy_version=1, tensors=specs),
-            timeout=RPC_TIMEOUT,
-        ),
-        grpc.StatusCode.INVALID_ARGUMENT,
-    )
-    assert [f for f, _ in field_violations(err)] == ["tensors[0].dtype"]
+    # The two methods that announce their tensors: refused before a byte moves.
+    for offer, update, request in (
+        (gloo, r.sync.UpdateFromDistributed, pb.UpdateFromDistributedRequest),
+        (socket, r.sync.UpdateFromSocket, pb.UpdateFromSocketRequest),
+    ):
+        plan = r.sync.Negotiate(pb.NegotiateRequest(offers=[offer]), timeout=RPC_TIMEOUT)
+        announce = request(plan_id=plan.plan_id, policy_version=1, tensors=specs)
+        err = expect_error(
+            lambda u=update, a=announce: u(a, timeout=RPC_TIMEOUT),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+        assert [f for f, _ in field_violations(err)] == ["tensors[0].dtype"], request
     write_version(tmp_path, 1, [half], 1)
     err = expect_error(lambda: disk_update(r, "v00000001", 1), grpc.StatusCode.INVALID_ARGUMENT)
     assert [f for f, _ in field_violations(err)] == ["path"]
