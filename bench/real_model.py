@@ -44,7 +44,8 @@ both before the one hf run. Only the learning case runs with it.
 
 ``--dtype bf16`` runs only bf16 against fp32, side by side: ``real_model_rollout_bf16`` (the
 rollout case's RunEpisodes rounds on a server with ``rollout.dtype=bfloat16`` and one with
-``float32``, alternating; ``_vllm`` with ``--engine vllm``), its ``_memory`` (peak RSS of each
+``float32``, alternating; ``_vllm`` with ``--engine vllm``, ``_sglang`` with ``--engine
+sglang``, which needs ``./scripts/setup --sglang``), its ``_memory`` (peak RSS of each
 server's process tree), and ``real_model_train_bf16`` (``bench/train_step.py
 --compare-precision`` on the real model: trainer.mixed_precision on vs off) with its
 ``_memory``; each ratio is bf16's over fp32's.
@@ -721,7 +722,10 @@ def main() -> int:
         help="keep the runs' data, configs and logs here (default: a temp dir)",
     )
     parser.add_argument(
-        "--engine", choices=("hf", "vllm"), default="hf", help="vllm: the learning case on vLLM"
+        "--engine",
+        choices=("hf", "vllm", "sglang"),
+        default="hf",
+        help="vllm: the learning case on vLLM; sglang: only with --dtype bf16",
     )
     parser.add_argument(
         "--vllm-reserved-cpus",
@@ -772,6 +776,8 @@ def main() -> int:
                     },
                 )
             return 0
+        if args.engine == "sglang":
+            parser.error("--engine sglang runs only with --dtype bf16")
         if args.engine == "vllm":
             vllm_learning(tmp, args)
             return 0

@@ -70,3 +70,62 @@ def test_icepop_drops_no_token_for_the_bf16_gap_and_still_drops_those_outside_it
     shifted["logprobs"][rows[5:10], cols[5:10]] -= math.log(10)
     assert bool((shifted["logprobs"] <= 0).all())
     assert engine.train_step(shifted).extra["capped_tokens"] == 10
+
+
+def binary_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(KL(p||q), KL(q||p)) of Bernoulli p, q (KPop's metric, algorithms.md)."""
+
+    def kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * (a / b).log() + (1 - a) * ((1 - a) / (1 - b)).log()
+
+    return torch.maximum(kl(p, q), kl(q, p))
+
+
+def test_kpop_drops_no_token_for_the_bf16_gap_and_still_drops_the_behaviour_it_calls_off(
+    make_batch,
+):
+    """KPop's binary KL between the trainer's and the engine's token probabilities stays far
+    under its bound 2 for the bf16 gap (checked from the arithmetic for every trained token);
+    5 tokens the engine reports as near-certain (p = 0.999) but the model gives under 0.05 are
+    dropped, exactly those."""
+    cfg = config(fsdp=False, mixed_precision="on")
+    cfg.ppo.rejection = load_config(None, ["algorithm=kpop"]).trainer.ppo.rejection
+    assert (cfg.ppo.rejection.metric, cfg.ppo.rejection.upper) == ("binary_kl", 2.0)
+    engine = TrainerEngine(cfg, POLICY)
+    batch, max_logit = with_exact_behaviour(engine.model, make_batch(seed=5))
+    tol = bf16_logprob_tol(max_logit)
+    rows, cols = batch["loss_mask"].nonzero(as_tuple=True)
+    exact = batch["logprobs"][rows, cols].double().exp()
+    for shift in (-tol, tol):
+        moved = (exact.log() + shift).exp().clamp(max=1 - 1e-7)
+        assert float(binary_kl(moved, exact).max()) < 2.0
+    assert TrainerEngine(cfg, POLICY).train_step(dict(batch)).extra["capped_tokens"] == 0
+    unlikely = (exact < 0.05).nonzero().flatten()[:5]
+    assert len(unlikely) == 5
+    shifted = {k: v.clone() for k, v in batch.items()}
+    shifted["logprobs"][rows[unlikely], cols[unlikely]] = math.log(0.999)
+    assert engine.train_step(shifted).extra["capped_tokens"] == 5
+
+
+def test_the_clamp_action_leaves_the_bf16_gap_alone_and_clamps_weights_outside_its_bounds(
+    make_batch,
+):
+    """action clamp on IcePop's band: in bf16 the largest behaviour weight is within
+    e^(bf16 tolerance) of 1 (nothing clamped); a token whose behaviour probability is 10x too
+    small gets weight exactly the upper bound, and nothing is dropped either way."""
+    cfg = config(fsdp=False, mixed_precision="on")
+    rejection = load_config(None, ["algorithm=icepop"]).trainer.ppo.rejection
+    rejection.action = "clamp"
+    cfg.ppo.rejection = rejection
+    engine = TrainerEngine(cfg, POLICY)
+    batch, max_logit = with_exact_behaviour(engine.model, make_batch(seed=5))
+    tol = bf16_logprob_tol(max_logit)
+    fresh = TrainerEngine(cfg, POLICY).train_step(dict(batch))
+    assert fresh.extra["capped_tokens"] == 0
+    assert 1.0 <= fresh.importance_weight_max <= math.exp(tol) < rejection.upper
+    rows, cols = batch["loss_mask"].nonzero(as_tuple=True)
+    shifted = {k: v.clone() for k, v in batch.items()}
+    shifted["logprobs"][rows[:5], cols[:5]] -= math.log(10)
+    clamped = engine.train_step(shifted)
+    assert clamped.extra["capped_tokens"] == 0
+    assert clamped.importance_weight_max == pytest.approx(rejection.upper, rel=1e-6)
