@@ -37,6 +37,8 @@ def test_default_run_trains_on_the_gpu(tmp_path: Path, ranks: int, coordinator_c
     assert code == 0, text[-3000:]
     steps = trained_steps(out)
     assert len(steps) == STEPS
+    # Shared prefixes (on by default) are computed once on the GPU too, over nccl with 2 ranks.
+    assert all(0 < s["prefix_sharing_ratio"] < 1 for s in steps), steps
     logs = out / "logs"
     assert "on cuda" in (logs / "rollout-0.log").read_text()
     trainer0 = (logs / "trainer-0.log").read_text()
