@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,15 +91,19 @@ class CoordinatorCommand:
         env: Mapping[str, str] | None = None,
         unset_env: Sequence[str] = (),
         config: Path | None = None,
+        on: Callable[[list[str]], list[str]] | None = None,
     ) -> subprocess.Popen[str]:
-        """The command writing to ``out`` (``config``: its --config file); stdout and stderr
-        merged into ``proc.stdout``."""
+        """The command writing to ``out`` (``config``: its --config file; ``on``: the argv
+        wrapped to run elsewhere, e.g. a test host's ``argv``); stdout and stderr merged into
+        ``proc.stdout``."""
         argv = [sys.executable, "-m", "areal_grpc.coordinator"]
         if resume:
             argv.append("--resume")
         if config is not None:
             argv += ["--config", str(config)]
         argv += [f"output.dir={out}", "output.progress_bar=false", *overrides]
+        if on is not None:
+            argv = on(argv)
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         for name in unset_env:
             full_env.pop(name, None)

@@ -1,0 +1,138 @@
+"""The mesh across hosts: the coordinator, its trainer ranks and rollout servers in network
+namespaces of their own (``tests/support/hosts.py``), each host on a 1 Gbit/s link with its
+own shared memory; real processes, real TCP, the same binaries, attached as a user attaches
+servers started on other machines. Skipped, saying why, without root or iproute2, except
+where AREAL_REQUIRE_HOSTS is set (CI): there they run and fail."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_grpc.config import load_config
+from areal_grpc.coordinator.mesh import rollout_argv, trainer_argv
+from areal_grpc.coordinator.metrics import read_jsonl
+from areal_grpc.launch import Child, child_env, start_child, stop_children
+from tests.support.hosts import hosts, unavailable
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        bool(unavailable()) and not os.environ.get("AREAL_REQUIRE_HOSTS"),
+        reason=unavailable() or "hosts can be made",
+    ),
+]
+
+STEPS = 6
+RUN = (
+    "data.task=echo",
+    f"total_steps={STEPS}",
+    "staleness.batch_size=4",
+    "staleness.group_size=2",
+    "staleness.max_staleness=1",
+    "rollout.num_servers=2",
+    "eval.every_steps=0",
+    "checkpoint.every_steps=0",
+    "checkpoint.export_hf=false",
+    "output.plot=false",
+    "output.tensorboard=false",
+    "output.log_level=INFO",
+    # A test network of one machine; across real machines, security.tls (docs: security).
+    "security.allow_plaintext=true",
+)
+
+
+def test_hosts_reach_each_other_over_their_links_and_keep_their_shared_memory_apart() -> None:
+    with hosts(["a", "b"]) as hs:
+        a, b = hs["a"], hs["b"]
+        mark = "areal-hosts-test"
+        write = f"open('/dev/shm/{mark}', 'w').write('x')"
+        subprocess.run(a.argv([sys.executable, "-c", write]), check=True)
+        seen = {
+            h.name: subprocess.run(
+                h.argv(["ls", "/dev/shm"]), capture_output=True, text=True, check=True
+            ).stdout.split()
+            for h in (a, b)
+        }
+        assert mark in seen["a"] and mark not in seen["b"]
+        serve = (
+            f"import socket; s = socket.create_server(('{b.ip}', 7001)); print('up', flush=True);"
+            " c, _ = s.accept(); c.sendall(c.recv(64))"
+        )
+        server = subprocess.Popen(b.argv([sys.executable, "-c", serve]), stdout=subprocess.PIPE)
+        try:
+            assert server.stdout is not None and server.stdout.readline() == b"up\n"
+            echo = (
+                f"import socket; c = socket.create_connection(('{b.ip}', 7001), timeout=10);"
+                " c.sendall(b'ping'); print(c.recv(64).decode())"
+            )
+            got = subprocess.run(
+                a.argv([sys.executable, "-c", echo]), capture_output=True, text=True, timeout=30
+            )
+            assert got.stdout.strip() == "ping", got.stderr
+        finally:
+            server.kill()
+        # Cut off, b is unreachable; restored, it is reachable again.
+        b.cut()
+        probe = f"import socket; socket.create_connection(('{b.ip}', 7002), timeout=2)"
+        cut = subprocess.run(a.argv([sys.executable, "-c", probe]), capture_output=True, text=True)
+        assert "timed out" in cut.stderr
+        b.restore()
+        back = subprocess.run(a.argv([sys.executable, "-c", probe]), capture_output=True, text=True)
+        assert "Connection refused" in back.stderr  # b answers: nothing listens on 7002
+
+
+def test_a_run_across_three_hosts_trains_every_step_once_and_syncs_weights_over_the_links(
+    tmp_path: Path, coordinator_command
+) -> None:
+    """Coordinator and two trainer ranks on "head", one rollout server on each of two rollout
+    hosts: every step is trained and recorded once, every rollout server ends at the last
+    version, and the weights crossed the links (shared memory, offered first, is declined by
+    the other hosts)."""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    children: list[Child] = []
+    with hosts(["head", "rollout-a", "rollout-b"]) as hs:
+        head = hs["head"]
+        try:
+            rollouts = []
+            for i, name in enumerate(("rollout-a", "rollout-b")):
+                host = hs[name]
+                cfg = load_config(None, [*RUN, f"output.dir={out}", f"launcher.host={host.ip}"])
+                argv = host.argv(rollout_argv(cfg, i))
+                children.append(start_child(name, argv, log_dir=logs, env=child_env()))
+                rollouts.append(children[-1].address)
+            cfg = load_config(None, [*RUN, f"output.dir={out}", f"launcher.host={head.ip}"])
+            for rank in range(cfg.trainer.ranks):
+                argv = head.argv(trainer_argv(cfg, rank, 29517))
+                children.append(start_child(f"trainer-{rank}", argv, log_dir=logs, env=child_env()))
+            trainers = [c.address for c in children[2:]]
+            assert all(a.startswith(head.ip) for a in trainers)
+            proc = coordinator_command.start(
+                out,
+                *RUN,
+                "launcher.mode=attach",
+                f"launcher.host={head.ip}",
+                f"launcher.attach.rollout_addresses=[{','.join(rollouts)}]",
+                f"launcher.attach.trainer_addresses=[{','.join(trainers)}]",
+                on=head.argv,
+            )
+            log = coordinator_command.finish(proc, timeout=280)
+            assert proc.returncode == 0, log[-3000:]
+        finally:
+            stop_children(children)
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    batches = read_jsonl(out / "batches.jsonl")
+    assert len(batches) == STEPS and len({b["step"] for b in batches}) == STEPS
+    groups = [g["task_id"] for b in batches for g in b["groups"]]
+    assert len(groups) == len(set(groups)) == STEPS * 4  # no group trained twice
+    for name in ("rollout-a", "rollout-b"):
+        text = (logs / f"{name}.log").read_text()
+        plans = [ln for ln in text.splitlines() if " plan " in ln and "TRANSFER_METHOD" in ln]
+        assert len(plans) >= STEPS, text[-2000:]
+        assert not any("SHARED_MEMORY" in line for line in plans), plans
+        assert f"serves policy version {STEPS}" in text, text[-2000:]
