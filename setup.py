@@ -18,8 +18,11 @@ for name, directory in ROOTS.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(directory)]
 
-# SGLang's CPU stand-ins are put on the launched SGLang's path, not imported here.
+# SGLang's CPU stand-ins are put on the launched SGLang's path, not imported here. Python sees
+# their folders as packages, so they are listed as such: setuptools drops (and warns about)
+# importable folders missing from `packages`.
 STAND_INS = ["rollout/sglang_cpu/*.*", "rollout/sglang_cpu/sgl_kernel/*.py"]
+packages += ["areal_servers.rollout.sglang_cpu", "areal_servers.rollout.sglang_cpu.sgl_kernel"]
 setup(
     packages=packages,
     package_dir=ROOTS,
