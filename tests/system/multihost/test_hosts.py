@@ -225,3 +225,8 @@ def test_a_rollout_host_cut_off_mid_run_leaves_rotation_and_rejoins_at_the_lates
     assert [b["step"] for b in recorded] == list(range(len(recorded)))
     groups = [g["task_id"] for b in recorded for g in b["groups"]]
     assert len(groups) == len(set(groups))
+    # Nothing issued during the cut was lost: every task up to the ones trained when the link
+    # came back was trained (tasks still running at the SIGTERM may be missing after them).
+    seqs = {g["seq"] for b in recorded for g in b["groups"]}
+    upto = max(g["seq"] for g in recorded[restored_at]["groups"])
+    assert set(range(upto)) <= seqs
