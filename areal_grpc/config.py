@@ -34,6 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from areal_grpc.errors import FieldError
+from areal_grpc.rewards import REWARD_FNS, reward_fn_for_task
+from areal_grpc.tasks import TASKS
 
 __all__ = [
     "ALGORITHMS",
@@ -1627,6 +1629,24 @@ def _validate_data(cfg: RunConfig) -> None:
         raise FieldError("data.eval_path", "needs data.path (the train items)")
     if cfg.data.task == EXTERNAL_TASK and cfg.data.path is not None:
         raise FieldError("data.path", "data.task=external has no items of its own")
+    if cfg.data.task == EXTERNAL_TASK:
+        return
+    if cfg.data.path is None and cfg.data.task not in TASKS:
+        known = ", ".join(sorted(TASKS))
+        raise FieldError(
+            "data.task", f"{cfg.data.task!r} is not built in ({known}); its items go in data.path"
+        )
+    if cfg.rollout.reward == "task":
+        # The same lookup the reward makes on every episode, so that what loads also scores.
+        try:
+            reward_fn_for_task(cfg.data.task)
+        except ValueError as exc:
+            others = ", ".join(sorted(n for n in REWARD_FNS if n != "task"))
+            raise FieldError(
+                "rollout.reward",
+                f"'task' (the default) scores by data.task, and {exc}. Set rollout.reward to "
+                f"one of {others} or an import path 'pkg.mod:name'",
+            ) from None
 
 
 def _validate_rollout(cfg: RunConfig) -> None:

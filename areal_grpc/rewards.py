@@ -178,7 +178,8 @@ def reward_fn_for_task(name: str) -> RewardFn:
         return get_reward_fn(TASKS[name].reward_fn)
     if name in _EXTERNAL_TASK_REWARDS:
         return get_reward_fn(_EXTERNAL_TASK_REWARDS[name])
-    raise ValueError(f"no reward function for task {name!r}")
+    known = ", ".join(sorted([*TASKS, *_EXTERNAL_TASK_REWARDS]))
+    raise ValueError(f"no reward function for task {name!r}; tasks with one: {known}")
 
 
 REWARD_FNS: dict[str, RewardFn] = {

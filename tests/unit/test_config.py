@@ -378,6 +378,24 @@ def test_an_external_only_run_needs_no_items_and_no_eval():
         assert err.value.field == field, overrides
 
 
+def test_a_task_without_a_reward_is_refused_at_load_unless_rollout_reward_is_set():
+    # The default rollout.reward=task would fail every episode with "no reward function".
+    items = ["data.task=last_letter", "data.path=items.jsonl"]
+    with pytest.raises(FieldError) as err:
+        load_config(None, items)
+    assert err.value.field == "rollout.reward"
+    for words in ["data.task", "'last_letter'", "first_char", "gsm8k"]:
+        assert words in str(err.value), words
+    assert load_config(None, [*items, "rollout.reward=first_char"]).rollout.reward == "first_char"
+    gsm8k = load_config(None, ["data.task=gsm8k", "data.path=items.jsonl"])
+    assert (gsm8k.data.task, gsm8k.rollout.reward) == ("gsm8k", "task")
+    assert load_config(None, ["data.task=echo"]).data.task == "echo"
+    # A task that is not built in has no items without a file.
+    with pytest.raises(FieldError) as err:
+        load_config(None, ["data.task=gsm8k"])
+    assert err.value.field == "data.task" and "data.path" in str(err.value)
+
+
 def test_a_gateway_chat_template_must_be_a_readable_jinja_file(tmp_path):
     good = tmp_path / "good.jinja"
     good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
