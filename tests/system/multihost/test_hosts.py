@@ -230,3 +230,88 @@ def test_a_rollout_host_cut_off_mid_run_leaves_rotation_and_rejoins_at_the_lates
     seqs = {g["seq"] for b in recorded for g in b["groups"]}
     upto = max(g["seq"] for g in recorded[restored_at]["groups"])
     assert set(range(upto)) <= seqs
+
+
+def test_a_trainer_host_cut_off_mid_run_recovers_as_a_restarted_group(
+    tmp_path: Path, coordinator_command
+) -> None:
+    """The trainer ranks' host goes off the network for 20 s after step 12: the group fails
+    its health check during the step, as a killed rank does, and when the link is back the
+    same ranks (attach mode: nobody restarts them) are taken up again from the checkpoint of
+    step 10, above every version served. The steps after the checkpoint are redone and
+    recorded once; every task issued was trained once in the final accounting."""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    run = [r for r in RUN if not r.startswith(("total_steps=", "checkpoint.", "rollout.num"))] + [
+        "total_steps=100000",
+        "rollout.num_servers=1",
+        "checkpoint.every_steps=5",
+        "checkpoint.export_hf=false",
+        "fault_tolerance.trainer.health_interval_s=1",
+        "fault_tolerance.trainer.health_timeout_s=2",
+    ]
+    children: list[Child] = []
+    with hosts(["head", "trainers", "rollout-a"]) as hs:
+        head, trainer_host, rollout_host = hs["head"], hs["trainers"], hs["rollout-a"]
+        try:
+            cfg = load_config(None, [*run, f"output.dir={out}", f"launcher.host={rollout_host.ip}"])
+            argv = rollout_host.argv(rollout_argv(cfg, 0))
+            children.append(start_child("rollout-a", argv, log_dir=logs, env=child_env()))
+            rollouts = [children[-1].address]
+            cfg = load_config(None, [*run, f"output.dir={out}", f"launcher.host={trainer_host.ip}"])
+            for rank in range(cfg.trainer.ranks):
+                argv = trainer_host.argv(trainer_argv(cfg, rank, 29517))
+                children.append(start_child(f"trainer-{rank}", argv, log_dir=logs, env=child_env()))
+            trainers = [c.address for c in children[1:]]
+            proc = coordinator_command.start(
+                out,
+                *run,
+                "launcher.mode=attach",
+                f"launcher.host={head.ip}",
+                f"launcher.attach.rollout_addresses=[{','.join(rollouts)}]",
+                f"launcher.attach.trainer_addresses=[{','.join(trainers)}]",
+                on=head.argv,
+            )
+
+            def batches() -> list[dict]:
+                path = out / "batches.jsonl"
+                return read_jsonl(path) if path.exists() else []
+
+            def wait_for(done, timeout: float) -> None:
+                deadline = time.monotonic() + timeout
+                while not done():
+                    assert proc.poll() is None, "the run ended"
+                    assert time.monotonic() < deadline, "not reached"
+                    time.sleep(0.2)
+
+            wait_for(lambda: len(batches()) >= 12, 120)
+            trainer_host.cut()
+            cut_at = len(batches())
+            time.sleep(20)
+            restored_at = len(batches())
+            trainer_host.restore()
+            wait_for(lambda: len(batches()) > restored_at + 10, 180)
+            proc.send_signal(signal.SIGTERM)
+            log = coordinator_command.finish(proc, timeout=120)
+            assert proc.returncode == 143, log[-3000:]
+        finally:
+            stop_children(children)
+    assert restored_at == cut_at  # no step without the trainers
+    records = read_jsonl(out / "metrics.jsonl")
+    [recovery] = [r for r in records if r["kind"] == "recovery"]
+    assert recovery["step"] == 10 and recovery["failed_at_step"] > 10
+    assert "health check" in recovery["cause"]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, len(train) + 1))
+    assert [r["trainer_restarts"] for r in train] == [0] * 10 + [1] * (len(train) - 10)
+    versions = [r["version"] for r in train]
+    assert versions[:10] == list(range(1, 11)) and recovery["version"] >= cut_at
+    assert versions[10:] == list(
+        range(recovery["version"] + 1, recovery["version"] + len(train) - 9)
+    )
+    recorded = batches()
+    assert [b["step"] for b in recorded] == list(range(len(recorded)))
+    groups = [g["task_id"] for b in recorded for g in b["groups"]]
+    assert len(groups) == len(set(groups))
+    seqs = {g["seq"] for b in recorded for g in b["groups"]}
+    upto = max(g["seq"] for g in recorded[cut_at + 5]["groups"])
+    assert set(range(upto)) <= seqs, sorted(set(range(upto)) - seqs)
