@@ -156,6 +156,9 @@ RayStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 RAY_STRATEGIES: tuple[str, ...] = get_args(RayStrategy)
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+# offline: W&B keeps the run on disk (`wandb sync` uploads it later); online: it uploads live;
+# auto: W&B's WANDB_MODE, else offline.
+WandbMode = Literal["auto", "offline", "online"]
 ChatTemplateMode = Literal["auto", "on", "off"]
 CHAT_TEMPLATE_MODES: tuple[str, ...] = get_args(ChatTemplateMode)
 
@@ -1096,6 +1099,24 @@ class OutputConfig:
         help="TensorBoard event files under dir/tensorboard: the metrics, and each step's "
         "rollouts samples as text (needs the tensorboard package).",
     )
+    wandb: bool = setting(
+        False,
+        help="Weights & Biases: the metrics (as TensorBoard's train/*, eval/*, against "
+        "'step'), and each step's rollouts samples as a table (needs the wandb package: pip "
+        "install -e '.[wandb]'). Its files go under dir/wandb, or WANDB_DIR.",
+    )
+    wandb_project: str | None = setting(
+        None, help="The W&B project; null: WANDB_PROJECT, else areal-grpc."
+    )
+    wandb_name: str | None = setting(
+        None, help="The W&B run's name; null: WANDB_NAME, else a name W&B makes up."
+    )
+    wandb_mode: WandbMode = setting(
+        "auto",
+        help="offline: W&B keeps the run on disk only (upload it later with wandb sync); "
+        "online: it uploads as the run goes (needs a W&B login); auto: WANDB_MODE, else "
+        "offline.",
+    )
     plot: bool = setting(True, help="Write reward and eval plots (PNG) under dir at the end.")
     progress_bar: bool = setting(True, help="Show a progress bar on a terminal.")
     rollouts_per_step: int = setting(
@@ -1916,6 +1937,8 @@ def _preflight_output(cfg: RunConfig) -> None:
         raise FieldError(
             "output.tensorboard", "needs the tensorboard package (pip install tensorboard)"
         )
+    if cfg.output.wandb and importlib.util.find_spec("wandb") is None:
+        raise FieldError("output.wandb", "needs the wandb package (pip install -e '.[wandb]')")
 
 
 def _preflight_tinker(cfg: RunConfig) -> None:

@@ -188,6 +188,7 @@ class Coordinator:
                 ppo=cfg.trainer.ppo,
                 model_source=cfg.model.source,
             ),
+            wandb=cfg if cfg.output.wandb else None,
         )
         self.signal = SignalWatch(
             external=self.loader is None, every=zero_signal_steps(cfg.total_steps)

@@ -9,13 +9,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arealgrpc.v1 import trainer_pb2
 
-from areal_grpc.coordinator.metrics import MetricsWriter, plot_curves
+from areal_grpc.coordinator.metrics import MetricsWriter, plot_curves, start_wandb
 from areal_grpc.coordinator.pool import Finished
 from areal_grpc.coordinator.rollouts import RolloutLog
+
+if TYPE_CHECKING:
+    from areal_grpc.config import RunConfig
 
 __all__ = [
     "RunLog",
@@ -180,13 +183,21 @@ class SignalWatch:
 
 
 class RunLog:
-    """The run's :class:`RunResult` and its metrics writer (JSONL, TensorBoard, PNG)."""
+    """The run's :class:`RunResult` and its metrics writer (JSONL, TensorBoard, W&B, PNG)."""
 
     def __init__(
-        self, out_dir: Path, tensorboard: bool, rollouts: RolloutLog | None = None
+        self,
+        out_dir: Path,
+        tensorboard: bool,
+        rollouts: RolloutLog | None = None,
+        wandb: RunConfig | None = None,
     ) -> None:
+        """``wandb``: the run's config, when its metrics go to W&B (output.wandb)."""
         self.out_dir = out_dir
         self.tensorboard = tensorboard
+        self.wandb_config = wandb
+        # One W&B run for the whole process: a rewind goes on in it (started by open()).
+        self.wandb_run: Any = None
         # The samples each step trained on (None: none written).
         self.rollouts = rollouts
         self.result = RunResult()
@@ -196,9 +207,16 @@ class RunLog:
 
     def open(self, keep_until: int | None = None) -> None:
         """Opens the metrics files, keeping the records up to ``keep_until`` (a resume)."""
-        self.metrics = MetricsWriter(self.out_dir, self.tensorboard, keep_until=keep_until)
+        if self.wandb_config is not None and self.wandb_run is None:
+            self.wandb_run = start_wandb(self.wandb_config, self.out_dir)
+        self.metrics = self._writer(keep_until)
         if self.rollouts is not None and keep_until is not None:
             self.rollouts.forget_after(keep_until)
+
+    def _writer(self, keep_until: int | None) -> MetricsWriter:
+        return MetricsWriter(
+            self.out_dir, self.tensorboard, keep_until=keep_until, wandb_run=self.wandb_run
+        )
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> dict[str, Any]:
         """Writes one record; returns it as written."""
@@ -240,7 +258,7 @@ class RunLog:
             ],
         )
         if self.rollouts is not None:
-            # The samples also go to TensorBoard (as text) when it is on.
+            # The samples also go to the trackers that are on (TensorBoard, W&B).
             self.metrics.log_samples(step, self.rollouts.write(step, version, batch))
         rewards = [t.reward for f in batch for t in f.group.trajectories]
         reward = sum(rewards) / len(rewards)
@@ -273,7 +291,7 @@ class RunLog:
         """Drops what was recorded after ``step`` (a recovery redoes those steps)."""
         assert self.metrics is not None, "RunLog.open() first"
         self.metrics.close()
-        self.metrics = MetricsWriter(self.out_dir, self.tensorboard, keep_until=step)
+        self.metrics = self._writer(step)
         if self.rollouts is not None:
             self.rollouts.forget_after(step)
         r = self.result
@@ -289,6 +307,9 @@ class RunLog:
         if self.metrics is None:
             return
         self.metrics.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
         if plot:
             png = plot_curves(self.metrics.metrics_path, self.out_dir / "curves.png")
             self.result.plot_path = str(png) if png else None

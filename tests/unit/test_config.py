@@ -266,6 +266,25 @@ def test_tensorboard_is_off_by_default_and_on_only_where_it_can_write():
         preflight(cfg)
 
 
+def test_wandb_is_off_by_default_and_on_only_where_the_package_is():
+    out = load_config(None, []).output
+    assert (out.wandb, out.wandb_project, out.wandb_name, out.wandb_mode) == (
+        False,
+        None,
+        None,
+        "auto",
+    )
+    cfg = load_config(None, ["output.wandb=true", "output.wandb_mode=online"])
+    assert cfg.output.wandb_mode == "online"
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(FieldError, match=r"output\.wandb: needs the wandb package"):
+            preflight(cfg)
+    else:
+        preflight(cfg)
+    with pytest.raises(FieldError, match=r"output\.wandb_mode: must be one of auto, offline"):
+        load_config(None, ["output.wandb_mode=disabled"])
+
+
 def test_validation_reads_no_files_and_preflight_names_the_missing_one(tmp_path):
     # A config is valid on a machine without its files (--print-config, a submit host);
     # the process that launches checks them.

@@ -31,6 +31,8 @@ FREE_TEXT = {
     "rollout.reward",
     "rollout.system_prompt",
     "rollout.workflow_params",
+    "output.wandb_project",
+    "output.wandb_name",
     "weight_sync.disk_root",
     "weight_sync.master_addr",
     "checkpoint.dir",
