@@ -3,7 +3,9 @@
 Files are read with the Hugging Face ``datasets`` library: JSON Lines (``.jsonl``/``.json``)
 or Parquet (``.parquet``), one item per row, in the shape users already have. GSM8K's shape
 is ``{"question": ..., "answer": "...#### 72"}``; workflows take the prompt from ``prompt``
-(or ``question``, or chat ``messages``) and the ``gsm8k`` reward scores ``answer``.
+(or ``question``, or chat ``messages``) and the ``gsm8k`` reward scores ``answer``. Rows in
+verl's Parquet shape (a chat ``prompt``, ``reward_model.ground_truth``) are read as they are
+(:func:`from_verl`).
 
 :func:`write_arithmetic` writes a deterministic set in that shape (``train.jsonl`` and
 ``test.jsonl``, disjoint), from 1-digit sums to one-step word problems::
@@ -46,10 +48,60 @@ def load_file(path: str | Path, field: str = "data.path") -> list[Item]:
         table = datasets.load_dataset(fmt, data_files=str(p), split="train", keep_in_memory=True)
     except Exception as exc:  # datasets raises many kinds for unreadable files
         raise FieldError(field, f"{str(p)!r} cannot be read: {type(exc).__name__}: {exc}") from None
-    items = [dict(row) for row in table]
+    items = [from_verl(dict(row), f"{str(p)!r} row {i}", field) for i, row in enumerate(table)]
     if not items:
         raise FieldError(field, f"{str(p)!r} holds no items")
     return items
+
+
+# Keys a workflow takes a prompt from (servers/rollout/workflows.py).
+PROMPT_KEYS = ("prompt", "question", "messages", "input_ids")
+
+
+def from_verl(row: Item, where: str, field: str = "data.path") -> Item:
+    """A row in verl's dataset shape as an item the workflows and rewards read; others unchanged.
+
+    verl's rows hold ``prompt`` (a list of chat messages), ``reward_model`` (``{"style": ...,
+    "ground_truth": ...}``), ``data_source``, ``ability`` and ``extra_info``. The messages become
+    ``messages`` (the chat prompt) and, joined by newlines, the plain ``prompt`` a model without
+    a chat template is given; ``ground_truth`` becomes ``answer`` (a number as its text) unless
+    the row has one. The row's own keys stay, for rewards of your own. ``where`` names the row
+    in errors.
+    """
+    chat = row.get("prompt")
+    reward_model = row.get("reward_model")
+    if not isinstance(chat, list) and reward_model is None:
+        return row
+    if chat is None and not any(row.get(k) is not None for k in PROMPT_KEYS):
+        raise FieldError(
+            field,
+            f"{where} is in verl's shape (it has reward_model) but has no prompt: "
+            "a list of chat messages [{role, content}]",
+        )
+    item = dict(row)
+    if isinstance(chat, list):
+        messages = []
+        for j, m in enumerate(chat):
+            if not (
+                isinstance(m, Mapping)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
+                raise FieldError(field, f"{where}: prompt[{j}] needs role and content strings")
+            messages.append({"role": m["role"], "content": m["content"]})
+        if not messages:
+            raise FieldError(field, f"{where}: prompt holds no messages")
+        item["messages"] = messages
+        item["prompt"] = "\n".join(m["content"] for m in messages)
+    if reward_model is not None:
+        if not isinstance(reward_model, Mapping):
+            raise FieldError(field, f"{where}: reward_model must be a mapping: {reward_model!r}")
+        truth = reward_model.get("ground_truth")
+        if truth is not None and item.get("answer") is None:
+            # A number as its text: items travel as protobuf Structs, where 72 becomes 72.0.
+            numeric = isinstance(truth, (int, float)) and not isinstance(truth, bool)
+            item["answer"] = str(truth) if numeric else truth
+    return item
 
 
 # --- the arithmetic set ---------------------------------------------------------------------

@@ -10,12 +10,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from areal_clients.rollout import item_struct
+from google.protobuf import json_format
 
 from areal_grpc.config import load_config, preflight
 from areal_grpc.coordinator.dataloader import load_items
 from areal_grpc.data import MIX, arithmetic_items, load_file, write_arithmetic
 from areal_grpc.errors import FieldError
 from areal_grpc.rewards import gsm8k_reward
+from servers.rollout.workflows import ChatSettings
 
 
 def _value(question: str) -> int:
@@ -128,3 +131,86 @@ def test_the_generator_command_writes_both_splits(tmp_path: Path) -> None:
     test = load_file(out / "test.jsonl")
     assert len(load_file(out / "train.jsonl")) == 20 and len(test) == 8
     assert {i["kind"] for i in test} == {"add_2_2", "word"}
+
+
+# --- verl's Parquet shape -------------------------------------------------------------------
+
+# Rows as verl's GSM8K preprocessing writes them (a chat prompt, the answer under reward_model).
+VERL_ROWS = [
+    ("Natalia sold 48 clips in April and half as many in May. How many in all?", "72"),
+    ("Weng earns $12 an hour. She worked 50 minutes. How much did she earn?", "10"),
+    ("Betty has half of the $100 she needs, her parents give $15, grandparents twice that.", "5"),
+    ("James writes a 3-page letter to 2 friends twice a week. Pages a year?", "624"),
+]
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+
+def _verl_rows() -> list[dict]:
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": truth},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i, (question, truth) in enumerate(VERL_ROWS)
+    ]
+
+
+def test_a_verl_parquet_file_loads_as_it_is(tmp_path: Path) -> None:
+    import datasets
+
+    path = tmp_path / "gsm8k-train.parquet"
+    datasets.Dataset.from_list(_verl_rows()).to_parquet(str(path))
+    cfg = load_config(
+        None,
+        ["data.task=gsm8k", f"data.path={path}", f"data.eval_path={path}", "rollout.reward=task"],
+    )
+    items = load_items(cfg, "train")
+    assert len(items) == len(VERL_ROWS)
+    for i, (item, (question, truth)) in enumerate(zip(items, VERL_ROWS, strict=True)):
+        content = f"{question} {INSTRUCTION}"
+        assert item["messages"] == [{"role": "user", "content": content}]
+        assert item["prompt"] == content  # the plain text, for a model without a chat template
+        assert item["answer"] == truth
+        # verl's own columns stay, for a reward of one's own.
+        assert item["reward_model"] == {"style": "rule", "ground_truth": truth}
+        assert item["data_source"] == "openai/gsm8k" and item["ability"] == "math"
+        assert item["extra_info"] == {"split": "train", "index": i}
+        # What the rollout server receives: the chat is the item's messages, and the task's
+        # reward (gsm8k) scores the final number against the ground truth.
+        received = json_format.MessageToDict(item_struct(item))
+        assert ChatSettings("on").messages(received, None) == item["messages"]
+        assert gsm8k_reward("", f"... so the answer is #### {truth}", [], [], received) == 1.0
+        assert gsm8k_reward("", f"#### {int(truth) + 1}", [], [], received) == 0.0
+
+
+def test_a_verl_ground_truth_given_as_a_number_is_its_text(tmp_path: Path) -> None:
+    import datasets
+
+    rows = _verl_rows()[:3]
+    for row in rows:
+        row["reward_model"]["ground_truth"] = int(row["reward_model"]["ground_truth"])
+    path = tmp_path / "numeric.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    assert [i["answer"] for i in load_file(path)] == ["72", "10", "5"]
+
+
+def test_a_verl_parquet_file_without_a_prompt_is_a_field_error(tmp_path: Path) -> None:
+    import datasets
+
+    rows = [{k: v for k, v in row.items() if k != "prompt"} for row in _verl_rows()]
+    path = tmp_path / "no-prompt.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    cfg = load_config(None, ["data.task=gsm8k", f"data.path={path}"])
+    with pytest.raises(FieldError, match=r"row 0 is in verl.s shape .* has no prompt") as info:
+        load_items(cfg, "train")
+    assert info.value.field == "data.path"
+    broken = _verl_rows()
+    broken[2]["prompt"] = [{"role": "user", "content": None}]
+    path = tmp_path / "bad-message.parquet"
+    datasets.Dataset.from_list(broken).to_parquet(str(path))
+    with pytest.raises(FieldError, match=r"row 2: prompt\[0\] needs role and content") as info:
+        load_file(path, "data.eval_path")
+    assert info.value.field == "data.eval_path"

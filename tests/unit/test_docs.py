@@ -6,7 +6,9 @@ records of what was true that day, and not the generated configuration reference
 * Every config key the docs name (``model.lora.rank`` in prose, ``key=value`` on a command
   line) is a setting or a section of the config tree, and a value given for a setting with a
   fixed set of choices is one of them. Every documented ``python -m areal_grpc.coordinator``
-  command line loads, files and overrides together, as the run would load it.
+  command line loads, files and overrides together, as the run would load it. On the page
+  mapping AReaL's and verl's keys to ours, the first column of its tables is theirs and is not
+  checked; every row's second column names keys of ours that exist, or says *none*.
 * Every shell block (```bash) of the README, the getting-started and the guide pages carries a
   marker on the line before it saying how we know it works:
   ``<!-- tested: tests/<file>.py::test_name -->`` (that test runs the command),
@@ -142,10 +144,39 @@ def test_the_key_scan_finds_keys_and_skips_what_is_not_one() -> None:
     }
 
 
+# Pages whose tables map another project's keys to ours: the first cell of a table row is the
+# other project's key (verl's ``data.train_batch_size`` is not ours) and is not scanned; the
+# rest of the row, our keys, is.
+FOREIGN_KEY_PAGES = {DOCS / "guides" / "coming-from-areal-or-verl.md"}
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of each body row of the page's Markdown tables (header and rule left out)."""
+    rows, in_body = [], False
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            in_body = False
+        elif re.fullmatch(r"\|[-|: ]+\|", line.strip()):
+            in_body = True
+        elif in_body:
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def scanned_text(page: Path) -> str:
+    """The text of a page whose config keys must exist (foreign keys taken out)."""
+    text = page.read_text(encoding="utf-8")
+    if page not in FOREIGN_KEY_PAGES:
+        return text
+    return "\n".join(
+        "|" + line.split("|", 2)[2] if line.startswith("|") else line for line in text.splitlines()
+    )
+
+
 def test_every_config_key_the_docs_name_exists() -> None:
     missing = []
     for page in pages():
-        text = page.read_text(encoding="utf-8")
+        text = scanned_text(page)
         for key in sorted(named_keys(text) | {k for k, _ in overrides(text)}):
             if lookup(key) is None:
                 missing.append(f"{rel(page)}: {key}")
@@ -155,7 +186,7 @@ def test_every_config_key_the_docs_name_exists() -> None:
 def test_every_value_the_docs_give_a_setting_with_choices_is_one_of_them() -> None:
     wrong = []
     for page in pages():
-        for key, raw in sorted(overrides(page.read_text(encoding="utf-8"))):
+        for key, raw in sorted(overrides(scanned_text(page))):
             found = lookup(key)
             if found is None or not found[1] or not raw or PLACEHOLDER.search(raw):
                 continue  # a missing key is the test above's; a placeholder says nothing
@@ -170,6 +201,29 @@ def test_every_value_the_docs_give_a_setting_with_choices_is_one_of_them() -> No
             if bad:
                 wrong.append(f"{rel(page)}: {key}={raw} (one of {', '.join(choices)})")
     assert not wrong, "values outside the setting's choices:\n" + "\n".join(wrong)
+
+
+CODE = re.compile(r"`([^`]+)`")
+
+
+def test_each_row_mapping_a_foreign_key_names_ours_or_says_none() -> None:
+    """On the AReaL / verl page every row names their key and, in its second cell, keys of
+    ours that exist (bare ones like ``total_steps`` too, which the dotted scan misses), or
+    says *none*; what the first cell names is not taken for ours."""
+    for page in FOREIGN_KEY_PAGES:
+        rows = table_rows(page.read_text(encoding="utf-8"))
+        assert len(rows) >= 40, f"{rel(page)}: only {len(rows)} rows"
+        problems = []
+        for theirs, ours, *_ in rows:
+            if not CODE.search(theirs):
+                problems.append(f"no key of theirs: {theirs!r}")
+            keys = [k.split("=", 1)[0] for k in CODE.findall(ours)]
+            if not keys and "*none*" not in ours:
+                problems.append(f"{theirs}: neither a key of ours nor *none*: {ours!r}")
+            problems += [f"{theirs}: {k} is not a key of ours" for k in keys if lookup(k) is None]
+        assert not problems, f"{rel(page)}:\n" + "\n".join(problems)
+    text = scanned_text(next(iter(FOREIGN_KEY_PAGES)))
+    assert "data.train_batch_size" not in text and "staleness.batch_size" in text
 
 
 # --- shell blocks ---------------------------------------------------------------------------
