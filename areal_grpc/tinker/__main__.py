@@ -3,7 +3,9 @@ training runs on one base model, served as LoraTrainingService (gRPC) and as the
 endpoints the official ``tinker`` SDK calls.
 
 It reads the run's config tree: ``model.source`` is the base model (the run's tiny default
-becomes SmolLM2-135M-Instruct here, the model this service is for), ``tinker.*`` the service.
+becomes SmolLM2-135M-Instruct here, the model this service is for), ``tinker.*`` the service,
+``output.dir`` its logs and (``tinker.root`` unset) checkpoints: ``outputs/tinker`` by default
+here, apart from a training run's ``outputs/run``.
 The training service runs as a child process (``python -m areal_servers.lora_training``)
 that this one supervises: if it dies, calls in flight fail with a clear error, it is started
 again, and calls on runs it held say they were lost. Once both serve it prints ``TINKER
@@ -49,6 +51,8 @@ from areal_grpc.server import set_default_channel_options
 from areal_grpc.server_config import add_run_config_args, config_argv
 
 DEFAULT_SOURCE = "smollm2-135m-instruct"
+# Not the run's outputs/run: a training run there would share (and overwrite) its logs.
+DEFAULT_OUTPUT_DIR = "outputs/tinker"
 # Loading SmolLM2 (and converting it, the first time on a machine) before the service serves.
 START_TIMEOUT_S = 600.0
 
@@ -58,8 +62,10 @@ def config_from_args(argv: Sequence[str] | None) -> RunConfig:
     parser = argparse.ArgumentParser(prog="python -m areal_grpc.tinker", description=__doc__)
     add_run_config_args(parser)
     args = parser.parse_args(argv)
-    # Under the user's files and overrides: this service's default model, not the run's.
-    defaults = json.dumps({"model": {"source": DEFAULT_SOURCE}})
+    # Under the user's files and overrides: this service's defaults, not the run's.
+    defaults = json.dumps(
+        {"model": {"source": DEFAULT_SOURCE}, "output": {"dir": DEFAULT_OUTPUT_DIR}}
+    )
     cfg = load_config([defaults, *(args.config or [])], args.overrides, sections=SECTIONS)
     preflight(cfg, SECTIONS)
     tls = bool(cfg.security.tls_cert and cfg.security.tls_key)
