@@ -153,7 +153,6 @@ def status_for_exception(exc: BaseException) -> grpc.Status:
     return status(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
-# Codes that refuse the request itself: asking again gets the same answer.
 REFUSALS = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -166,6 +165,7 @@ REFUSALS = frozenset(
         grpc.StatusCode.UNIMPLEMENTED,
     }
 )
+"""Codes that refuse the request itself: asking again gets the same answer."""
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 

@@ -84,7 +84,8 @@ class ServerOptions:
 
 @dataclass
 class ChannelOptions:
-    """Client-side limits matching :class:`ServerOptions`."""
+    """How a client dials: message and keepalive limits matching :class:`ServerOptions`,
+    ``tls`` (a :class:`~areal_grpc.security.ClientTls`; None: plaintext) and ``auth_token``."""
 
     max_message_bytes: int = 64 * MiB
     # As ServerOptions' (servers accept a ping every 5 s, see server_options).
