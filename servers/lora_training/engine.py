@@ -46,9 +46,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from areal_grpc.errors import FieldError
+from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.model import load_model, load_tokenizer
 from areal_grpc.named_adapters import rows_adapters
+from areal_grpc.sampling import MIN_TEMPERATURE
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
@@ -296,6 +297,17 @@ def _finite(name: str, value: object) -> float:
     if not math.isfinite(number):
         raise FieldError(name, f"must be finite, got {number}")
     return number
+
+
+def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().clone()
+
+
+def _clone_state(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A copy of one parameter's optimizer state (its tensors cloned); None stays None."""
+    if state is None:
+        return None
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 class LoraEngine:
@@ -845,7 +857,10 @@ class LoraEngine:
 
         Clips to ``grad_clip_norm`` first when > 0; zeroes the gradients after. A step whose
         gradient norm is not finite is skipped (gradients dropped, weights and optimizer state
-        unchanged) and reported as ``skipped:sum`` 1.
+        unchanged) and reported as ``skipped:sum`` 1. A step that would make a weight
+        non-finite (``eps`` 0 over a zero gradient) or overflows (a huge ``learning_rate``) is
+        undone and refused with a :class:`FieldError` naming ``adam``: nothing changes,
+        gradients included.
         """
         run = self._run(run_id)
         self._check_adam(adam)
@@ -859,6 +874,10 @@ class LoraEngine:
             norm = float(torch.linalg.vector_norm(norms))
         skipped = not math.isfinite(norm)
         if not skipped:
+            before = [
+                (p.detach().clone(), _clone(p.grad), _clone_state(optimizer.state.get(p)))
+                for p in params
+            ]
             # As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when < 1.
             coef = adam.grad_clip_norm / (norm + 1e-6)
             if adam.grad_clip_norm > 0 and coef < 1.0:
@@ -869,7 +888,29 @@ class LoraEngine:
                 group["betas"] = (adam.beta1, adam.beta2)
                 group["eps"] = adam.eps
                 group["weight_decay"] = adam.weight_decay
-            optimizer.step()
+            try:
+                optimizer.step()
+                finite = all(bool(torch.isfinite(p).all()) for p in params)
+            except RuntimeError as exc:
+                # A setting so large that a scalar of the step overflows the weights' dtype.
+                if "overflow" not in str(exc):
+                    raise
+                finite = False
+            if not finite:
+                # Non-finite weights would spoil every later call of the run: undo the step.
+                with torch.no_grad():
+                    for p, (weights, grad, state) in zip(params, before, strict=True):
+                        p.copy_(weights)
+                        p.grad = grad
+                        if state is None:
+                            optimizer.state.pop(p, None)
+                        else:
+                            optimizer.state[p] = state
+                raise FieldError(
+                    "adam",
+                    f"the step would make the adapter's weights non-finite (learning_rate "
+                    f"{adam.learning_rate}, eps {adam.eps}); nothing changed",
+                )
             run.steps += 1
         optimizer.zero_grad(set_to_none=True)
         return {
@@ -943,6 +984,9 @@ class LoraEngine:
             raise ValueError(f"max_tokens: must be an integer >= 0, got {max_tokens!r}")
         if _finite("temperature", temperature) < 0:
             raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        if 0 < temperature < MIN_TEMPERATURE:
+            # logits / T overflows to inf and the sampling distribution becomes NaN.
+            raise ValueError(f"temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE}")
         if not 0.0 < _finite("top_p", top_p) <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
         if not _is_int(top_k) or top_k < -1:
@@ -1203,6 +1247,13 @@ class LoraEngine:
         """The next token of each of ``plan``'s rows (``logits`` [rows, V]); records it.
 
         Every row draws from its own generator at every step, finished or not, as alone."""
+        if not bool(torch.isfinite(logits).all()):
+            # Weights trained far off (finite, yet overflowing activations): the call fails
+            # alone, with a reason, instead of in torch.multinomial.
+            raise PreconditionError(
+                "the model gives non-finite logits (its adapter's weights overflow): "
+                "it cannot be sampled"
+            )
         logp = torch.log_softmax(logits / plan.scale, dim=-1)
         if plan.greedy:
             chosen = logits.argmax(dim=-1)

@@ -29,6 +29,7 @@ runs the failed call once more. A call that fails twice raises :class:`TrainerGr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from areal_servers.lora_training.engine import AdamParams, AdapterSpec, Datum, LoraEngine
 from areal_servers.trainer.engine import DistConfig, init_distributed
 
-from areal_grpc.errors import UnavailableError
+from areal_grpc.errors import FieldError, UnavailableError
 from areal_grpc.ffd import lpt_partition
 from areal_grpc.launch import (
     Child,
@@ -481,7 +482,10 @@ def follow(engine: GroupEngine) -> None:
             if run_id in engine.run_ids:
                 engine.delete(run_id)
         elif op == "optim_step":
-            engine.optim_step(run_id, AdamParams(**message["adam"]))
+            # A step refused for non-finite weights is undone here as on rank 0, which
+            # refuses the same step and rebuilds the group after it anyway.
+            with contextlib.suppress(FieldError):
+                engine.optim_step(run_id, AdamParams(**message["adam"]))
         elif op == "forward_backward":
             data = [Datum(**d) for d in message["data"]]
             engine._forward_backward_share(run_id, data, message["loss_fn"], message["config"])

@@ -63,6 +63,7 @@ from areal_grpc.errors import (
     status_proto_of,
 )
 from areal_grpc.paths import write_dir, write_marker
+from areal_grpc.sampling import MIN_TEMPERATURE
 
 log = logging.getLogger(__name__)
 
@@ -1037,9 +1038,14 @@ class LoraTrainingServicer(pb_grpc.LoraTrainingServiceServicer):
             if not s.HasField("top_p") or 0 < s.top_p <= 1
             else f"must be in (0, 1], got {s.top_p}",
             "sampling.temperature": None
-            if not s.HasField("temperature") or s.temperature >= 0
-            else f"must be >= 0, got {s.temperature}",
+            if not s.HasField("temperature")
+            or s.temperature == 0
+            or MIN_TEMPERATURE <= s.temperature < math.inf
+            # Below MIN_TEMPERATURE logits / T overflows and sampling fails in the engine.
+            else f"must be 0 (greedy) or >= {MIN_TEMPERATURE} and finite, got {s.temperature}",
         }
+        if any(not text for text in request.stop):
+            problems["stop"] = "an empty string would end every completion at once"
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             problems["prompt_tokens"] = f"token {bad} is not in 0-{vocab - 1}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from arealgrpc.v1 import lora_training_pb2_grpc as pb_grpc
 from areal_grpc.config import TINKER_AUTOSAVE_ID, TinkerConfig
 from areal_grpc.durations import duration
 from areal_grpc.errors import field_violations, retry_delay_s
+from areal_grpc.sampling import MIN_TEMPERATURE
 from areal_grpc.server import BackgroundServer, service
 
 torch.set_num_threads(1)
@@ -299,7 +301,7 @@ def test_calls_of_a_run_execute_in_sequence_order_and_a_repeat_is_the_same_call(
     # The optimizer step (2) arrives before the gradients (1) it must follow.
     opt = stub.OptimStep.future(
         pb.OptimStepRequest(
-            training_run=a, adam=pb.AdamParams(learning_rate=1e-2), sequence_number=2
+            training_run=a, adam=pb.AdamParams(learning_rate=1e-2, eps=1e-8), sequence_number=2
         ),
         metadata=auth("alice"),
     )
@@ -688,3 +690,119 @@ def test_a_bad_loss_config_or_overlong_datum_names_the_field(served: Served):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert [f for f, _ in field_violations(err.value)] == [field]
     step(served, "alice", a)  # the run is as it was, and the service up
+
+
+def test_a_temperature_between_greedy_and_the_minimum_is_refused_naming_the_field(served: Served):
+    """Found by fuzzing: the smallest positive temperature was queued and its operation failed
+    INTERNAL (logits / T overflowed); now the call is refused before anything is queued."""
+    stub = served.stub()
+
+    def sample(temperature: float) -> pb.Operation:
+        sampling = common_pb2.SamplingParams(
+            max_new_tokens=3, temperature=temperature, ignore_eos=True
+        )
+        request = pb.SampleRequest(base_model=MODEL, prompt_tokens=SEQ[:3], sampling=sampling)
+        return stub.Sample(request, metadata=auth("alice")).operation
+
+    for temperature in (2.0**-149, 1e-30, MIN_TEMPERATURE / 2, math.inf):
+        with pytest.raises(grpc.RpcError) as err:
+            sample(temperature)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, temperature
+        assert [f for f, _ in field_violations(err.value)] == ["sampling.temperature"]
+    done = ok(served, "alice", sample(MIN_TEMPERATURE)).sample
+    assert [len(c.output_ids) for c in done.completions] == [3]
+
+
+def test_an_adam_step_that_would_make_weights_non_finite_is_refused_and_changes_nothing(
+    served: Served,
+):
+    """Found by fuzzing: eps 0 over a zero gradient (LoRA's B starts at 0) made the adapter
+    NaN, and every later sample of it failed INTERNAL; a learning rate past the float range
+    failed INTERNAL in the step itself."""
+    a = create(served, "alice")
+    key = "alice/" + a.split("/")[1]
+    stub = served.stub()
+    stub.ForwardBackward(
+        pb.ForwardBackwardRequest(
+            training_run=a, data=[sft_datum()], loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY
+        ),
+        metadata=auth("alice"),
+    )
+    before = {n: p.detach().clone() for n, p in served.servicer.engine.parameters(key).items()}
+    for adam in (pb.AdamParams(learning_rate=1e-3), pb.AdamParams(learning_rate=1e38, eps=1e-8)):
+        reply = stub.OptimStep(
+            pb.OptimStepRequest(training_run=a, adam=adam), metadata=auth("alice")
+        )
+        error = wait(served, "alice", reply.operation).error
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], error
+        assert "adam" in error.message and "non-finite" in error.message
+    after = served.servicer.engine.parameters(key)
+    assert all(torch.equal(before[n], p) for n, p in after.items())
+    run = stub.GetTrainingRun(pb.GetTrainingRunRequest(name=a), metadata=auth("alice"))
+    assert run.training_run.steps == 0
+    # The gradients stayed: a sound step now takes them.
+    optimized = ok(
+        served,
+        "alice",
+        stub.OptimStep(
+            pb.OptimStepRequest(training_run=a, adam=pb.AdamParams(learning_rate=1e-2, eps=1e-8)),
+            metadata=auth("alice"),
+        ).operation,
+    )
+    assert optimized.optim_step.metrics["grad_norm:mean"] > 0
+
+
+def test_a_sampler_whose_logits_overflow_fails_failed_precondition(served: Served):
+    """Found by fuzzing: finite but huge weights (learning rate 1e30) overflow the logits, and
+    sampling failed INTERNAL inside torch.multinomial."""
+    a = create(served, "alice")
+    stub = served.stub()
+    for _ in range(2):
+        stub.ForwardBackward(
+            pb.ForwardBackwardRequest(
+                training_run=a, data=[sft_datum()], loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY
+            ),
+            metadata=auth("alice"),
+        )
+        ok(
+            served,
+            "alice",
+            stub.OptimStep(
+                pb.OptimStepRequest(
+                    training_run=a, adam=pb.AdamParams(learning_rate=1e30, eps=1e-8)
+                ),
+                metadata=auth("alice"),
+            ).operation,
+        )
+    saved = stub.SaveWeights(
+        pb.SaveWeightsRequest(training_run=a, kind=pb.CHECKPOINT_KIND_SAMPLER),
+        metadata=auth("alice"),
+    )
+    sampler = ok(served, "alice", saved.operation).checkpoint.name
+    for temperature in (1.0, 0.0):
+        reply = stub.Sample(
+            pb.SampleRequest(
+                checkpoint=sampler,
+                prompt_tokens=SEQ[:3],
+                sampling=common_pb2.SamplingParams(max_new_tokens=3, temperature=temperature),
+            ),
+            metadata=auth("alice"),
+        )
+        error = wait(served, "alice", reply.operation).error
+        assert error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0], error
+        assert "non-finite logits" in error.message
+
+
+def test_an_empty_stop_string_is_refused_naming_the_field(served: Served):
+    with pytest.raises(grpc.RpcError) as err:
+        served.stub().Sample(
+            pb.SampleRequest(
+                base_model=MODEL,
+                prompt_tokens=SEQ[:3],
+                sampling=common_pb2.SamplingParams(max_new_tokens=2),
+                stop=["ok", ""],
+            ),
+            metadata=auth("alice"),
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in field_violations(err.value)] == ["stop"]

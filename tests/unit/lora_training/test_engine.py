@@ -471,6 +471,12 @@ def test_other_bad_calls_raise_value_error(engine):
     before = clone_state(engine, "a")
     with pytest.raises(ValueError, match=r"adam\.beta1"):
         engine.optim_step("a", AdamParams(beta1=1.0))
+    # eps 0 over the zero gradient of LoRA's A (B starts at 0) is 0/0; a learning rate past
+    # the float range overflows: either step is undone, optimizer state and gradients too.
+    with pytest.raises(ValueError, match=r"adam: .*non-finite"):
+        engine.optim_step("a", AdamParams(eps=0.0))
+    with pytest.raises(ValueError, match=r"adam: .*non-finite"):
+        engine.optim_step("a", AdamParams(learning_rate=1e38))
     with pytest.raises(ValueError, match="already exists"):
         engine.create("a", AdapterSpec())
     with pytest.raises(ValueError, match=r"spec\.rank"):
@@ -483,6 +489,9 @@ def test_other_bad_calls_raise_value_error(engine):
         engine.sample("s", [1, 2], num_samples=1, max_tokens=2, top_p=0.0)
     with pytest.raises(ValueError, match="prompt"):
         engine.sample("s", [1, VOCAB], num_samples=1, max_tokens=2)
+    # The smallest positive float: logits / T would overflow to inf.
+    with pytest.raises(ValueError, match="temperature"):
+        engine.sample("s", [1, 2], num_samples=1, max_tokens=3, temperature=2.0**-149)
     with pytest.raises(UnknownIdError):
         engine.sample("nope", [1, 2], num_samples=1, max_tokens=2)
     assert_same_state(before, clone_state(engine, "a"))
