@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import os
 import re
 import secrets
@@ -27,6 +28,7 @@ __all__ = [
     "PREFIX",
     "PROBE_FILE",
     "SHM_BASE",
+    "host_id",
     "is_shared_root",
     "own_root",
     "read_probe",
@@ -118,3 +120,15 @@ def read_probe(root: str) -> bytes | None:
     with contextlib.suppress(OSError):
         return (Path(root) / PROBE_FILE).read_bytes()
     return None
+
+
+def host_id(base: str = SHM_BASE) -> str:
+    """Who shares this shared memory: equal for the processes of one host (one kernel, one
+    ``base``), different across hosts and across containers with their own ``base``; "" when
+    there is none. Nothing is written: the kernel's boot id and the identity of ``base``."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        st = os.stat(base)
+    except OSError:
+        return ""
+    return hashlib.sha256(f"{boot}:{st.st_dev}:{st.st_ino}".encode()).hexdigest()[:16]

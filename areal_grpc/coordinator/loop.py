@@ -339,6 +339,7 @@ class Coordinator:
             "train_s": t_train,
             "sync_s": t_sync,
             "sync_bytes": self.syncer.last_bytes,
+            "sync_sent_bytes": self.syncer.last_wire_bytes,
             "running": st.running,
             "accepted": st.accepted,
             "rejected": st.rejected,

@@ -42,8 +42,11 @@ class SyncOutcome:
     version: int
     # Rollout servers that did not take the update (left out of rotation until level).
     failed: list[str] = field(default_factory=list)
-    # Bytes the trainer sent (all methods, all servers; a LoRA update is its adapters').
+    # Bytes of the update: the published state dict (a LoRA update: its adapters).
     sent_bytes: int = 0
+    # Bytes the trainer sent for it, summed over the servers (one that took it from its
+    # host's relay adds nothing): across hosts, what left the trainer's host.
+    wire_bytes: int = 0
 
 
 # (trainer addresses, rollout addresses, methods, timeout_s, health_timeout_s) -> the outcome;
@@ -85,7 +88,10 @@ async def fleet_weight_sync(
         channels=channels,
     )
     return SyncOutcome(
-        int(result.version), [str(a) for a in result.failed_servers], int(result.total_bytes)
+        int(result.version),
+        [str(a) for a in result.failed_servers],
+        int(result.total_bytes),
+        sum(int(s.sent_bytes) for s in result.servers),
     )
 
 
@@ -109,8 +115,10 @@ class WeightSyncer:
         self.trainers = trainers
         self.fleet = fleet
         self.pool = pool
-        # What the last step's update moved (metrics' sync_bytes).
+        # The last step's update: its size, and what the trainer sent for it (metrics'
+        # sync_bytes and sync_sent_bytes).
         self.last_bytes = 0
+        self.last_wire_bytes = 0
         fleet.join = self.join
 
     async def sync(self) -> int:
@@ -138,6 +146,7 @@ class WeightSyncer:
                 )
             self.pool.set_version(outcome.version)
             self.last_bytes = outcome.sent_bytes
+            self.last_wire_bytes = outcome.wire_bytes
             self.fleet.level(targets, outcome.failed)
         finally:
             self.fleet.open.set()

@@ -14,6 +14,12 @@ Five data planes, agreed per sender with ``Negotiate``, each a receiver in its o
 * SHARED_MEMORY (``UpdateFromSharedMemory``, ``receive.shared_memory``): a version directory a
   sender on this host wrote once into ``/dev/shm``, mapped without a copy.
 
+A server asked to relay (``NegotiateRequest.relay``) also writes an update it receives by
+STREAM, SOCKET or DISTRIBUTED into a version directory in its own shared memory, from which
+the other servers of its host take it by SHARED_MEMORY: the sender's update then crosses the
+network to each host once. Every reply says which host's memory the server shares
+(``host_id``) and where it would relay (``relay_root``).
+
 Every update names the new policy version; one that is not newer than the served version is
 FAILED_PRECONDITION and changes nothing. Updates run one at a time.
 
@@ -51,6 +57,7 @@ from areal_grpc.errors import (
 )
 from areal_grpc.host_memory import tune_malloc
 from areal_grpc.server import Service
+from areal_grpc.shared_memory import host_id, own_root
 from areal_grpc.weight_transfer import (
     MAX_CHUNK_BYTES,
     SERVICE_NAME,
@@ -72,6 +79,14 @@ METHOD_NAMES = {
 
 
 T = TypeVar("T")
+
+# The methods whose updates a server can relay to the others of its host (they arrive over
+# the network as a state dict this process holds).
+RELAYED_METHODS = (
+    pb.TRANSFER_METHOD_STREAM,
+    pb.TRANSFER_METHOD_SOCKET,
+    pb.TRANSFER_METHOD_DISTRIBUTED,
+)
 
 
 @dataclass
@@ -121,6 +136,18 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     # ------------------------------------------------------------------------ negotiation
 
+    def relay_root(self) -> pb.SharedMemoryParams | None:
+        """Where this server would relay updates (its own shared-memory directory and probe);
+        None where it cannot: no shared memory, or an engine whose updates do not pass
+        through this process as a state dict (vLLM's worker, SGLang)."""
+        base = self.config.shm_base
+        if base is None or "shared_memory" not in self.config.methods or self.engine.kind != "hf":
+            return None
+        own = own_root(base)
+        if own is None:
+            return None
+        return pb.SharedMemoryParams(root=str(own[0]), probe=own[1])
+
     def supported(self) -> list[str]:
         """What this server accepts, in words (quoted in FAILED_PRECONDITION answers)."""
         out = []
@@ -169,12 +196,17 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         plan = Plan(uuid.uuid4().hex, plan_option, request.sender_id)
         if plan_option.method == pb.TRANSFER_METHOD_DISTRIBUTED:
             plan.group = self.distributed.group_params(plan_option.distributed)
+        relay_root = self.relay_root()
+        plan.relay_root = relay_root.root if request.relay and relay_root is not None else None
+        if plan_option.method not in RELAYED_METHODS:
+            plan.relay_root = None
         self.state.remember(plan)
         log.info(
-            "plan %s for %s: %s",
+            "plan %s for %s: %s%s",
             plan.plan_id,
             request.sender_id or "?",
             pb.TransferMethod.Name(plan_option.method),
+            f", relayed into {plan.relay_root}" if plan.relay_root else "",
         )
         wanted = self.state.expected_dtype
         return pb.NegotiateResponse(
@@ -182,6 +214,8 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             policy_version=self.engine.version,
             plan_id=plan.plan_id,
             weights_dtype=tc.dtype_to_proto(wanted) if wanted is not None else 0,
+            relay_root=relay_root,
+            host_id=host_id(self.config.shm_base) if self.config.shm_base else "",
         )
 
     # --------------------------------------------------------------------------- updates

@@ -61,6 +61,8 @@ from areal_grpc.host_memory import tune_malloc
 from areal_grpc.model import adapter_names, is_lora
 from areal_grpc.ports import free_port
 from areal_grpc.server import ChannelCache
+from areal_grpc.shared_memory import host_id
+from areal_grpc.weight_disk import version_dir_name
 from areal_grpc.weight_transfer import (
     cuda_uuid,
     plan_buckets,
@@ -368,23 +370,36 @@ class PublishSession:
         self._queueing = asyncio.Lock()
 
     def _of(self, method: int) -> list[Target]:
-        return [t for t in self.targets if t.alive and t.result.method == method]
+        """The live targets the sender sends to by ``method`` (relayed ones are not)."""
+        return [
+            t
+            for t in self.targets
+            if t.alive and t.result.method == method and t.relay_from is None
+        ]
 
     async def _negotiate(
-        self, target: Target, methods: Sequence[int], rank: int, world: int
+        self,
+        target: Target,
+        methods: Sequence[int],
+        rank: int,
+        world: int,
+        offers: Sequence[pb.TransferOption] | None = None,
     ) -> None:
-        offers = [
-            o
-            for m in methods
-            if m in self.transports and (o := self.transports[m].offer(rank, world)) is not None
-        ]
+        if offers is None:
+            offers = [
+                o
+                for m in methods
+                if m in self.transports and (o := self.transports[m].offer(rank, world)) is not None
+            ]
         if not offers:
             target.result.fail(grpc.StatusCode.FAILED_PRECONDITION, "no method left to offer")
             target.plan = None
             return
         try:
             reply = await target.stub.Negotiate(
-                pb.NegotiateRequest(offers=offers, sender_id=self.publisher.sender_id),
+                pb.NegotiateRequest(
+                    offers=offers, sender_id=self.publisher.sender_id, relay=target.relay
+                ),
                 timeout=min(60.0, self.ctx.left()),
             )
         except Exception as exc:
@@ -442,6 +457,7 @@ class PublishSession:
         await self._negotiation
         for t in self.targets:
             self._check_version(t)
+        await self._plan_relays()
         # Distributed ranks must be exactly 1..n for the servers that took DISTRIBUTED; when
         # some did not (or a cached group is gone on a server), renegotiate those with a fresh
         # group until the set is consistent.
@@ -477,6 +493,78 @@ class PublishSession:
             if wire is not None:
                 transport.ctx = replace(self.ctx, metas=[m.sent_as(wire) for m in metas])
             await transport.open(targets)
+
+    async def _plan_relays(self) -> None:
+        """One send per host: of the servers that share one host's memory (their replies'
+        ``host_id``; another host than this one) and would receive over the network, one
+        relays the update into its shared memory and the others load it from there.
+
+        A server that declines the relayed offer is negotiated with again as before.
+        """
+        own = host_id()
+        ranks = {t.result.address: i + 1 for i, t in enumerate(self.targets)}
+        world = len(self.targets) + 1
+        hosts: dict[tuple[str, int], list[Target]] = {}
+        for t in self.targets:
+            plan = t.plan
+            if not t.alive or plan is None or not plan.host_id or plan.host_id == own:
+                continue
+            if t.result.method in (pb.TRANSFER_METHOD_SHARED_MEMORY, pb.TRANSFER_METHOD_DISK):
+                continue
+            # One copy serves one dtype: servers of a host that serve another get their own.
+            hosts.setdefault((plan.host_id, plan.weights_dtype), []).append(t)
+        for group in hosts.values():
+            leaders = [t for t in group if t.plan is not None and t.plan.HasField("relay_root")]
+            if len(group) < 2 or not leaders:
+                continue
+            leader = leaders[0]
+            leader.relay = True
+            await self._negotiate(
+                leader, [leader.result.method], ranks[leader.result.address], world
+            )
+            if leader.plan is None or not leader.plan.HasField("relay_root"):
+                continue
+            followers = [t for t in group if t is not leader]
+            await asyncio.gather(*(self._follow(t, leader, ranks, world) for t in followers))
+
+    async def _follow(self, t: Target, leader: Target, ranks: dict[str, int], world: int) -> None:
+        """Offers ``t`` the version directory ``leader`` will relay (SHARED_MEMORY from its
+        root); where ``t`` declines, it is negotiated with again as before."""
+        assert leader.plan is not None
+        relayed = pb.TransferOption(
+            method=pb.TRANSFER_METHOD_SHARED_MEMORY, shared_memory=leader.plan.relay_root
+        )
+        await self._negotiate(t, (), 0, 0, offers=[relayed])
+        if t.plan is not None:
+            t.relay_from = leader
+            return
+        t.result = TargetResult(t.result.address)  # the decline is not a failure
+        await self._negotiate(t, self.methods, ranks[t.result.address], world)
+
+    async def _load_relayed(self, t: Target) -> None:
+        """Has ``t`` load the version its host's relay wrote (after the relay's update)."""
+        leader = t.relay_from
+        assert leader is not None and t.plan is not None
+        if not leader.result.ok:
+            t.result.fail(
+                grpc.StatusCode.UNAVAILABLE,
+                f"its host's relay {leader.result.address} failed: {leader.result.error}",
+            )
+            return
+        try:
+            reply = await t.stub.UpdateFromSharedMemory(
+                pb.UpdateFromSharedMemoryRequest(
+                    plan_id=t.plan.plan_id,
+                    policy_version=self.ctx.version,
+                    path=version_dir_name(self.ctx.version),
+                ),
+                timeout=self.ctx.left(),
+            )
+        except Exception as exc:
+            t.result.fail_with(status_proto_of(exc, "loading the relayed version: "))
+            return
+        t.result.policy_version = reply.policy_version
+        t.result.ok = True
 
     async def abandon(self) -> None:
         """Ends a session if it was never opened (its negotiation is stopped); an opened one
@@ -532,6 +620,8 @@ class PublishSession:
         """Finishes every transfer and returns one result per server (request order)."""
         await asyncio.gather(*self._sending.values(), return_exceptions=True)
         await asyncio.gather(*(t.close() for t in self.transports.values()))
+        relayed = [t for t in self.targets if t.relay_from is not None and t.alive]
+        await asyncio.gather(*(self._load_relayed(t) for t in relayed))
         for t in self.targets:
             if t.plan is None and not t.result.error:
                 t.result.fail(grpc.StatusCode.INTERNAL, "no plan")

@@ -16,6 +16,7 @@ from arealgrpc.v1 import tensor_pb2, weight_sync_pb2
 from areal_grpc import tensor_codec as tc
 from areal_grpc.errors import FieldError, PreconditionError
 from areal_grpc.security import ServerTls
+from areal_grpc.weight_disk import prune_versions, write_version
 from areal_grpc.weight_transfer import MAX_CHUNK_BYTES, GroupParams, spec_nbytes
 
 __all__ = [
@@ -78,6 +79,9 @@ class Plan:
     option: weight_sync_pb2.TransferOption
     sender_id: str = ""
     group: GroupParams | None = None
+    # Relay: the update is also written as a version directory here (this server's own
+    # shared-memory directory) for the other servers of its host.
+    relay_root: str | None = None
 
 
 def check_dtype(where: str, dtype: torch.dtype, expected: torch.dtype | None) -> None:
@@ -129,6 +133,13 @@ def check_specs(
             raise FieldError("tensors", f"exceed this server's {max_total_bytes} B")
         sizes.append(n)
     return sizes
+
+
+def write_relay(root: str, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """``state_dict`` as version ``version`` under ``root``, the only version kept there (a
+    server that maps the one before keeps its mapping)."""
+    write_version(root, version, [state_dict], 1)
+    prune_versions(root, 1)
 
 
 def is_sglang(engine: InferenceEngine) -> bool:
@@ -200,14 +211,23 @@ class ReceiverState:
             )
 
     async def load(
-        self, state_dict: dict[str, torch.Tensor], version: int, keep_spare: bool = True
+        self,
+        state_dict: dict[str, torch.Tensor],
+        version: int,
+        keep_spare: bool = True,
+        relay_root: str | None = None,
     ) -> None:
         """Swaps a freshly received state dict in, handed over to the engine.
 
         The tensors every method here builds (reassembled chunks, loaded safetensors,
         broadcast buffers) are fresh and private, so the engine may keep them uncopied.
         ``keep_spare``: keep the replaced weights as the next update's receive buffers.
+        ``relay_root``: first write the update there as a version directory (the only one
+        kept) for the other servers of this host; a failed write fails the update before
+        anything is swapped in.
         """
+        if relay_root is not None:
+            await asyncio.to_thread(write_relay, relay_root, version, state_dict)
         spare = await self.engine.load_weights(state_dict, version, owned=True)
         self.spare = spare if keep_spare and self.config.reuse_buffers else {}
 

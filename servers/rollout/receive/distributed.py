@@ -189,7 +189,7 @@ class DistributedReceiver(Receiver):
                 else:
                     state_dict = await self._receive_or_abandon(plan.group, specs)
                     state.check_version(request.policy_version)
-                    await state.load(state_dict, request.policy_version)
+                    await state.load(state_dict, request.policy_version, relay_root=plan.relay_root)
                     count = len(state_dict)
         return pb.UpdateFromDistributedResponse(
             policy_version=state.engine.version, tensor_count=count

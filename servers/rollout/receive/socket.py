@@ -139,7 +139,7 @@ class SocketReceiver(Receiver):
             )
             async with state.update_lock:
                 state.check_version(request.policy_version)
-                await state.load(buffers, request.policy_version)
+                await state.load(buffers, request.policy_version, relay_root=plan.relay_root)
         except BaseException:
             state.give_back(buffers)  # not installed: still free to receive into
             raise

@@ -61,7 +61,9 @@ class StreamReceiver(Receiver):
         try:
             async with state.update_lock:
                 state.check_version(header.policy_version, "header.policy_version")
-                await state.load(state_dict, header.policy_version)
+                plan = state.plans.get(header.plan_id)
+                relay = plan.relay_root if plan is not None else None
+                await state.load(state_dict, header.policy_version, relay_root=relay)
         except Exception:
             state.give_back(state_dict)  # not installed: still free to receive into
             raise

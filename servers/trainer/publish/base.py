@@ -123,6 +123,12 @@ class Target:
     plan: weight_sync_pb2.NegotiateResponse | None = None
     call: grpc.aio.StreamUnaryCall | None = None  # type: ignore[type-arg]
     task: asyncio.Task[None] | None = None
+    # Asked to relay the update to the other servers of its host (it writes it into its
+    # shared memory).
+    relay: bool = False
+    # The server of this one's host that relays the update to it (it then loads the relayed
+    # version directory by SHARED_MEMORY instead of receiving from the sender).
+    relay_from: Target | None = None
 
     @property
     def alive(self) -> bool:

@@ -11,15 +11,20 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from areal_servers.trainer.weight_publisher import published_tensors
+from arealgrpc.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from areal_grpc.config import load_config
 from areal_grpc.coordinator.mesh import rollout_argv, trainer_argv
 from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.launch import Child, child_env, start_child, stop_children
-from tests.support.hosts import hosts, unavailable
+from areal_grpc.model import load_model
+from areal_grpc.server import sync_channel
+from tests.support.hosts import Hosts, hosts, unavailable
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,6 +51,52 @@ RUN = (
     # A test network of one machine; across real machines, security.tls (docs: security).
     "security.allow_plaintext=true",
 )
+
+
+def start_attached(
+    hs: Hosts,
+    run: Sequence[str],
+    out: Path,
+    logs: Path,
+    rollout_hosts: Sequence[str],
+    trainer_host: str,
+    children: list[Child],
+) -> tuple[list[str], list[str]]:
+    """Rollout servers on ``rollout_hosts`` (one per entry, in order) and the trainer ranks on
+    ``trainer_host``, as a user starts them on their machines; their addresses. Every child
+    is added to ``children`` as it starts (the caller stops them)."""
+    rollouts = []
+    for i, name in enumerate(rollout_hosts):
+        host = hs[name]
+        cfg = load_config(None, [*run, f"output.dir={out}", f"launcher.host={host.ip}"])
+        argv = host.argv(rollout_argv(cfg, i))
+        children.append(start_child(f"rollout-{i}", argv, log_dir=logs, env=child_env()))
+        rollouts.append(children[-1].address)
+    host = hs[trainer_host]
+    cfg = load_config(None, [*run, f"output.dir={out}", f"launcher.host={host.ip}"])
+    trainers = []
+    for rank in range(cfg.trainer.ranks):
+        argv = host.argv(trainer_argv(cfg, rank, 29517))
+        children.append(start_child(f"trainer-{rank}", argv, log_dir=logs, env=child_env()))
+        trainers.append(children[-1].address)
+    return rollouts, trainers
+
+
+def attach_argv(
+    hs: Hosts, host: str, rollouts: Sequence[str], trainers: Sequence[str]
+) -> list[str]:
+    """The coordinator's overrides to attach to ``rollouts`` and ``trainers`` from ``host``."""
+    return [
+        "launcher.mode=attach",
+        f"launcher.host={hs[host].ip}",
+        f"launcher.attach.rollout_addresses=[{','.join(rollouts)}]",
+        f"launcher.attach.trainer_addresses=[{','.join(trainers)}]",
+    ]
+
+
+def plans(log: Path) -> list[str]:
+    """The weight-sync plans a rollout server's log records (one per update it negotiated)."""
+    return [ln for ln in log.read_text().splitlines() if " plan " in ln and "TRANSFER_METHOD" in ln]
 
 
 def test_hosts_reach_each_other_over_their_links_and_keep_their_shared_memory_apart() -> None:
@@ -100,28 +151,12 @@ def test_a_run_across_three_hosts_trains_every_step_once_and_syncs_weights_over_
     with hosts(["head", "rollout-a", "rollout-b"]) as hs:
         head = hs["head"]
         try:
-            rollouts = []
-            for i, name in enumerate(("rollout-a", "rollout-b")):
-                host = hs[name]
-                cfg = load_config(None, [*RUN, f"output.dir={out}", f"launcher.host={host.ip}"])
-                argv = host.argv(rollout_argv(cfg, i))
-                children.append(start_child(name, argv, log_dir=logs, env=child_env()))
-                rollouts.append(children[-1].address)
-            cfg = load_config(None, [*RUN, f"output.dir={out}", f"launcher.host={head.ip}"])
-            for rank in range(cfg.trainer.ranks):
-                argv = head.argv(trainer_argv(cfg, rank, 29517))
-                children.append(start_child(f"trainer-{rank}", argv, log_dir=logs, env=child_env()))
-            trainers = [c.address for c in children[2:]]
-            assert all(a.startswith(head.ip) for a in trainers)
-            proc = coordinator_command.start(
-                out,
-                *RUN,
-                "launcher.mode=attach",
-                f"launcher.host={head.ip}",
-                f"launcher.attach.rollout_addresses=[{','.join(rollouts)}]",
-                f"launcher.attach.trainer_addresses=[{','.join(trainers)}]",
-                on=head.argv,
+            rollouts, trainers = start_attached(
+                hs, RUN, out, logs, ["rollout-a", "rollout-b"], "head", children
             )
+            assert all(a.startswith(head.ip) for a in trainers)
+            attach = attach_argv(hs, "head", rollouts, trainers)
+            proc = coordinator_command.start(out, *RUN, *attach, on=head.argv)
             log = coordinator_command.finish(proc, timeout=280)
             assert proc.returncode == 0, log[-3000:]
         finally:
@@ -132,12 +167,12 @@ def test_a_run_across_three_hosts_trains_every_step_once_and_syncs_weights_over_
     assert len(batches) == STEPS and len({b["step"] for b in batches}) == STEPS
     groups = [g["task_id"] for b in batches for g in b["groups"]]
     assert len(groups) == len(set(groups)) == STEPS * 4  # no group trained twice
-    for name in ("rollout-a", "rollout-b"):
-        text = (logs / f"{name}.log").read_text()
-        plans = [ln for ln in text.splitlines() if " plan " in ln and "TRANSFER_METHOD" in ln]
-        assert len(plans) >= STEPS, text[-2000:]
-        assert not any("SHARED_MEMORY" in line for line in plans), plans
-        assert f"serves policy version {STEPS}" in text, text[-2000:]
+    for i in range(2):
+        log_file = logs / f"rollout-{i}.log"
+        planned = plans(log_file)
+        assert len(planned) >= STEPS, log_file.read_text()[-2000:]
+        assert not any("SHARED_MEMORY" in line for line in planned), planned
+        assert f"serves policy version {STEPS}" in log_file.read_text()
 
 
 def test_a_rollout_host_cut_off_mid_run_leaves_rotation_and_rejoins_at_the_latest_version(
@@ -156,27 +191,11 @@ def test_a_rollout_host_cut_off_mid_run_leaves_rotation_and_rejoins_at_the_lates
     with hosts(["head", "rollout-a", "rollout-b"]) as hs:
         head, cut_host = hs["head"], hs["rollout-b"]
         try:
-            rollouts = []
-            for i, name in enumerate(("rollout-a", "rollout-b")):
-                host = hs[name]
-                cfg = load_config(None, [*run, f"output.dir={out}", f"launcher.host={host.ip}"])
-                argv = host.argv(rollout_argv(cfg, i))
-                children.append(start_child(name, argv, log_dir=logs, env=child_env()))
-                rollouts.append(children[-1].address)
-            cfg = load_config(None, [*run, f"output.dir={out}", f"launcher.host={head.ip}"])
-            for rank in range(cfg.trainer.ranks):
-                argv = head.argv(trainer_argv(cfg, rank, 29517))
-                children.append(start_child(f"trainer-{rank}", argv, log_dir=logs, env=child_env()))
-            trainers = [c.address for c in children[2:]]
-            proc = coordinator_command.start(
-                out,
-                *run,
-                "launcher.mode=attach",
-                f"launcher.host={head.ip}",
-                f"launcher.attach.rollout_addresses=[{','.join(rollouts)}]",
-                f"launcher.attach.trainer_addresses=[{','.join(trainers)}]",
-                on=head.argv,
+            rollouts, trainers = start_attached(
+                hs, run, out, logs, ["rollout-a", "rollout-b"], "head", children
             )
+            attach = attach_argv(hs, "head", rollouts, trainers)
+            proc = coordinator_command.start(out, *run, *attach, on=head.argv)
 
             def batches() -> list[dict]:
                 path = out / "batches.jsonl"
@@ -251,26 +270,13 @@ def test_a_trainer_host_cut_off_mid_run_recovers_as_a_restarted_group(
     ]
     children: list[Child] = []
     with hosts(["head", "trainers", "rollout-a"]) as hs:
-        head, trainer_host, rollout_host = hs["head"], hs["trainers"], hs["rollout-a"]
+        head, trainer_host = hs["head"], hs["trainers"]
         try:
-            cfg = load_config(None, [*run, f"output.dir={out}", f"launcher.host={rollout_host.ip}"])
-            argv = rollout_host.argv(rollout_argv(cfg, 0))
-            children.append(start_child("rollout-a", argv, log_dir=logs, env=child_env()))
-            rollouts = [children[-1].address]
-            cfg = load_config(None, [*run, f"output.dir={out}", f"launcher.host={trainer_host.ip}"])
-            for rank in range(cfg.trainer.ranks):
-                argv = trainer_host.argv(trainer_argv(cfg, rank, 29517))
-                children.append(start_child(f"trainer-{rank}", argv, log_dir=logs, env=child_env()))
-            trainers = [c.address for c in children[1:]]
-            proc = coordinator_command.start(
-                out,
-                *run,
-                "launcher.mode=attach",
-                f"launcher.host={head.ip}",
-                f"launcher.attach.rollout_addresses=[{','.join(rollouts)}]",
-                f"launcher.attach.trainer_addresses=[{','.join(trainers)}]",
-                on=head.argv,
+            rollouts, trainers = start_attached(
+                hs, run, out, logs, ["rollout-a"], "trainers", children
             )
+            attach = attach_argv(hs, "head", rollouts, trainers)
+            proc = coordinator_command.start(out, *run, *attach, on=head.argv)
 
             def batches() -> list[dict]:
                 path = out / "batches.jsonl"
@@ -315,3 +321,65 @@ def test_a_trainer_host_cut_off_mid_run_recovers_as_a_restarted_group(
     seqs = {g["seq"] for b in recorded for g in b["groups"]}
     upto = max(g["seq"] for g in recorded[cut_at + 5]["groups"])
     assert set(range(upto)) <= seqs, sorted(set(range(upto)) - seqs)
+
+
+def test_an_update_crosses_each_link_once_and_the_servers_of_a_host_take_it_from_its_relay(
+    tmp_path: Path, coordinator_command
+) -> None:
+    """Three rollout servers on one host and one on another: each update reaches the first
+    host once, into one server that writes it into its shared memory, and the other two load
+    it from there by SHARED_MEMORY; the lone server gets its own copy. Every server ends at
+    the last version, serving the same weights (equal greedy completions), and the trainer
+    sent two copies per step, not four."""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    # fp32 weights: one copy's bytes are the model's parameters times 4.
+    run = [r for r in RUN if not r.startswith("rollout.num_servers=")] + [
+        "rollout.num_servers=4",
+        "rollout.dtype=float32",
+    ]
+    children: list[Child] = []
+    with hosts(["head", "rollout-a", "rollout-b"]) as hs:
+        try:
+            rollouts, trainers = start_attached(
+                hs, run, out, logs, ["rollout-a"] * 3 + ["rollout-b"], "head", children
+            )
+            attach = attach_argv(hs, "head", rollouts, trainers)
+            proc = coordinator_command.start(out, *run, *attach, on=hs["head"].argv)
+            log = coordinator_command.finish(proc, timeout=280)
+            assert proc.returncode == 0, log[-3000:]
+            completions = {a: greedy(a) for a in rollouts}
+        finally:
+            stop_children(children)
+    planned = [plans(logs / f"rollout-{i}.log") for i in range(4)]
+    for i in range(4):
+        assert f"serves policy version {STEPS}" in (logs / f"rollout-{i}.log").read_text()
+    # On rollout-a one server received every update over the link and relayed it; the two
+    # others took every one by SHARED_MEMORY from it (a plan per update; each server's first
+    # plan of an update is the plain one the sender then replaces).
+    relayed = [sum("relayed into /dev/shm/" in ln for ln in p) for p in planned]
+    shared = [sum("TRANSFER_METHOD_SHARED_MEMORY" in ln for ln in p) for p in planned]
+    leader = next(i for i in range(3) if relayed[i])
+    assert relayed[leader] >= STEPS and shared[leader] == 0, (relayed, shared)
+    for i in set(range(3)) - {leader}:
+        assert relayed[i] == 0 and shared[i] == STEPS, (relayed, shared)
+    assert relayed[3] == shared[3] == 0, (relayed, shared)
+    assert len(set(map(tuple, completions.values()))) == 1, completions
+    # Two copies left the trainer per step: the relay's and rollout-b's.
+    model = load_model(load_config(None, list(run)).model.source)
+    one_copy = sum(t.numel() * t.element_size() for _, t in published_tensors(model))
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["sync_bytes"] for r in train] == [one_copy] * STEPS
+    assert [r["sync_sent_bytes"] for r in train] == [2 * one_copy] * STEPS
+
+
+def greedy(address: str) -> list[int]:
+    """A greedy completion from the rollout server at ``address``."""
+    with sync_channel(address) as channel:
+        reply = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(
+            rollout_pb2.GenerateRequest(
+                input_ids=[5, 17, 42, 99, 7],
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_new_tokens=8),
+            ),
+            timeout=60,
+        )
+    return list(reply.completions[0].output_ids)

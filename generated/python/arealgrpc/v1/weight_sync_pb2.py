@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from arealgrpc.v1 import tensor_pb2 as arealgrpc_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61realgrpc/v1/weight_sync.proto\x12\x0c\x61realgrpc.v1\x1a\x19\x61realgrpc/v1/tensor.proto\"\xea\x01\n\x11\x44istributedParams\x12\x30\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1f.arealgrpc.v1.CollectiveBackend\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0brank_offset\x18\x05 \x01(\x05\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x03\x12\x0e\n\x06joined\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"\'\n\x0cStreamParams\x12\x17\n\x0fmax_chunk_bytes\x18\x01 \x01(\x03\"_\n\x0cSocketParams\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x17\n\x0fmax_frame_bytes\x18\x04 \x01(\x03\x12\x0b\n\x03tls\x18\x05 \x01(\x08\"1\n\x12SharedMemoryParams\x12\x0c\n\x04root\x18\x01 \x01(\t\x12\r\n\x05probe\x18\x02 \x01(\x0c\"\x1a\n\nDiskParams\x12\x0c\n\x04root\x18\x01 \x01(\t\"\xc1\x02\n\x0eTransferOption\x12,\n\x06method\x18\x01 \x01(\x0e\x32\x1c.arealgrpc.v1.TransferMethod\x12\x36\n\x0b\x64istributed\x18\x02 \x01(\x0b\x32\x1f.arealgrpc.v1.DistributedParamsH\x00\x12,\n\x06stream\x18\x03 \x01(\x0b\x32\x1a.arealgrpc.v1.StreamParamsH\x00\x12(\n\x04\x64isk\x18\x04 \x01(\x0b\x32\x18.arealgrpc.v1.DiskParamsH\x00\x12,\n\x06socket\x18\x05 \x01(\x0b\x32\x1a.arealgrpc.v1.SocketParamsH\x00\x12\x39\n\rshared_memory\x18\x06 \x01(\x0b\x32 .arealgrpc.v1.SharedMemoryParamsH\x00\x42\x08\n\x06params\"S\n\x10NegotiateRequest\x12,\n\x06offers\x18\x01 \x03(\x0b\x32\x1c.arealgrpc.v1.TransferOption\x12\x11\n\tsender_id\x18\x02 \x01(\t\"\x94\x01\n\x11NegotiateResponse\x12*\n\x04plan\x18\x01 \x01(\x0b\x32\x1c.arealgrpc.v1.TransferOption\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07plan_id\x18\x03 \x01(\t\x12*\n\rweights_dtype\x18\x04 \x01(\x0e\x32\x13.arealgrpc.v1.Dtype\"{\n\x12PushWeightsRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.arealgrpc.v1.PushWeightsHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.arealgrpc.v1.TensorChunkH\x00\x42\x06\n\x04kind\"g\n\x11PushWeightsHeader\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\"[\n\x13PushWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"N\n\x15UpdateFromDiskRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\"F\n\x16UpdateFromDiskResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\"\x88\x01\n\x1cUpdateFromDistributedRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.arealgrpc.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x03\"M\n\x1dUpdateFromDistributedResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\"m\n\x17UpdateFromSocketRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.arealgrpc.v1.TensorSpec\"`\n\x18UpdateFromSocketResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"V\n\x1dUpdateFromSharedMemoryRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\"N\n\x1eUpdateFromSharedMemoryResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r*\xc7\x01\n\x0eTransferMethod\x12\x1f\n\x1bTRANSFER_METHOD_UNSPECIFIED\x10\x00\x12\x1f\n\x1bTRANSFER_METHOD_DISTRIBUTED\x10\x01\x12\x1a\n\x16TRANSFER_METHOD_STREAM\x10\x02\x12\x18\n\x14TRANSFER_METHOD_DISK\x10\x03\x12\x1a\n\x16TRANSFER_METHOD_SOCKET\x10\x04\x12!\n\x1dTRANSFER_METHOD_SHARED_MEMORY\x10\x05*q\n\x11\x43ollectiveBackend\x12\"\n\x1e\x43OLLECTIVE_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_GLOO\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_NCCL\x10\x02\x32\xde\x04\n\x11WeightSyncService\x12L\n\tNegotiate\x12\x1e.arealgrpc.v1.NegotiateRequest\x1a\x1f.arealgrpc.v1.NegotiateResponse\x12T\n\x0bPushWeights\x12 .arealgrpc.v1.PushWeightsRequest\x1a!.arealgrpc.v1.PushWeightsResponse(\x01\x12[\n\x0eUpdateFromDisk\x12#.arealgrpc.v1.UpdateFromDiskRequest\x1a$.arealgrpc.v1.UpdateFromDiskResponse\x12p\n\x15UpdateFromDistributed\x12*.arealgrpc.v1.UpdateFromDistributedRequest\x1a+.arealgrpc.v1.UpdateFromDistributedResponse\x12\x61\n\x10UpdateFromSocket\x12%.arealgrpc.v1.UpdateFromSocketRequest\x1a&.arealgrpc.v1.UpdateFromSocketResponse\x12s\n\x16UpdateFromSharedMemory\x12+.arealgrpc.v1.UpdateFromSharedMemoryRequest\x1a,.arealgrpc.v1.UpdateFromSharedMemoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61realgrpc/v1/weight_sync.proto\x12\x0c\x61realgrpc.v1\x1a\x19\x61realgrpc/v1/tensor.proto\"\xea\x01\n\x11\x44istributedParams\x12\x30\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1f.arealgrpc.v1.CollectiveBackend\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0brank_offset\x18\x05 \x01(\x05\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x03\x12\x0e\n\x06joined\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"\'\n\x0cStreamParams\x12\x17\n\x0fmax_chunk_bytes\x18\x01 \x01(\x03\"_\n\x0cSocketParams\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x17\n\x0fmax_frame_bytes\x18\x04 \x01(\x03\x12\x0b\n\x03tls\x18\x05 \x01(\x08\"1\n\x12SharedMemoryParams\x12\x0c\n\x04root\x18\x01 \x01(\t\x12\r\n\x05probe\x18\x02 \x01(\x0c\"\x1a\n\nDiskParams\x12\x0c\n\x04root\x18\x01 \x01(\t\"\xc1\x02\n\x0eTransferOption\x12,\n\x06method\x18\x01 \x01(\x0e\x32\x1c.arealgrpc.v1.TransferMethod\x12\x36\n\x0b\x64istributed\x18\x02 \x01(\x0b\x32\x1f.arealgrpc.v1.DistributedParamsH\x00\x12,\n\x06stream\x18\x03 \x01(\x0b\x32\x1a.arealgrpc.v1.StreamParamsH\x00\x12(\n\x04\x64isk\x18\x04 \x01(\x0b\x32\x18.arealgrpc.v1.DiskParamsH\x00\x12,\n\x06socket\x18\x05 \x01(\x0b\x32\x1a.arealgrpc.v1.SocketParamsH\x00\x12\x39\n\rshared_memory\x18\x06 \x01(\x0b\x32 .arealgrpc.v1.SharedMemoryParamsH\x00\x42\x08\n\x06params\"b\n\x10NegotiateRequest\x12,\n\x06offers\x18\x01 \x03(\x0b\x32\x1c.arealgrpc.v1.TransferOption\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\r\n\x05relay\x18\x03 \x01(\x08\"\xdb\x01\n\x11NegotiateResponse\x12*\n\x04plan\x18\x01 \x01(\x0b\x32\x1c.arealgrpc.v1.TransferOption\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07plan_id\x18\x03 \x01(\t\x12*\n\rweights_dtype\x18\x04 \x01(\x0e\x32\x13.arealgrpc.v1.Dtype\x12\x34\n\nrelay_root\x18\x05 \x01(\x0b\x32 .arealgrpc.v1.SharedMemoryParams\x12\x0f\n\x07host_id\x18\x06 \x01(\t\"{\n\x12PushWeightsRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.arealgrpc.v1.PushWeightsHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.arealgrpc.v1.TensorChunkH\x00\x42\x06\n\x04kind\"g\n\x11PushWeightsHeader\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\"[\n\x13PushWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"N\n\x15UpdateFromDiskRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\"F\n\x16UpdateFromDiskResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\"\x88\x01\n\x1cUpdateFromDistributedRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.arealgrpc.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x03\"M\n\x1dUpdateFromDistributedResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\"m\n\x17UpdateFromSocketRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.arealgrpc.v1.TensorSpec\"`\n\x18UpdateFromSocketResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"V\n\x1dUpdateFromSharedMemoryRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\"N\n\x1eUpdateFromSharedMemoryResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\r*\xc7\x01\n\x0eTransferMethod\x12\x1f\n\x1bTRANSFER_METHOD_UNSPECIFIED\x10\x00\x12\x1f\n\x1bTRANSFER_METHOD_DISTRIBUTED\x10\x01\x12\x1a\n\x16TRANSFER_METHOD_STREAM\x10\x02\x12\x18\n\x14TRANSFER_METHOD_DISK\x10\x03\x12\x1a\n\x16TRANSFER_METHOD_SOCKET\x10\x04\x12!\n\x1dTRANSFER_METHOD_SHARED_MEMORY\x10\x05*q\n\x11\x43ollectiveBackend\x12\"\n\x1e\x43OLLECTIVE_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_GLOO\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_NCCL\x10\x02\x32\xde\x04\n\x11WeightSyncService\x12L\n\tNegotiate\x12\x1e.arealgrpc.v1.NegotiateRequest\x1a\x1f.arealgrpc.v1.NegotiateResponse\x12T\n\x0bPushWeights\x12 .arealgrpc.v1.PushWeightsRequest\x1a!.arealgrpc.v1.PushWeightsResponse(\x01\x12[\n\x0eUpdateFromDisk\x12#.arealgrpc.v1.UpdateFromDiskRequest\x1a$.arealgrpc.v1.UpdateFromDiskResponse\x12p\n\x15UpdateFromDistributed\x12*.arealgrpc.v1.UpdateFromDistributedRequest\x1a+.arealgrpc.v1.UpdateFromDistributedResponse\x12\x61\n\x10UpdateFromSocket\x12%.arealgrpc.v1.UpdateFromSocketRequest\x1a&.arealgrpc.v1.UpdateFromSocketResponse\x12s\n\x16UpdateFromSharedMemory\x12+.arealgrpc.v1.UpdateFromSharedMemoryRequest\x1a,.arealgrpc.v1.UpdateFromSharedMemoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'arealgrpc.v1.weight_sync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERMETHOD']._serialized_start=2160
-  _globals['_TRANSFERMETHOD']._serialized_end=2359
-  _globals['_COLLECTIVEBACKEND']._serialized_start=2361
-  _globals['_COLLECTIVEBACKEND']._serialized_end=2474
+  _globals['_TRANSFERMETHOD']._serialized_start=2246
+  _globals['_TRANSFERMETHOD']._serialized_end=2445
+  _globals['_COLLECTIVEBACKEND']._serialized_start=2447
+  _globals['_COLLECTIVEBACKEND']._serialized_end=2560
   _globals['_DISTRIBUTEDPARAMS']._serialized_start=76
   _globals['_DISTRIBUTEDPARAMS']._serialized_end=310
   _globals['_STREAMPARAMS']._serialized_start=312
@@ -49,31 +49,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFEROPTION']._serialized_start=530
   _globals['_TRANSFEROPTION']._serialized_end=851
   _globals['_NEGOTIATEREQUEST']._serialized_start=853
-  _globals['_NEGOTIATEREQUEST']._serialized_end=936
-  _globals['_NEGOTIATERESPONSE']._serialized_start=939
-  _globals['_NEGOTIATERESPONSE']._serialized_end=1087
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1089
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1212
-  _globals['_PUSHWEIGHTSHEADER']._serialized_start=1214
-  _globals['_PUSHWEIGHTSHEADER']._serialized_end=1317
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1319
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1410
-  _globals['_UPDATEFROMDISKREQUEST']._serialized_start=1412
-  _globals['_UPDATEFROMDISKREQUEST']._serialized_end=1490
-  _globals['_UPDATEFROMDISKRESPONSE']._serialized_start=1492
-  _globals['_UPDATEFROMDISKRESPONSE']._serialized_end=1562
-  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_start=1565
-  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_end=1701
-  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_start=1703
-  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_end=1780
-  _globals['_UPDATEFROMSOCKETREQUEST']._serialized_start=1782
-  _globals['_UPDATEFROMSOCKETREQUEST']._serialized_end=1891
-  _globals['_UPDATEFROMSOCKETRESPONSE']._serialized_start=1893
-  _globals['_UPDATEFROMSOCKETRESPONSE']._serialized_end=1989
-  _globals['_UPDATEFROMSHAREDMEMORYREQUEST']._serialized_start=1991
-  _globals['_UPDATEFROMSHAREDMEMORYREQUEST']._serialized_end=2077
-  _globals['_UPDATEFROMSHAREDMEMORYRESPONSE']._serialized_start=2079
-  _globals['_UPDATEFROMSHAREDMEMORYRESPONSE']._serialized_end=2157
-  _globals['_WEIGHTSYNCSERVICE']._serialized_start=2477
-  _globals['_WEIGHTSYNCSERVICE']._serialized_end=3083
+  _globals['_NEGOTIATEREQUEST']._serialized_end=951
+  _globals['_NEGOTIATERESPONSE']._serialized_start=954
+  _globals['_NEGOTIATERESPONSE']._serialized_end=1173
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1175
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1298
+  _globals['_PUSHWEIGHTSHEADER']._serialized_start=1300
+  _globals['_PUSHWEIGHTSHEADER']._serialized_end=1403
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1405
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1496
+  _globals['_UPDATEFROMDISKREQUEST']._serialized_start=1498
+  _globals['_UPDATEFROMDISKREQUEST']._serialized_end=1576
+  _globals['_UPDATEFROMDISKRESPONSE']._serialized_start=1578
+  _globals['_UPDATEFROMDISKRESPONSE']._serialized_end=1648
+  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_start=1651
+  _globals['_UPDATEFROMDISTRIBUTEDREQUEST']._serialized_end=1787
+  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_start=1789
+  _globals['_UPDATEFROMDISTRIBUTEDRESPONSE']._serialized_end=1866
+  _globals['_UPDATEFROMSOCKETREQUEST']._serialized_start=1868
+  _globals['_UPDATEFROMSOCKETREQUEST']._serialized_end=1977
+  _globals['_UPDATEFROMSOCKETRESPONSE']._serialized_start=1979
+  _globals['_UPDATEFROMSOCKETRESPONSE']._serialized_end=2075
+  _globals['_UPDATEFROMSHAREDMEMORYREQUEST']._serialized_start=2077
+  _globals['_UPDATEFROMSHAREDMEMORYREQUEST']._serialized_end=2163
+  _globals['_UPDATEFROMSHAREDMEMORYRESPONSE']._serialized_start=2165
+  _globals['_UPDATEFROMSHAREDMEMORYRESPONSE']._serialized_end=2243
+  _globals['_WEIGHTSYNCSERVICE']._serialized_start=2563
+  _globals['_WEIGHTSYNCSERVICE']._serialized_end=3169
 # @@protoc_insertion_point(module_scope)

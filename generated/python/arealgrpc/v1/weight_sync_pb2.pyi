@@ -105,24 +105,30 @@ class TransferOption(_message.Message):
     def __init__(self, method: _Optional[_Union[TransferMethod, str]] = ..., distributed: _Optional[_Union[DistributedParams, _Mapping]] = ..., stream: _Optional[_Union[StreamParams, _Mapping]] = ..., disk: _Optional[_Union[DiskParams, _Mapping]] = ..., socket: _Optional[_Union[SocketParams, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryParams, _Mapping]] = ...) -> None: ...
 
 class NegotiateRequest(_message.Message):
-    __slots__ = ("offers", "sender_id")
+    __slots__ = ("offers", "sender_id", "relay")
     OFFERS_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     offers: _containers.RepeatedCompositeFieldContainer[TransferOption]
     sender_id: str
-    def __init__(self, offers: _Optional[_Iterable[_Union[TransferOption, _Mapping]]] = ..., sender_id: _Optional[str] = ...) -> None: ...
+    relay: bool
+    def __init__(self, offers: _Optional[_Iterable[_Union[TransferOption, _Mapping]]] = ..., sender_id: _Optional[str] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class NegotiateResponse(_message.Message):
-    __slots__ = ("plan", "policy_version", "plan_id", "weights_dtype")
+    __slots__ = ("plan", "policy_version", "plan_id", "weights_dtype", "relay_root", "host_id")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ROOT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     plan: TransferOption
     policy_version: int
     plan_id: str
     weights_dtype: _tensor_pb2.Dtype
-    def __init__(self, plan: _Optional[_Union[TransferOption, _Mapping]] = ..., policy_version: _Optional[int] = ..., plan_id: _Optional[str] = ..., weights_dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ...) -> None: ...
+    relay_root: SharedMemoryParams
+    host_id: str
+    def __init__(self, plan: _Optional[_Union[TransferOption, _Mapping]] = ..., policy_version: _Optional[int] = ..., plan_id: _Optional[str] = ..., weights_dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., relay_root: _Optional[_Union[SharedMemoryParams, _Mapping]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
     __slots__ = ("header", "chunk")

@@ -243,6 +243,13 @@ export interface NegotiateRequest {
   offers: TransferOption[];
   /** Identifier of the sender (for logs and traces). */
   senderId: string;
+  /**
+   * Relay: besides taking the update, write it once into a version directory in this
+   * server's shared memory (its reply's relay_root), where the other servers of its host then
+   * take it by SHARED_MEMORY. The update then crosses the network to each host once. A server
+   * that cannot relay (no relay_root in its reply) ignores it.
+   */
+  relay: boolean;
 }
 
 /** The receiver's plan. */
@@ -262,6 +269,18 @@ export interface NegotiateResponse {
    * tensor's dtype field. DTYPE_UNSPECIFIED: any dtype is converted here.
    */
   weightsDtype: Dtype;
+  /**
+   * Where this server writes relayed updates (see NegotiateRequest.relay), with the probe
+   * that servers sharing its memory read back; unset when it cannot relay.
+   */
+  relayRoot:
+    | SharedMemoryParams
+    | undefined;
+  /**
+   * This server's host, as the memory it shares: servers that report the same value share
+   * /dev/shm (a sender groups them to send once per host). Empty when unknown.
+   */
+  hostId: string;
 }
 
 /** One message on the PushWeights stream: a header first, then chunks. */
@@ -1148,7 +1167,7 @@ export const TransferOption: MessageFns<TransferOption> = {
 };
 
 function createBaseNegotiateRequest(): NegotiateRequest {
-  return { offers: [], senderId: "" };
+  return { offers: [], senderId: "", relay: false };
 }
 
 export const NegotiateRequest: MessageFns<NegotiateRequest> = {
@@ -1158,6 +1177,9 @@ export const NegotiateRequest: MessageFns<NegotiateRequest> = {
     }
     if (message.senderId !== "") {
       writer.uint32(18).string(message.senderId);
+    }
+    if (message.relay !== false) {
+      writer.uint32(24).bool(message.relay);
     }
     return writer;
   },
@@ -1191,6 +1213,14 @@ export const NegotiateRequest: MessageFns<NegotiateRequest> = {
             message.senderId = reader.string();
             continue;
           }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.relay = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1211,6 +1241,7 @@ export const NegotiateRequest: MessageFns<NegotiateRequest> = {
         : isSet(object.sender_id)
         ? globalThis.String(object.sender_id)
         : "",
+      relay: isSet(object.relay) ? globalThis.Boolean(object.relay) : false,
     };
   },
 
@@ -1222,6 +1253,9 @@ export const NegotiateRequest: MessageFns<NegotiateRequest> = {
     if (message.senderId !== "") {
       obj.senderId = message.senderId;
     }
+    if (message.relay !== false) {
+      obj.relay = message.relay;
+    }
     return obj;
   },
 
@@ -1232,12 +1266,13 @@ export const NegotiateRequest: MessageFns<NegotiateRequest> = {
     const message = createBaseNegotiateRequest();
     message.offers = object.offers?.map((e) => TransferOption.fromPartial(e)) || [];
     message.senderId = object.senderId ?? "";
+    message.relay = object.relay ?? false;
     return message;
   },
 };
 
 function createBaseNegotiateResponse(): NegotiateResponse {
-  return { plan: undefined, policyVersion: 0, planId: "", weightsDtype: 0 };
+  return { plan: undefined, policyVersion: 0, planId: "", weightsDtype: 0, relayRoot: undefined, hostId: "" };
 }
 
 export const NegotiateResponse: MessageFns<NegotiateResponse> = {
@@ -1253,6 +1288,12 @@ export const NegotiateResponse: MessageFns<NegotiateResponse> = {
     }
     if (message.weightsDtype !== 0) {
       writer.uint32(32).int32(message.weightsDtype);
+    }
+    if (message.relayRoot !== undefined) {
+      SharedMemoryParams.encode(message.relayRoot, writer.uint32(42).fork()).join();
+    }
+    if (message.hostId !== "") {
+      writer.uint32(50).string(message.hostId);
     }
     return writer;
   },
@@ -1302,6 +1343,22 @@ export const NegotiateResponse: MessageFns<NegotiateResponse> = {
             message.weightsDtype = reader.int32() as any;
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.relayRoot = SharedMemoryParams.decode(reader, reader.uint32());
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.hostId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1332,6 +1389,16 @@ export const NegotiateResponse: MessageFns<NegotiateResponse> = {
         : isSet(object.weights_dtype)
         ? dtypeFromJSON(object.weights_dtype)
         : 0,
+      relayRoot: isSet(object.relayRoot)
+        ? SharedMemoryParams.fromJSON(object.relayRoot)
+        : isSet(object.relay_root)
+        ? SharedMemoryParams.fromJSON(object.relay_root)
+        : undefined,
+      hostId: isSet(object.hostId)
+        ? globalThis.String(object.hostId)
+        : isSet(object.host_id)
+        ? globalThis.String(object.host_id)
+        : "",
     };
   },
 
@@ -1349,6 +1416,12 @@ export const NegotiateResponse: MessageFns<NegotiateResponse> = {
     if (message.weightsDtype !== 0) {
       obj.weightsDtype = dtypeToJSON(message.weightsDtype);
     }
+    if (message.relayRoot !== undefined) {
+      obj.relayRoot = SharedMemoryParams.toJSON(message.relayRoot);
+    }
+    if (message.hostId !== "") {
+      obj.hostId = message.hostId;
+    }
     return obj;
   },
 
@@ -1363,6 +1436,10 @@ export const NegotiateResponse: MessageFns<NegotiateResponse> = {
     message.policyVersion = object.policyVersion ?? 0;
     message.planId = object.planId ?? "";
     message.weightsDtype = object.weightsDtype ?? 0;
+    message.relayRoot = (object.relayRoot !== undefined && object.relayRoot !== null)
+      ? SharedMemoryParams.fromPartial(object.relayRoot)
+      : undefined;
+    message.hostId = object.hostId ?? "";
     return message;
   },
 };
