@@ -259,6 +259,21 @@ class SessionStats:
     by_method: dict[str, int] = field(default_factory=dict)
 
 
+def relayed(targets: Sequence[Target]) -> list[Target]:
+    """The targets that take the publication from their host's relay."""
+    return [t for t in targets if t.relay_from is not None]
+
+
+@dataclass
+class RelayPlan:
+    """Which servers took the last publication from their host's relay: the publication's
+    servers, each relayed server's relay, and each relay's shared-memory directory."""
+
+    addresses: list[str]
+    relay_of: dict[str, str]
+    roots: dict[str, pb.SharedMemoryParams]
+
+
 class WeightPublisher:
     """Rank 0's sender: keeps the distributed group between publications."""
 
@@ -281,6 +296,9 @@ class WeightPublisher:
         self.device_uuid = cuda_uuid(device) if backend == "nccl" else ""
         # The weight group kept between publications (see publish.distributed).
         self.group: GroupCache | None = None
+        # The relays of the last publication (see PublishSession._plan_relays), taken up
+        # again by the next one to the same servers.
+        self.relays: RelayPlan | None = None
         # A STREAM publication allocates and frees a ~1 MiB message buffer per chunk; keep
         # freed ones mapped instead of faulting fresh pages in for every message.
         tune_malloc()
@@ -368,6 +386,9 @@ class PublishSession:
         self._wire: dict[int, torch.dtype | None] = {}
         # Held while a bucket is cast and its sends are queued, so buckets keep their order.
         self._queueing = asyncio.Lock()
+        # The weight-group ranks offered to the servers, and the group's size.
+        self._offered: dict[str, int] = {}
+        self._offered_world = 0
 
     def _of(self, method: int) -> list[Target]:
         """The live targets the sender sends to by ``method`` (relayed ones are not)."""
@@ -433,15 +454,34 @@ class PublishSession:
 
     async def _negotiate_all(self) -> None:
         addresses = [t.result.address for t in self.targets]
+        # The same servers as last time: the same relays, so one round of negotiation and
+        # the weight group kept (its members are the servers the sender sends to).
+        relays = self.publisher.relays
+        if relays is None or relays.addresses != addresses:
+            relays = RelayPlan(addresses, {}, {})
+        by_address = {t.result.address: t for t in self.targets}
+        direct = [t for t in self.targets if t.result.address not in relays.relay_of]
+        for t in direct:
+            t.relay = t.result.address in relays.roots
         cache = self.publisher.group
         dist = self.distributed
-        if cache is not None and cache.members == addresses:
+        if cache is not None and cache.members == [t.result.address for t in direct]:
             dist.params = (cache.params.master_port, cache.params.group_name)
         else:
             dist.params = self._fresh_group_params()
-        world = len(self.targets) + 1
+        world = len(direct) + 1
+        ranks = {t.result.address: i + 1 for i, t in enumerate(direct)}
+
+        # What the weight group was offered as (open() checks the servers that took it).
+        self._offered, self._offered_world = ranks, world
+        followers = [
+            (t, relays.relay_of[t.result.address])
+            for t in self.targets
+            if t.result.address in relays.relay_of
+        ]
         await asyncio.gather(
-            *(self._negotiate(t, self.methods, i + 1, world) for i, t in enumerate(self.targets))
+            *(self._negotiate(t, self.methods, ranks[t.result.address], world) for t in direct),
+            *(self._follow(t, by_address[a], relays.roots[a], world, world) for t, a in followers),
         )
 
     async def open(self, version: int, metas: list[TensorMeta], buckets: list[list[int]]) -> None:
@@ -462,14 +502,13 @@ class PublishSession:
         # some did not (or a cached group is gone on a server), renegotiate those with a fresh
         # group until the set is consistent.
         dist = self.distributed
-        offered = {t.result.address: i + 1 for i, t in enumerate(self.targets)}
-        offered_world = len(self.targets) + 1
+        offered, offered_world = self._offered, self._offered_world
         while True:
             members = self._of(pb.TRANSFER_METHOD_DISTRIBUTED)
             if not members:
                 break
             consistent = offered_world == len(members) + 1 and all(
-                offered[t.result.address] == j + 1 for j, t in enumerate(members)
+                offered.get(t.result.address) == j + 1 for j, t in enumerate(members)
             )
             if dist.reusable() and not all(t.plan.plan.distributed.joined for t in members):  # type: ignore[union-attr]
                 consistent = False
@@ -502,12 +541,14 @@ class PublishSession:
         A server that declines the relayed offer is negotiated with again as before.
         """
         own = host_id()
-        ranks = {t.result.address: i + 1 for i, t in enumerate(self.targets)}
-        world = len(self.targets) + 1
+        # A weight group's ranks as offered (open() makes them consistent afterwards).
+        ranks, world = self._offered, self._offered_world
         hosts: dict[tuple[str, int], list[Target]] = {}
         for t in self.targets:
             plan = t.plan
             if not t.alive or plan is None or not plan.host_id or plan.host_id == own:
+                continue
+            if t.relay_from is not None:
                 continue
             if t.result.method in (pb.TRANSFER_METHOD_SHARED_MEMORY, pb.TRANSFER_METHOD_DISK):
                 continue
@@ -517,29 +558,44 @@ class PublishSession:
             leaders = [t for t in group if t.plan is not None and t.plan.HasField("relay_root")]
             if len(group) < 2 or not leaders:
                 continue
-            leader = leaders[0]
-            leader.relay = True
-            await self._negotiate(
-                leader, [leader.result.method], ranks[leader.result.address], world
-            )
+            leader = next((t for t in leaders if t.relay), leaders[0])
+            if not leader.relay:
+                leader.relay = True
+                rank = ranks.get(leader.result.address, world)
+                await self._negotiate(leader, [leader.result.method], rank, world)
             if leader.plan is None or not leader.plan.HasField("relay_root"):
                 continue
-            followers = [t for t in group if t is not leader]
-            await asyncio.gather(*(self._follow(t, leader, ranks, world) for t in followers))
-
-    async def _follow(self, t: Target, leader: Target, ranks: dict[str, int], world: int) -> None:
-        """Offers ``t`` the version directory ``leader`` will relay (SHARED_MEMORY from its
-        root); where ``t`` declines, it is negotiated with again as before."""
-        assert leader.plan is not None
-        relayed = pb.TransferOption(
-            method=pb.TRANSFER_METHOD_SHARED_MEMORY, shared_memory=leader.plan.relay_root
+            root = leader.plan.relay_root
+            await asyncio.gather(
+                *(
+                    self._follow(t, leader, root, ranks.get(t.result.address, world), world)
+                    for t in group
+                    if t is not leader
+                )
+            )
+        self.publisher.relays = RelayPlan(
+            [t.result.address for t in self.targets],
+            {t.result.address: t.relay_from.result.address for t in relayed(self.targets)},
+            {
+                t.relay_from.result.address: t.relay_from.plan.relay_root
+                for t in relayed(self.targets)
+                if t.relay_from.plan is not None
+            },
         )
-        await self._negotiate(t, (), 0, 0, offers=[relayed])
+
+    async def _follow(
+        self, t: Target, leader: Target, root: pb.SharedMemoryParams, rank: int, world: int
+    ) -> None:
+        """Offers ``t`` the version directory ``leader`` will relay into ``root`` (by
+        SHARED_MEMORY); where ``t`` declines (its relay is not the one it was), it is
+        negotiated with again as before (``rank`` of ``world`` for a weight group)."""
+        offer = pb.TransferOption(method=pb.TRANSFER_METHOD_SHARED_MEMORY, shared_memory=root)
+        await self._negotiate(t, (), 0, 0, offers=[offer])
         if t.plan is not None:
             t.relay_from = leader
             return
         t.result = TargetResult(t.result.address)  # the decline is not a failure
-        await self._negotiate(t, self.methods, ranks[t.result.address], world)
+        await self._negotiate(t, self.methods, rank, world)
 
     async def _load_relayed(self, t: Target) -> None:
         """Has ``t`` load the version its host's relay wrote (after the relay's update)."""
@@ -620,8 +676,7 @@ class PublishSession:
         """Finishes every transfer and returns one result per server (request order)."""
         await asyncio.gather(*self._sending.values(), return_exceptions=True)
         await asyncio.gather(*(t.close() for t in self.transports.values()))
-        relayed = [t for t in self.targets if t.relay_from is not None and t.alive]
-        await asyncio.gather(*(self._load_relayed(t) for t in relayed))
+        await asyncio.gather(*(self._load_relayed(t) for t in relayed(self.targets) if t.alive))
         for t in self.targets:
             if t.plan is None and not t.result.error:
                 t.result.fail(grpc.StatusCode.INTERNAL, "no plan")
