@@ -534,11 +534,12 @@ class PublishSession:
             await transport.open(targets)
 
     async def _plan_relays(self) -> None:
-        """One send per host: of the servers that share one host's memory (their replies'
-        ``host_id``; another host than this one) and would receive over the network, one
-        relays the update into its shared memory and the others load it from there.
+        """One send per host: of the hf-engine servers that share one host's memory (their
+        replies' ``host_id``; another host than this one) and would receive over the network,
+        one relays the update into its shared memory and the others load it from there.
 
-        A server that declines the relayed offer is negotiated with again as before.
+        A server that declines the relayed offer is negotiated with again as before. The
+        plan is kept for the next publication to the same servers.
         """
         own = host_id()
         # A weight group's ranks as offered (open() makes them consistent afterwards).
@@ -548,17 +549,19 @@ class PublishSession:
             plan = t.plan
             if not t.alive or plan is None or not plan.host_id or plan.host_id == own:
                 continue
-            if t.relay_from is not None:
+            # Relays and the servers they serve are hf engines (their replies name a relay
+            # root): vLLM's and SGLang's servers read weight files with a config of their
+            # own, which a relayed directory does not carry; they keep their own copy.
+            if t.relay_from is not None or not plan.HasField("relay_root"):
                 continue
             if t.result.method in (pb.TRANSFER_METHOD_SHARED_MEMORY, pb.TRANSFER_METHOD_DISK):
                 continue
             # One copy serves one dtype: servers of a host that serve another get their own.
             hosts.setdefault((plan.host_id, plan.weights_dtype), []).append(t)
         for group in hosts.values():
-            leaders = [t for t in group if t.plan is not None and t.plan.HasField("relay_root")]
-            if len(group) < 2 or not leaders:
+            if len(group) < 2:
                 continue
-            leader = next((t for t in leaders if t.relay), leaders[0])
+            leader = next((t for t in group if t.relay), group[0])
             if not leader.relay:
                 leader.relay = True
                 rank = ranks.get(leader.result.address, world)
