@@ -12,7 +12,9 @@ into one server per host (the baseline) and into ``--servers`` servers per host,
 after unmeasured rounds. Each method prints ``RESULT bench=weight_sync_fanout_<method>_<S>x<H>
 value=<s> unit=s baseline=<s> ratio=<r> target=1.3``: the time into S servers on each of H
 hosts over the time into one per host. Each server receiving its own copy makes the ratio
-about S (the head's link carries S x H copies); one send per host would make it about 1.
+about S (the head's link carries S x H copies); with one send per host (a server of each
+host relays the update to the others there, by shared memory) it is about 1 plus what the
+relay's write and the others' loads add.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def main() -> int:
                 nonlocal step, version
                 version = ws.train_one_step(trainer.address, step, version)
                 step += 1
-                return fleet.time_sync(trainer.address, addresses, method)
+                return fleet.time_sync(trainer.address, addresses, method, relayed=True)
 
             # The servers left out of a round fall behind; each round brings its own ones to
             # the newest version, so an update always carries the whole model.

@@ -257,8 +257,11 @@ class Fleet:
         self.loop = asyncio.new_event_loop()
         self.channels = ChannelCache()
 
-    def time_sync(self, trainer: str, rollouts: Sequence[str], method: str) -> float:
-        """One fleet update by ``method`` into every rollout server; seconds."""
+    def time_sync(
+        self, trainer: str, rollouts: Sequence[str], method: str, relayed: bool = False
+    ) -> float:
+        """One fleet update by ``method`` into every rollout server; seconds (``relayed``:
+        servers may take it from their host's relay, by shared memory)."""
         from areal_clients.fleet import update_fleet_weights
 
         start = time.perf_counter()
@@ -268,7 +271,8 @@ class Fleet:
             )
         )
         elapsed = time.perf_counter() - start
-        if result.failed_servers or any(s.method != method for s in result.servers):
+        taken = {method, "shared_memory"} if relayed else {method}
+        if result.failed_servers or any(s.method not in taken for s in result.servers):
             raise RuntimeError(f"{method} sync failed: {result.servers}")
         print(
             f"  {method}: version {result.version}: fleet update {elapsed:.3f} s, of which "
