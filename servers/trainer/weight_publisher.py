@@ -481,7 +481,10 @@ class PublishSession:
         ]
         await asyncio.gather(
             *(self._negotiate(t, self.methods, ranks[t.result.address], world) for t in direct),
-            *(self._follow(t, by_address[a], relays.roots[a], world, world) for t, a in followers),
+            *(
+                self._follow(t, by_address[a], relays.roots[a], world - 1, world)
+                for t, a in followers
+            ),
         )
 
     async def open(self, version: int, metas: list[TensorMeta], buckets: list[list[int]]) -> None:
@@ -542,7 +545,8 @@ class PublishSession:
         plan is kept for the next publication to the same servers.
         """
         own = host_id()
-        # A weight group's ranks as offered (open() makes them consistent afterwards).
+        # A weight group's ranks as offered; a server offered none gets a valid one, which
+        # open() makes consistent afterwards (it renegotiates the group).
         ranks, world = self._offered, self._offered_world
         hosts: dict[tuple[str, int], list[Target]] = {}
         for t in self.targets:
@@ -564,14 +568,14 @@ class PublishSession:
             leader = next((t for t in group if t.relay), group[0])
             if not leader.relay:
                 leader.relay = True
-                rank = ranks.get(leader.result.address, world)
+                rank = ranks.get(leader.result.address, world - 1)
                 await self._negotiate(leader, [leader.result.method], rank, world)
             if leader.plan is None or not leader.plan.HasField("relay_root"):
                 continue
             root = leader.plan.relay_root
             await asyncio.gather(
                 *(
-                    self._follow(t, leader, root, ranks.get(t.result.address, world), world)
+                    self._follow(t, leader, root, ranks.get(t.result.address, world - 1), world)
                     for t in group
                     if t is not leader
                 )
