@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -407,12 +407,18 @@ def call(
     svc: Service,
     tally: Tally,
     rpc: str,
-    fn: Callable[[], Message],
+    request: Message,
     allowed: Iterable[grpc.StatusCode] = DOCUMENTED,
 ) -> None:
-    """One call as alice, then the fuzzer's checks: a documented answer, an awaited operation
-    that did not fault, alice's answers alice's own, bob's state as it was, still serving."""
-    code, response = tally.call(f"LoraTraining.{rpc}", fn, allowed)
+    """One call of ``rpc`` with ``request`` as alice, then the fuzzer's checks: a documented
+    answer, an awaited operation that did not fault, alice's answers alice's own, bob's state
+    as it was, still serving."""
+    method = getattr(svc.stub, rpc)
+    code, response = tally.call(
+        f"LoraTraining.{rpc}",
+        lambda: method(request, metadata=auth(FUZZER), timeout=TIMEOUT),
+        allowed,
+    )
     if code == grpc.StatusCode.OK:
         svc.check_alice_only(response)
         if "operation" in response.DESCRIPTOR.fields_by_name:
@@ -436,7 +442,6 @@ def call(
 @fuzz(40)
 @given(rpc=st.sampled_from(["create", "get", "list", "delete"]), data=st.data())
 def test_run_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObject) -> None:
-    stub, md = svc.stub, auth(FUZZER)
     if rpc == "create":
         bad = broken(data, ["base_model", "rank", "no_target", "id"])
         lora = pb.LoraSpec(
@@ -455,38 +460,15 @@ def test_run_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObject) ->
             lora=lora,
             training_run_id=data.draw(ids() if "id" in bad else st.sampled_from(GOOD_IDS)),
         )
-        call(
-            svc,
-            tally,
-            "CreateTrainingRun",
-            lambda: stub.CreateTrainingRun(request, metadata=md, timeout=TIMEOUT),
-            CREATE_ALLOWED,
-        )
+        call(svc, tally, "CreateTrainingRun", request, CREATE_ALLOWED)
     elif rpc == "list":
-        call(
-            svc,
-            tally,
-            "ListTrainingRuns",
-            lambda: stub.ListTrainingRuns(
-                pb.ListTrainingRunsRequest(), metadata=md, timeout=TIMEOUT
-            ),
-        )
+        call(svc, tally, "ListTrainingRuns", pb.ListTrainingRunsRequest())
     elif rpc == "get":
         get = pb.GetTrainingRunRequest(name=alice_run(svc, data))
-        call(
-            svc,
-            tally,
-            "GetTrainingRun",
-            lambda: stub.GetTrainingRun(get, metadata=md, timeout=TIMEOUT),
-        )
+        call(svc, tally, "GetTrainingRun", get)
     else:
         delete = pb.DeleteTrainingRunRequest(name=alice_run(svc, data))
-        call(
-            svc,
-            tally,
-            "DeleteTrainingRun",
-            lambda: stub.DeleteTrainingRun(delete, metadata=md, timeout=TIMEOUT),
-        )
+        call(svc, tally, "DeleteTrainingRun", delete)
 
 
 # -------------------------------------------------------------------------------- training
@@ -495,7 +477,6 @@ def test_run_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObject) ->
 @fuzz(40)
 @given(rpc=st.sampled_from(["forward_backward", "optim_step"]), data=st.data())
 def test_training_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObject) -> None:
-    stub, md = svc.stub, auth(FUZZER)
     run = alice_run(svc, data)
     seq = sequence_number(svc, run, data)
     if rpc == "forward_backward":
@@ -528,12 +509,7 @@ def test_training_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObjec
             forward_only=data.draw(st.booleans()),
             sequence_number=seq,
         )
-        call(
-            svc,
-            tally,
-            "ForwardBackward",
-            lambda: stub.ForwardBackward(request, metadata=md, timeout=TIMEOUT),
-        )
+        call(svc, tally, "ForwardBackward", request)
     else:
         adam = pb.AdamParams(
             learning_rate=data.draw(st.floats(0, 1e-2)),
@@ -549,7 +525,7 @@ def test_training_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObjec
                 adam, key, data.draw(st.sampled_from([-1.0, 1.0, math.nan, -math.inf]) | FLOATS)
             )
         step = pb.OptimStepRequest(training_run=run, adam=adam, sequence_number=seq)
-        call(svc, tally, "OptimStep", lambda: stub.OptimStep(step, metadata=md, timeout=TIMEOUT))
+        call(svc, tally, "OptimStep", step)
 
 
 # -------------------------------------------------------------------------------- checkpoints
@@ -562,19 +538,13 @@ def alice_checkpoints(svc: Service) -> list[str]:
 @fuzz(40)
 @given(rpc=st.sampled_from(["save", "load", "get"]), data=st.data())
 def test_checkpoint_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObject) -> None:
-    stub, md = svc.stub, auth(FUZZER)
     # Bob's checkpoints, alice's own (of the same ids, once saved) and malformed names.
     checkpoint = data.draw(st.sampled_from(svc.bob_names) | names(svc))
     if data.draw(st.integers(0, 2)) < 2:
         checkpoint = pick(data, alice_checkpoints(svc), checkpoint)
     if rpc == "get":
         get = pb.GetCheckpointRequest(name=checkpoint)
-        call(
-            svc,
-            tally,
-            "GetCheckpoint",
-            lambda: stub.GetCheckpoint(get, metadata=md, timeout=TIMEOUT),
-        )
+        call(svc, tally, "GetCheckpoint", get)
         return
     run = alice_run(svc, data)
     seq = sequence_number(svc, run, data)
@@ -588,9 +558,7 @@ def test_checkpoint_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObj
             ),
             sequence_number=seq,
         )
-        call(
-            svc, tally, "SaveWeights", lambda: stub.SaveWeights(save, metadata=md, timeout=TIMEOUT)
-        )
+        call(svc, tally, "SaveWeights", save)
     else:
         load = pb.LoadWeightsRequest(
             training_run=run,
@@ -598,9 +566,7 @@ def test_checkpoint_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObj
             with_optimizer=data.draw(st.booleans()),
             sequence_number=seq,
         )
-        call(
-            svc, tally, "LoadWeights", lambda: stub.LoadWeights(load, metadata=md, timeout=TIMEOUT)
-        )
+        call(svc, tally, "LoadWeights", load)
 
 
 # -------------------------------------------------------------------------------- sampling
@@ -679,12 +645,7 @@ def test_sample(svc: Service, tally: Tally, data: st.DataObject) -> None:
             request.base_model = model
         else:
             request.checkpoint = model
-    call(
-        svc,
-        tally,
-        "Sample",
-        lambda: svc.stub.Sample(request, metadata=auth(FUZZER), timeout=TIMEOUT),
-    )
+    call(svc, tally, "Sample", request)
 
 
 # -------------------------------------------------------------------------------- operations
@@ -693,7 +654,6 @@ def test_sample(svc: Service, tally: Tally, data: st.DataObject) -> None:
 @fuzz(30)
 @given(rpc=st.sampled_from(["get", "wait", "base_models"]), data=st.data())
 def test_operation_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObject) -> None:
-    stub, md = svc.stub, auth(FUZZER)
     # Alice's own operations are all done: a valid wait returns at once.
     mine = [n for n, op in svc.servicer.ops.items() if op.tenant == FUZZER][-3:]
     name = data.draw(st.sampled_from(svc.bob_names) | names(svc))
@@ -701,29 +661,14 @@ def test_operation_calls(svc: Service, tally: Tally, rpc: str, data: st.DataObje
         name = pick(data, mine, name)
     if rpc == "get":
         get = pb.GetOperationRequest(name=name)
-        call(
-            svc,
-            tally,
-            "GetOperation",
-            lambda: stub.GetOperation(get, metadata=md, timeout=TIMEOUT),
-        )
+        call(svc, tally, "GetOperation", get)
     elif rpc == "wait":
         wait = pb.WaitOperationRequest(name=name)
         if data.draw(st.booleans()):
             wait.timeout.CopyFrom(data.draw(DURATIONS))
-        call(
-            svc,
-            tally,
-            "WaitOperation",
-            lambda: stub.WaitOperation(wait, metadata=md, timeout=TIMEOUT),
-        )
+        call(svc, tally, "WaitOperation", wait)
     else:
-        call(
-            svc,
-            tally,
-            "ListBaseModels",
-            lambda: stub.ListBaseModels(pb.ListBaseModelsRequest(), metadata=md, timeout=TIMEOUT),
-        )
+        call(svc, tally, "ListBaseModels", pb.ListBaseModelsRequest())
 
 
 # -------------------------------------------------------------------------------- keys
