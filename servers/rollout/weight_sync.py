@@ -119,6 +119,8 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             for r in (self.stream, self.disk, self.distributed, self.socket, self.shared_memory)
         }
         self.counters = _Counters()
+        # The host whose shared memory this server shares (reported in every Negotiate reply).
+        self.host_id = host_id(self.config.shm_base) if self.config.shm_base else ""
         if "stream" in self.config.methods:
             # Each PushWeights message is a ~1 MiB buffer allocated and freed in turn; keep
             # freed ones mapped instead of faulting fresh pages in for every message.
@@ -197,9 +199,8 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         if plan_option.method == pb.TRANSFER_METHOD_DISTRIBUTED:
             plan.group = self.distributed.group_params(plan_option.distributed)
         relay_root = self.relay_root()
-        plan.relay_root = relay_root.root if request.relay and relay_root is not None else None
-        if plan_option.method not in RELAYED_METHODS:
-            plan.relay_root = None
+        if request.relay and relay_root is not None and plan_option.method in RELAYED_METHODS:
+            plan.relay_root = relay_root.root
         self.state.remember(plan)
         log.info(
             "plan %s for %s: %s%s",
@@ -215,7 +216,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             plan_id=plan.plan_id,
             weights_dtype=tc.dtype_to_proto(wanted) if wanted is not None else 0,
             relay_root=relay_root,
-            host_id=host_id(self.config.shm_base) if self.config.shm_base else "",
+            host_id=self.host_id,
         )
 
     # --------------------------------------------------------------------------- updates

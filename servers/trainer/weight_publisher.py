@@ -299,6 +299,8 @@ class WeightPublisher:
         # The relays of the last publication (see PublishSession._plan_relays), taken up
         # again by the next one to the same servers.
         self.relays: RelayPlan | None = None
+        # This host, as its shared memory (servers reporting it get shared memory, not relays).
+        self.host_id = host_id()
         # A STREAM publication allocates and frees a ~1 MiB message buffer per chunk; keep
         # freed ones mapped instead of faulting fresh pages in for every message.
         tune_malloc()
@@ -544,7 +546,7 @@ class PublishSession:
         A server that declines the relayed offer is negotiated with again as before. The
         plan is kept for the next publication to the same servers.
         """
-        own = host_id()
+        own = self.publisher.host_id
         # A weight group's ranks as offered; a server offered none gets a valid one, which
         # open() makes consistent afterwards (it renegotiates the group).
         ranks, world = self._offered, self._offered_world
