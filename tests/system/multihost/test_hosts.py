@@ -24,7 +24,7 @@ from areal_grpc.coordinator.metrics import read_jsonl
 from areal_grpc.launch import Child, child_env, start_child, stop_children
 from areal_grpc.model import load_model
 from areal_grpc.server import sync_channel
-from tests.support.hosts import Hosts, hosts, unavailable
+from tests.support.hosts import Host, Hosts, hosts, unavailable
 
 pytestmark = [
     pytest.mark.slow,
@@ -112,6 +112,17 @@ def wait_for(proc: subprocess.Popen[str], done: Callable[[], bool], timeout: flo
         assert proc.poll() is None, "the run ended"
         assert time.monotonic() < deadline, "not reached"
         time.sleep(0.2)
+
+
+def cut_off(host: Host, seconds: float, out: Path) -> tuple[int, int]:
+    """Takes ``host`` off the network for ``seconds``, then back; the run's recorded steps
+    (``batches.jsonl``) when it went and when it came back."""
+    host.cut()
+    cut_at = len(batches(out))
+    time.sleep(seconds)
+    restored_at = len(batches(out))
+    host.restore()
+    return cut_at, restored_at
 
 
 def test_hosts_reach_each_other_over_their_links_and_keep_their_shared_memory_apart() -> None:
@@ -213,11 +224,7 @@ def test_a_rollout_host_cut_off_mid_run_leaves_rotation_and_rejoins_at_the_lates
             proc = coordinator_command.start(out, *run, *attach, on=head.argv)
 
             wait_for(proc, lambda: len(batches(out)) >= 5, 120)
-            cut_host.cut()
-            cut_at = len(batches(out))
-            time.sleep(30)
-            restored_at = len(batches(out))
-            cut_host.restore()
+            cut_at, restored_at = cut_off(cut_host, 30, out)
 
             def back() -> list[dict]:
                 return [
@@ -283,11 +290,7 @@ def test_a_trainer_host_cut_off_mid_run_recovers_as_a_restarted_group(
             proc = coordinator_command.start(out, *run, *attach, on=head.argv)
 
             wait_for(proc, lambda: len(batches(out)) >= 12, 120)
-            trainer_host.cut()
-            cut_at = len(batches(out))
-            time.sleep(20)
-            restored_at = len(batches(out))
-            trainer_host.restore()
+            cut_at, restored_at = cut_off(trainer_host, 20, out)
             wait_for(proc, lambda: len(batches(out)) > restored_at + 10, 180)
             proc.send_signal(signal.SIGTERM)
             log = coordinator_command.finish(proc, timeout=120)

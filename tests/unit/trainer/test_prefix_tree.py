@@ -20,7 +20,7 @@ from areal_servers.trainer.engine import TrainerEngine
 from areal_servers.trainer.microbatch import MicroBatchSpec, split_microbatches
 from areal_servers.trainer.prefix_tree import attention_weight, exact_for, pack_forest, sharing
 
-from areal_grpc.config import LoraSettings
+from areal_grpc.config import LoraSettings, TrainerConfig
 from areal_grpc.model import load_model, masked_logits
 from areal_grpc.prefixes import prefix_nodes
 from tests.support.prefix_sharing import batch_of, grpo_groups, sessions, unshared
@@ -214,6 +214,16 @@ def test_rows_that_would_cost_more_packed_stay_apart(model: torch.nn.Module) -> 
     assert pack_forest(group["input_ids"], group["attention_mask"], None, 0, weight) is not None
 
 
+def two_minibatches(setting: str, prox_logp_method: str) -> TrainerConfig:
+    """A one-process trainer with ``trainer.prefix_sharing`` at ``setting``, two updates per
+    step (so the proximal log-probs are ``prox_logp_method``'s), 40 tokens per micro-batch."""
+    cfg = config(fsdp=False, max_tokens=40)
+    cfg.prefix_sharing = setting  # type: ignore[assignment]
+    cfg.ppo.n_minibatches = 2
+    cfg.ppo.prox_logp_method = prox_logp_method  # type: ignore[assignment]
+    return cfg
+
+
 def test_the_proximal_and_reference_log_probs_with_shared_prefixes_equal_the_unshared_ones() -> (
     None
 ):
@@ -223,11 +233,8 @@ def test_the_proximal_and_reference_log_probs_with_shared_prefixes_equal_the_uns
     batch = grpo_groups(5)
     got = {}
     for setting in ("on", "off"):
-        cfg = config(fsdp=False, max_tokens=40)
-        cfg.prefix_sharing = setting  # type: ignore[assignment]
-        cfg.ppo.n_minibatches = 2
+        cfg = two_minibatches(setting, "recompute")
         cfg.ppo.kl_loss_coef = 0.1
-        cfg.ppo.prox_logp_method = "recompute"
         engine = TrainerEngine(cfg, POLICY)
         plan = engine.plan_step(dict(batch))
         assert engine.proximal_mode(plan) == "recompute"
@@ -262,10 +269,7 @@ def test_loglinear_proximal_log_probs_with_shared_prefixes_equal_the_unshared_on
     batch = grpo_groups(7)
     results = {}
     for setting in ("on", "off"):
-        cfg = config(fsdp=False, max_tokens=40)
-        cfg.prefix_sharing = setting  # type: ignore[assignment]
-        cfg.ppo.n_minibatches = 2
-        cfg.ppo.prox_logp_method = method  # type: ignore[assignment]
+        cfg = two_minibatches(setting, method)
         cfg.optimizer.lr = 0.0
         engine = TrainerEngine(cfg, POLICY)
         engine.version = 3
