@@ -12,9 +12,16 @@ import argparse
 import ctypes
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+
+# The test hosts' helpers (tests/support/hosts.py): one way to run iproute2 and shape a link.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.hosts import run as _run
+from tests.support.hosts import tbf
 
 __all__ = ["Link", "add_option", "enter", "from_args", "shaped_link"]
 
@@ -39,26 +46,12 @@ class Link:
         return f"link{self.gbit:g}gbit"
 
 
-def _run(*argv: str) -> None:
-    """Runs a command; RuntimeError naming it and its error when it fails."""
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
-
-
 def _ip(*args: str) -> None:
     _run("ip", *args)
 
 
 def _shape(gbit: float, dev: str, netns: str | None = None) -> None:
-    rate = int(gbit * 1e9)
-    # The bucket holds 4 ms of the rate (at least 1 MiB), so the kernel's timer refills it
-    # before it runs dry. Measured here (256 MiB, raw TCP): 0.60, 1.20 and 2.93 GB/s of
-    # payload at 5, 10 and 25 Gbit/s, i.e. the rate less the TCP/IP headers up to 10 Gbit/s;
-    # at 25 the two cores are the limit, as on loopback.
-    burst = max(1 << 20, rate // 8 // 250)
-    argv = ["tc", "qdisc", "add", "dev", dev, "root", "tbf"]
-    argv += ["rate", f"{rate}bit", "burst", str(burst), "latency", "10ms"]
+    argv = ["tc", "qdisc", "add", "dev", dev, "root", *tbf(gbit)]
     _run(*(["ip", "netns", "exec", netns] if netns else []), *argv)
 
 
